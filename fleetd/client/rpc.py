@@ -1,0 +1,207 @@
+"""RpcClient: one connection to a ggml RPC server, one method per command.
+
+    with RpcClient("127.0.0.1:50052") as c:      # connects and says HELLO
+        ptr, size = c.alloc_buffer(1 << 20)
+        c.set_tensor(t, data)                     # no response: pipelined, as the stock client
+        out = c.get_tensor(t, 0, t.nbytes)        # waits for its response
+
+Commands without a response are only written to the socket; the next response-bearing request
+is the barrier, as with the stock client. In-band "no" (ALLOC_BUFFER pointer 0, SET_TENSOR_HASH
+or COPY_TENSOR(_TO) result 0) comes back as a value; protocol and transport failures raise.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from fleetd.client.stats import ClientCounters
+from fleetd.errors import RemoteProtocolError
+from fleetd.transport.tcp import Timeout, connect, mapped_errors, recv_exact
+from fleetd.wire import (
+    AllocBuffer,
+    BufferClear,
+    BufferGetBase,
+    ClientConnection,
+    CopyTensor,
+    CopyTensorTo,
+    DeviceCount,
+    Feature,
+    FreeBuffer,
+    GetAlignment,
+    GetAllocSize,
+    GetDeviceMemory,
+    GetMaxSize,
+    GetTensor,
+    GraphCompute,
+    GraphRecompute,
+    Hello,
+    InitTensor,
+    MemsetTensor,
+    PeerBarrier,
+    Request,
+    RpcTensor,
+    SetTensor,
+    SetTensorHash,
+)
+
+_SIZE = struct.Struct("<Q")
+# SET_TENSOR data up to this size is joined with its header into one send.
+SMALL_WRITE = 64 * 1024
+
+
+class RpcClient:
+    def __init__(self, endpoint: str, timeout: Timeout = Timeout(), counters: ClientCounters | None = None):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.counters = counters if counters is not None else ClientCounters()
+        self.sock = None
+        self.conn = ClientConnection()
+
+    def __repr__(self) -> str:
+        return f"<RpcClient endpoint={self.endpoint}>"
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def open(self) -> RpcClient:
+        if self.sock is None:
+            self.sock = connect(self.endpoint, self.timeout)
+            self._call(Hello())
+        return self
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+    def __enter__(self) -> RpcClient:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def version(self) -> tuple[int, int, int] | None:
+        return self.conn.version
+
+    @property
+    def features(self) -> Feature:
+        return self.conn.features
+
+    # -- framing ----------------------------------------------------------------------------
+
+    def _send(self, request: Request, data=None) -> None:
+        head = self.conn.send(request)
+        with mapped_errors(f"{request.cmd.name} to {self.endpoint}"):
+            if data is None or len(data) <= SMALL_WRITE:
+                self.sock.sendall(head if data is None else head + bytes(data))
+            else:
+                self.sock.sendall(head)
+                self.sock.sendall(data)
+        self.counters.sent(request.cmd, len(head) + (len(data) if data is not None else 0))
+
+    def _call(self, request: Request) -> tuple:
+        """Send a request that has a fixed-size response and decode it."""
+        self._send(request)
+        payload = self._recv_response(request)
+        return self.conn.decode_response(request, payload)
+
+    def _recv_response(self, request: Request, out: memoryview | None = None):
+        header = bytearray(8)
+        with mapped_errors(f"{request.cmd.name} response from {self.endpoint}"):
+            recv_exact(self.sock, memoryview(header))
+            (size,) = _SIZE.unpack(header)
+            self.conn.check_response_size(request, size)
+            payload = out if out is not None else memoryview(bytearray(size))
+            recv_exact(self.sock, payload)
+        self.counters.received(request.cmd, 8 + size)
+        return payload
+
+    def send_raw(self, data: bytes) -> None:
+        """Write bytes as they are (tests of malformed input)."""
+        self.sock.sendall(data)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return self._call(DeviceCount())[0]
+
+    def alloc_buffer(self, size: int, device: int = 0) -> tuple[int, int]:
+        """(remote_ptr, remote_size); remote_ptr 0 means the server could not allocate."""
+        return self._call(AllocBuffer(device, size))
+
+    def get_alignment(self, device: int = 0) -> int:
+        return self._call(GetAlignment(device))[0]
+
+    def get_max_size(self, device: int = 0) -> int:
+        return self._call(GetMaxSize(device))[0]
+
+    def get_device_memory(self, device: int = 0) -> tuple[int, int]:
+        """(free, total) bytes."""
+        return self._call(GetDeviceMemory(device))
+
+    def buffer_get_base(self, remote_ptr: int) -> int:
+        return self._call(BufferGetBase(remote_ptr))[0]
+
+    def free_buffer(self, remote_ptr: int) -> None:
+        self._send(FreeBuffer(remote_ptr))
+
+    def buffer_clear(self, remote_ptr: int, value: int) -> None:
+        self._send(BufferClear(remote_ptr, value))
+
+    def set_tensor(self, tensor: RpcTensor, data, offset: int = 0, cache: bool = False) -> None:
+        view = memoryview(data).cast("B")
+        self._send(SetTensor(tensor, offset, len(view), int(cache)), view)
+
+    def set_tensor_hash(self, tensor: RpcTensor, hash_: int, offset: int = 0) -> bool:
+        return bool(self._call(SetTensorHash(tensor, offset, hash_))[0])
+
+    def get_tensor(self, tensor: RpcTensor, offset: int = 0, size: int | None = None, out=None):
+        """The bytes of a region; read straight into `out` (any writable buffer) when given."""
+        size = tensor.nbytes - offset if size is None else size
+        request = GetTensor(tensor, offset, size)
+        self._send(request)
+        if out is not None:
+            view = memoryview(out).cast("B")
+            if len(view) != size:
+                raise ValueError(f"GET_TENSOR: out has {len(view)} bytes, need {size}")
+            self._recv_response(request, view)
+            return out
+        return self._recv_response(request).obj
+
+    def get_tensor_array(self, tensor: RpcTensor, dtype) -> np.ndarray:
+        return np.frombuffer(self.get_tensor(tensor), dtype=dtype)
+
+    def copy_tensor(self, src: RpcTensor, dst: RpcTensor) -> bool:
+        return bool(self._call(CopyTensor(src, dst))[0])
+
+    def graph_compute(self, graph: GraphCompute) -> None:
+        self._send(graph)
+
+    def graph_recompute(self, device: int = 0) -> None:
+        self._send(GraphRecompute(device))
+
+    def init_tensor(self, tensor: RpcTensor) -> None:
+        self._send(InitTensor(tensor))
+
+    def get_alloc_size(self, tensor: RpcTensor, srcs=(), device: int = 0) -> int:
+        return self._call(GetAllocSize(device, tensor, tuple(srcs)))[0]
+
+    def memset_tensor(self, tensor: RpcTensor, offset: int, size: int, value: int) -> None:
+        self._send(MemsetTensor(tensor, offset, size, value))
+
+    def copy_tensor_to(self, src: RpcTensor, dst: RpcTensor, size: int, endpoint: str) -> bool:
+        """Ask this server to push `src` into `dst` on the peer at `endpoint` (extension)."""
+        return bool(self._call(CopyTensorTo(src, dst, size, endpoint))[0])
+
+    def peer_barrier(self) -> bool:
+        return bool(self._call(PeerBarrier())[0])
+
+    def sync(self) -> None:
+        """Wait until every pipelined command so far has been executed (a cheap round trip)."""
+        self.get_alignment(0)
+
+

@@ -1,0 +1,1 @@
+"""Devices, buffers, tensor views, graph plans and the op table."""

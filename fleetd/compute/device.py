@@ -1,0 +1,61 @@
+"""Devices own buffers of bytes; everything above sees a buffer as a flat uint8 array.
+
+Thin hooks, fat base class (tinygrad's Allocator): `Device` does bookkeeping and the answers
+the RPC protocol needs; `NumpyDevice` only says how to get memory and which array module runs
+kernels on it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+
+
+class Device:
+    name = "device"
+    xp: types.ModuleType = np
+    alignment = 32  # TENSOR_ALIGNMENT of ggml's CPU buffer type, which stock clients expect
+    max_size = (1 << 64) - 1  # SIZE_MAX: "no limit", as the stock CPU device answers
+
+    def alloc(self, size: int):
+        """A flat uint8 array of `size` bytes, or None when the memory is not there."""
+        try:
+            return self._alloc(size)
+        except (MemoryError, ValueError):
+            return None
+
+    def _alloc(self, size: int):
+        raise NotImplementedError
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes."""
+        raise NotImplementedError
+
+    def alloc_size(self, nbytes: int) -> int:
+        return nbytes
+
+    def describe(self) -> str:
+        free, total = self.memory()
+        return f"{self.name} ({total >> 20} MiB, {free >> 20} MiB free)"
+
+
+class NumpyDevice(Device):
+    name = "CPU"
+    xp = np
+
+    def _alloc(self, size: int):
+        return np.empty(size, dtype=np.uint8)
+
+    def memory(self) -> tuple[int, int]:
+        # The stock CPU device reports physical memory as both total and free.
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return total, total
+
+
+def make_device(spec: str) -> Device:
+    kind = spec.strip().lower()
+    if kind == "cpu":
+        return NumpyDevice()
+    raise ValueError(f"unknown device {spec!r} (known: cpu)")

@@ -1,0 +1,91 @@
+"""GRAPH_COMPUTE: tensors by id -> views over buffers -> a plan of bound kernels, kept for
+GRAPH_RECOMPUTE (llama.cpp sends it for every decode step whose graph is unchanged)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute.ops import Kernel, kernel_for
+from fleetd.compute.views import tensor_view
+from fleetd.errors import ComputeError, RemoteProtocolError
+from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag, check_type
+
+
+@dataclass(slots=True)
+class Step:
+    kernel: Kernel
+    dst: object
+    srcs: list
+    node: RpcTensor
+    src_tensors: list
+
+
+@dataclass(slots=True)
+class Plan:
+    device: int
+    steps: list[Step]
+    n_nodes: int
+
+    def run(self, xp) -> None:
+        for s in self.steps:
+            try:
+                s.kernel(xp, s.dst, s.srcs, s.node, s.src_tensors)
+            except ComputeError:
+                raise
+            except Exception as exc:  # a kernel meeting a shape it does not handle
+                raise ComputeError(f"{s.node.describe()}: {type(exc).__name__}: {exc}") from exc
+
+
+def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
+    """Validate every reachable tensor as the stock `create_node` does, then bind kernels."""
+    records = graph.tensors
+    index: dict[int, int] = {}
+    for i, tid in enumerate(records["id"].tolist()):
+        index.setdefault(tid, i)  # duplicate ids: the first occurrence wins
+
+    tensors: dict[int, RpcTensor] = {}
+    views: dict[int, object] = {}
+    pending = [nid for nid in graph.nodes]
+    while pending:
+        tid = pending.pop()
+        if tid in tensors:
+            continue
+        if tid == 0:
+            raise RemoteProtocolError("GRAPH_COMPUTE: node id 0")
+        i = index.get(tid)
+        if i is None:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: tensor id {tid:#x} not in the tensor list")
+        t = RpcTensor.from_record(records[i])
+        check_type(t, "GRAPH_COMPUTE")
+        buf = registry.get(t.buffer) if t.buffer else None
+        if buf is None and t.data != 0:
+            raise RemoteProtocolError(
+                f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer"
+            )
+        tensors[tid] = t
+        views[tid] = tensor_view(buf, t, "GRAPH_COMPUTE") if buf is not None else None
+        pending.extend(s for s in t.src if s)
+        if t.view_src:
+            pending.append(t.view_src)
+
+    steps = []
+    for nid in graph.nodes:
+        node = tensors[nid]
+        if node.op in METADATA_OPS or not node.flags & TensorFlag.COMPUTE or node.nbytes == 0:
+            continue
+        src_tensors = [tensors[s] if s else None for s in node.src]
+        while src_tensors and src_tensors[-1] is None:
+            src_tensors.pop()
+        kernel = kernel_for(node, src_tensors)
+        dst = views[nid]
+        if dst is None:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: node {node.describe()} has no memory")
+        srcs = [views[s.id] if s is not None else None for s in src_tensors]
+        for s, v in zip(src_tensors, srcs):
+            if s is not None and v is None and s.nbytes:
+                raise RemoteProtocolError(
+                    f"GRAPH_COMPUTE: source {s.describe()} of {node.describe()} has no memory"
+                )
+        steps.append(Step(kernel, dst, srcs, node, src_tensors))
+    return Plan(graph.device, steps, len(graph.nodes))

@@ -1,0 +1,1 @@
+"""Fleets of fleetd nodes: nodes files, SSH (paramiko) control and deploy, A/B runs."""

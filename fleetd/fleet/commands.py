@@ -1,0 +1,1 @@
+"""fleetctl subcommands. Each registers itself with @command in fleetd.fleet.cli."""

@@ -1,0 +1,22 @@
+"""Daemon configuration: one object, passed in (never read from module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_RPC_PORT = 50052  # the stock ggml-rpc-server's default
+DEFAULT_CONTROL_PORT = 50152  # loopback only
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_RPC_PORT
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    cache_dir: Path | None = None
+    threads: int | None = None
+    control_port: int | None = DEFAULT_CONTROL_PORT
+    p2p: bool = True
+    # Hosts / CIDRs a COPY_TENSOR_TO may push to. None = loopback plus the daemon's own /24.
+    peer_allow: list[str] | None = None

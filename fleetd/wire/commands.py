@@ -1,0 +1,432 @@
+"""Commands of protocol 7 plus fleetd's extension, as events and one table.
+
+Each request is a small frozen dataclass that knows its own payload layout (`encode` for the
+client side, `decode` for the server side). `COMMANDS` maps the command byte to its event class,
+its size rule and its response layout; a byte missing from the table is a protocol error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from fleetd.errors import LocalProtocolError, RemoteProtocolError
+from fleetd.wire.tensor import RPC_TENSOR_DTYPE, RpcTensor
+
+PROTOCOL_VERSION = (7, 0, 0)
+
+# Largest graph a client may send: llama.cpp sizes graphs at max(1024, 8 * n_tensors) nodes and
+# a 400-layer model has ~20k tensors, so 1 Mi nodes is far beyond any real graph while bounding a
+# hostile n_nodes before we buffer its payload.
+MAX_GRAPH_NODES = 1 << 20
+MAX_GRAPH_PAYLOAD = 12 + MAX_GRAPH_NODES * (8 + 296)
+# "host:port" of a peer: a DNS name is at most 253 bytes, plus ":65535".
+MAX_ENDPOINT_LEN = 260
+
+
+class Cmd(enum.IntEnum):
+    ALLOC_BUFFER = 0
+    GET_ALIGNMENT = 1
+    GET_MAX_SIZE = 2
+    BUFFER_GET_BASE = 3
+    FREE_BUFFER = 4
+    BUFFER_CLEAR = 5
+    SET_TENSOR = 6
+    SET_TENSOR_HASH = 7
+    GET_TENSOR = 8
+    COPY_TENSOR = 9
+    GRAPH_COMPUTE = 10
+    GET_DEVICE_MEMORY = 11
+    INIT_TENSOR = 12
+    GET_ALLOC_SIZE = 13
+    HELLO = 14
+    DEVICE_COUNT = 15
+    GRAPH_RECOMPUTE = 16
+    MEMSET_TENSOR = 17
+    # fleetd's extension, far from upstream's growing enum (DESIGN.md "Peer copy").
+    COPY_TENSOR_TO = 0x40
+    PEER_BARRIER = 0x41
+
+
+class Feature(enum.IntFlag):
+    """Bits of the HELLO response byte that stock servers send as padding (always 0 there)."""
+
+    PEER_COPY = 1  # COPY_TENSOR_TO / PEER_BARRIER served and enabled now
+
+
+def cmd_name(byte: int) -> str:
+    try:
+        return Cmd(byte).name
+    except ValueError:
+        return f"command {byte:#x}"
+
+
+_T = 296
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class Request:
+    cmd: ClassVar[Cmd]
+
+    def encode(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, payload: memoryview) -> Request:
+        raise NotImplementedError
+
+
+def _fixed(fmt: str):
+    """Class decorator for requests whose payload is one packed struct of the dataclass fields."""
+    layout = struct.Struct("<" + fmt)
+
+    def wrap(cls):
+        cls.layout = layout
+        names = [f.name for f in dataclasses.fields(cls)]
+
+        def encode(self) -> bytes:
+            return layout.pack(*(getattr(self, f) for f in names))
+
+        def decode(klass, payload):
+            return klass(*layout.unpack(payload))
+
+        cls.encode = encode
+        cls.decode = classmethod(decode)
+        return cls
+
+    return wrap
+
+
+@_fixed("24s")
+@dataclass(frozen=True, slots=True)
+class Hello(Request):
+    cmd: ClassVar[Cmd] = Cmd.HELLO
+    conn_caps: bytes = bytes(24)
+
+
+@_fixed("")
+@dataclass(frozen=True, slots=True)
+class DeviceCount(Request):
+    cmd: ClassVar[Cmd] = Cmd.DEVICE_COUNT
+
+
+@_fixed("IQ")
+@dataclass(frozen=True, slots=True)
+class AllocBuffer(Request):
+    cmd: ClassVar[Cmd] = Cmd.ALLOC_BUFFER
+    device: int
+    size: int
+
+
+@_fixed("I")
+@dataclass(frozen=True, slots=True)
+class GetAlignment(Request):
+    cmd: ClassVar[Cmd] = Cmd.GET_ALIGNMENT
+    device: int
+
+
+@_fixed("I")
+@dataclass(frozen=True, slots=True)
+class GetMaxSize(Request):
+    cmd: ClassVar[Cmd] = Cmd.GET_MAX_SIZE
+    device: int
+
+
+@_fixed("I")
+@dataclass(frozen=True, slots=True)
+class GetDeviceMemory(Request):
+    cmd: ClassVar[Cmd] = Cmd.GET_DEVICE_MEMORY
+    device: int
+
+
+@_fixed("Q")
+@dataclass(frozen=True, slots=True)
+class BufferGetBase(Request):
+    cmd: ClassVar[Cmd] = Cmd.BUFFER_GET_BASE
+    remote_ptr: int
+
+
+@_fixed("Q")
+@dataclass(frozen=True, slots=True)
+class FreeBuffer(Request):
+    cmd: ClassVar[Cmd] = Cmd.FREE_BUFFER
+    remote_ptr: int
+
+
+@_fixed("QB")
+@dataclass(frozen=True, slots=True)
+class BufferClear(Request):
+    cmd: ClassVar[Cmd] = Cmd.BUFFER_CLEAR
+    remote_ptr: int
+    value: int
+
+
+@_fixed("I")
+@dataclass(frozen=True, slots=True)
+class GraphRecompute(Request):
+    cmd: ClassVar[Cmd] = Cmd.GRAPH_RECOMPUTE
+    device: int
+
+
+@_fixed("")
+@dataclass(frozen=True, slots=True)
+class PeerBarrier(Request):
+    cmd: ClassVar[Cmd] = Cmd.PEER_BARRIER
+
+
+_SET_HEADER = struct.Struct("<BQ")
+
+
+@dataclass(frozen=True, slots=True)
+class SetTensor(Request):
+    """| rpc_tensor | cache_flag u8 | offset u64 | data... | — the data follows as a body.
+
+    On the receive side the event carries `size` (payload length minus the 305-byte header);
+    the bytes themselves are left in the stream for the I/O shell to read straight into the
+    destination buffer. On the send side `data` may be given for small writes.
+    """
+
+    cmd: ClassVar[Cmd] = Cmd.SET_TENSOR
+    HEADER_SIZE: ClassVar[int] = _T + 9
+    tensor: RpcTensor
+    offset: int
+    size: int
+    cache_flag: int = 0
+
+    def encode(self) -> bytes:
+        return self.tensor.pack() + _SET_HEADER.pack(self.cache_flag, self.offset)
+
+    @classmethod
+    def decode_header(cls, header: memoryview, size: int) -> SetTensor:
+        cache_flag, offset = _SET_HEADER.unpack_from(header, _T)
+        return cls(RpcTensor.unpack_from(header), offset, size, cache_flag)
+
+
+def _tensor_and(fmt: str):
+    """Requests laid out as | rpc_tensor | fields... |."""
+    layout = struct.Struct("<" + fmt)
+
+    def wrap(cls):
+        cls.layout = layout
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "tensor"]
+
+        def encode(self) -> bytes:
+            return self.tensor.pack() + layout.pack(*(getattr(self, f) for f in fields))
+
+        def decode(klass, payload):
+            return klass(RpcTensor.unpack_from(payload), *layout.unpack_from(payload, _T))
+
+        cls.encode = encode
+        cls.decode = classmethod(decode)
+        cls.SIZE = _T + layout.size
+        return cls
+
+    return wrap
+
+
+@_tensor_and("QQ")
+@dataclass(frozen=True, slots=True)
+class SetTensorHash(Request):
+    cmd: ClassVar[Cmd] = Cmd.SET_TENSOR_HASH
+    tensor: RpcTensor
+    offset: int
+    hash: int
+
+
+@_tensor_and("QQ")
+@dataclass(frozen=True, slots=True)
+class GetTensor(Request):
+    cmd: ClassVar[Cmd] = Cmd.GET_TENSOR
+    tensor: RpcTensor
+    offset: int
+    size: int
+
+
+@_tensor_and("QQB")
+@dataclass(frozen=True, slots=True)
+class MemsetTensor(Request):
+    cmd: ClassVar[Cmd] = Cmd.MEMSET_TENSOR
+    tensor: RpcTensor
+    offset: int
+    size: int
+    value: int
+
+
+@_tensor_and("")
+@dataclass(frozen=True, slots=True)
+class InitTensor(Request):
+    cmd: ClassVar[Cmd] = Cmd.INIT_TENSOR
+    tensor: RpcTensor
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTensor(Request):
+    """| src rpc_tensor | dst rpc_tensor |"""
+
+    cmd: ClassVar[Cmd] = Cmd.COPY_TENSOR
+    src: RpcTensor
+    dst: RpcTensor
+
+    def encode(self) -> bytes:
+        return self.src.pack() + self.dst.pack()
+
+    @classmethod
+    def decode(cls, payload):
+        return cls(RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T))
+
+
+@dataclass(frozen=True, slots=True)
+class GetAllocSize(Request):
+    """| device u32 | tensor rpc_tensor | srcs rpc_tensor[10] (id 0 = absent) |"""
+
+    cmd: ClassVar[Cmd] = Cmd.GET_ALLOC_SIZE
+    device: int
+    tensor: RpcTensor
+    srcs: tuple[RpcTensor | None, ...] = ()
+
+    def encode(self) -> bytes:
+        srcs = list(self.srcs) + [None] * (10 - len(self.srcs))
+        empty = bytes(_T)
+        return _U32.pack(self.device) + self.tensor.pack() + b"".join(
+            s.pack() if s is not None else empty for s in srcs
+        )
+
+    @classmethod
+    def decode(cls, payload):
+        (device,) = _U32.unpack_from(payload)
+        tensor = RpcTensor.unpack_from(payload, 4)
+        srcs = []
+        for i in range(10):
+            s = RpcTensor.unpack_from(payload, 4 + _T * (i + 1))
+            srcs.append(s if s.id != 0 else None)
+        return cls(device, tensor, tuple(srcs))
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCompute(Request):
+    """| device u32 | n_nodes u32 | nodes u64[n_nodes] | n_tensors u32 | tensors rpc_tensor[n] |
+
+    `tensors` is a numpy array of RPC_TENSOR_DTYPE records (parsed in one call: graphs of
+    thousands of tensors arrive every step).
+    """
+
+    cmd: ClassVar[Cmd] = Cmd.GRAPH_COMPUTE
+    device: int
+    nodes: tuple[int, ...]
+    tensors: np.ndarray
+
+    def encode(self) -> bytes:
+        return b"".join(
+            [
+                struct.pack("<II", self.device, len(self.nodes)),
+                struct.pack(f"<{len(self.nodes)}Q", *self.nodes),
+                _U32.pack(len(self.tensors)),
+                np.ascontiguousarray(self.tensors, dtype=RPC_TENSOR_DTYPE).tobytes(),
+            ]
+        )
+
+    @classmethod
+    def decode(cls, payload):
+        size = len(payload)
+        if size < 8:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: payload of {size} bytes, need at least 8")
+        device, n_nodes = struct.unpack_from("<II", payload)
+        if n_nodes > MAX_GRAPH_NODES or size < 12 + 8 * n_nodes:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: {n_nodes} nodes do not fit {size} bytes")
+        nodes = tuple(np.frombuffer(payload, "<u8", n_nodes, 8).tolist())
+        (n_tensors,) = _U32.unpack_from(payload, 8 + 8 * n_nodes)
+        start = 12 + 8 * n_nodes
+        if size < start + _T * n_tensors:
+            raise RemoteProtocolError(
+                f"GRAPH_COMPUTE: {n_tensors} tensors do not fit {size} bytes"
+            )
+        tensors = np.frombuffer(payload, RPC_TENSOR_DTYPE, n_tensors, start).copy()
+        return cls(device, nodes, tensors)
+
+
+_COPY_TO_HEADER = struct.Struct("<QI")
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTensorTo(Request):
+    """| src rpc_tensor | dst rpc_tensor | size u64 | endpoint_len u32 | endpoint "host:port" |"""
+
+    cmd: ClassVar[Cmd] = Cmd.COPY_TENSOR_TO
+    MIN_SIZE: ClassVar[int] = 2 * _T + 12
+    src: RpcTensor
+    dst: RpcTensor
+    size: int
+    endpoint: str
+
+    def encode(self) -> bytes:
+        ep = self.endpoint.encode()
+        if len(ep) > MAX_ENDPOINT_LEN:
+            raise LocalProtocolError(f"COPY_TENSOR_TO: endpoint of {len(ep)} bytes")
+        return self.src.pack() + self.dst.pack() + _COPY_TO_HEADER.pack(self.size, len(ep)) + ep
+
+    @classmethod
+    def decode(cls, payload):
+        size, ep_len = _COPY_TO_HEADER.unpack_from(payload, 2 * _T)
+        if cls.MIN_SIZE + ep_len != len(payload):
+            raise RemoteProtocolError(
+                f"COPY_TENSOR_TO: endpoint_len {ep_len} does not match payload {len(payload)}"
+            )
+        try:
+            endpoint = bytes(payload[cls.MIN_SIZE:]).decode("ascii")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("COPY_TENSOR_TO: endpoint is not ASCII") from None
+        return cls(
+            RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T), size, endpoint
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    request: type[Request]
+    size: int | None  # exact payload size, None = variable
+    min_size: int = 0  # variable-size requests
+    max_size: int | None = None  # variable-size requests checked before buffering; None = body
+    response: struct.Struct | None = None  # fixed response layout; None = no response
+    variable_response: bool = False  # GET_TENSOR: `size` bytes
+
+
+def _r(fmt: str) -> struct.Struct:
+    return struct.Struct("<" + fmt)
+
+
+COMMANDS: dict[int, CommandSpec] = {
+    Cmd.ALLOC_BUFFER: CommandSpec(AllocBuffer, 12, response=_r("QQ")),
+    Cmd.GET_ALIGNMENT: CommandSpec(GetAlignment, 4, response=_r("Q")),
+    Cmd.GET_MAX_SIZE: CommandSpec(GetMaxSize, 4, response=_r("Q")),
+    Cmd.BUFFER_GET_BASE: CommandSpec(BufferGetBase, 8, response=_r("Q")),
+    Cmd.FREE_BUFFER: CommandSpec(FreeBuffer, 8),
+    Cmd.BUFFER_CLEAR: CommandSpec(BufferClear, 9),
+    Cmd.SET_TENSOR: CommandSpec(SetTensor, None, min_size=SetTensor.HEADER_SIZE),
+    Cmd.SET_TENSOR_HASH: CommandSpec(SetTensorHash, SetTensorHash.SIZE, response=_r("B")),
+    Cmd.GET_TENSOR: CommandSpec(GetTensor, GetTensor.SIZE, variable_response=True),
+    Cmd.COPY_TENSOR: CommandSpec(CopyTensor, 2 * _T, response=_r("B")),
+    Cmd.GRAPH_COMPUTE: CommandSpec(GraphCompute, None, min_size=8, max_size=MAX_GRAPH_PAYLOAD),
+    Cmd.GET_DEVICE_MEMORY: CommandSpec(GetDeviceMemory, 4, response=_r("QQ")),
+    Cmd.INIT_TENSOR: CommandSpec(InitTensor, InitTensor.SIZE),
+    Cmd.GET_ALLOC_SIZE: CommandSpec(GetAllocSize, 4 + 11 * _T, response=_r("Q")),
+    Cmd.HELLO: CommandSpec(Hello, 24, response=_r("BBBB24s")),
+    Cmd.DEVICE_COUNT: CommandSpec(DeviceCount, 0, response=_r("I")),
+    Cmd.GRAPH_RECOMPUTE: CommandSpec(GraphRecompute, 4),
+    Cmd.MEMSET_TENSOR: CommandSpec(MemsetTensor, MemsetTensor.SIZE),
+    Cmd.COPY_TENSOR_TO: CommandSpec(
+        CopyTensorTo, None, min_size=CopyTensorTo.MIN_SIZE,
+        max_size=CopyTensorTo.MIN_SIZE + MAX_ENDPOINT_LEN, response=_r("B"),
+    ),
+    Cmd.PEER_BARRIER: CommandSpec(PeerBarrier, 0, response=_r("B")),
+}
+
+for _cmd, _spec in COMMANDS.items():
+    assert _spec.request.cmd == _cmd
+    if _spec.size is not None and hasattr(_spec.request, "layout"):
+        assert _spec.request.layout.size + (_T if hasattr(_spec.request, "SIZE") else 0) == _spec.size, _cmd

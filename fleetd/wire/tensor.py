@@ -1,0 +1,90 @@
+"""The 296-byte packed `rpc_tensor` and its validation against the ggml type table."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleetd.errors import RemoteProtocolError
+from fleetd.wire.ggml import GGML_MAX_SRC, GGML_TYPE_COUNT, TYPE_TRAITS, nbytes, type_name
+
+# | id u64 | type u32 | buffer u64 | ne u32[4] | nb u32[4] | op u32 | op_params i32[16] | flags i32 |
+# | src u64[10] | view_src u64 | view_offs u64 | data u64 | name char[64] | use_count i32 |
+RPC_TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
+assert RPC_TENSOR.size == 296
+
+# The same layout as a numpy structured dtype, to parse a graph's tensor list in one call.
+RPC_TENSOR_DTYPE = np.dtype(
+    [
+        ("id", "<u8"), ("type", "<u4"), ("buffer", "<u8"), ("ne", "<u4", 4), ("nb", "<u4", 4),
+        ("op", "<u4"), ("op_params", "<i4", 16), ("flags", "<i4"), ("src", "<u8", 10),
+        ("view_src", "<u8"), ("view_offs", "<u8"), ("data", "<u8"), ("name", "S64"),
+        ("use_count", "<i4"),
+    ]
+)
+assert RPC_TENSOR_DTYPE.itemsize == 296
+
+_ZERO_SRC = (0,) * GGML_MAX_SRC
+_ZERO_PARAMS = (0,) * 16
+
+
+@dataclass(frozen=True, slots=True)
+class RpcTensor:
+    id: int
+    type: int
+    buffer: int
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    op: int = 0
+    op_params: tuple[int, ...] = _ZERO_PARAMS
+    flags: int = 0
+    src: tuple[int, ...] = _ZERO_SRC
+    view_src: int = 0
+    view_offs: int = 0
+    data: int = 0
+    name: bytes = b""
+    use_count: int = field(default=0, compare=False)
+
+    def pack(self) -> bytes:
+        return RPC_TENSOR.pack(
+            self.id, self.type, self.buffer, *self.ne, *self.nb, self.op, *self.op_params,
+            self.flags, *self.src, self.view_src, self.view_offs, self.data, self.name[:63],
+            self.use_count,
+        )
+
+    @classmethod
+    def unpack_from(cls, buf, offset: int = 0) -> RpcTensor:
+        v = RPC_TENSOR.unpack_from(buf, offset)
+        return cls(
+            id=v[0], type=v[1], buffer=v[2], ne=v[3:7], nb=v[7:11], op=v[11],
+            op_params=v[12:28], flags=v[28], src=v[29:39], view_src=v[39], view_offs=v[40],
+            data=v[41], name=v[42].split(b"\0", 1)[0], use_count=v[43],
+        )
+
+    @classmethod
+    def from_record(cls, r) -> RpcTensor:
+        """Build from one element of an array of RPC_TENSOR_DTYPE."""
+        return cls(
+            id=int(r["id"]), type=int(r["type"]), buffer=int(r["buffer"]),
+            ne=tuple(int(x) for x in r["ne"]), nb=tuple(int(x) for x in r["nb"]),
+            op=int(r["op"]), op_params=tuple(int(x) for x in r["op_params"]),
+            flags=int(r["flags"]), src=tuple(int(x) for x in r["src"]),
+            view_src=int(r["view_src"]), view_offs=int(r["view_offs"]), data=int(r["data"]),
+            name=bytes(r["name"]).split(b"\0", 1)[0], use_count=int(r["use_count"]),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.type, self.ne, self.nb)
+
+    def describe(self) -> str:
+        name = self.name.decode(errors="replace") or f"#{self.id:#x}"
+        return f"{name} {type_name(self.type)} ne={list(self.ne)}"
+
+
+def check_type(t: RpcTensor, what: str) -> None:
+    """The stock deserializer's type checks: known type value with a non-zero block size."""
+    if t.type >= GGML_TYPE_COUNT or t.type not in TYPE_TRAITS:
+        raise RemoteProtocolError(f"{what}: invalid tensor type {t.type}")

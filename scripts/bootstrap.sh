@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Make a fresh machine ready: system packages, the venv with fleetd and its test deps, the
+# pinned llama.cpp tools (cached in ~/.cache/fleetd, ~20 min the first time on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+need=()
+command -v cmake >/dev/null || need+=(cmake)
+command -v g++ >/dev/null || need+=(g++)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ip >/dev/null || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "installing system packages: ${need[*]}" >&2
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >&2
+.venv/bin/python -m pip install -q -e '.[test]' >&2
+
+bash scripts/build-llama.sh >/dev/null

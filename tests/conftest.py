@@ -1,0 +1,79 @@
+"""Shared fixtures: in-process fleetd servers, the pinned stock tools, free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetd.server import Server, ServerConfig
+from fleetd.tools import find_tool
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
+
+
+@pytest.fixture
+def fleetd_server():
+    """A fleetd server in this process on a free loopback port; yields its endpoint."""
+    servers = []
+
+    def start(**kw) -> Server:
+        cfg = ServerConfig(host="127.0.0.1", port=0, control_port=None, **kw)
+        srv = Server(cfg)
+        srv.start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def endpoint(srv: Server) -> str:
+    return f"{srv.address[0]}:{srv.address[1]}"
+
+
+@pytest.fixture
+def stock_server(tmp_path):
+    """The pinned stock ggml-rpc-server as a subprocess; yields a starter returning its endpoint."""
+    exe = find_tool("ggml-rpc-server")
+    procs = []
+
+    def start(cache: bool = False) -> str:
+        port = free_port()
+        env = dict(os.environ, LLAMA_CACHE=str(tmp_path / "stock-cache"))
+        args = [str(exe), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+        if cache:
+            args.append("-c")
+        log = open(tmp_path / f"stock-{port}.log", "wb")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append(proc)
+        wait_port(port)
+        start.proc = proc
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()

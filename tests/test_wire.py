@@ -1,0 +1,211 @@
+"""Sans-IO wire core: byte literals in, events out; size rules; the HELLO gate."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from fleetd.errors import RemoteProtocolError
+from fleetd.wire import (
+    COMMANDS,
+    NEED_DATA,
+    RPC_TENSOR,
+    AllocBuffer,
+    ClientConnection,
+    Cmd,
+    CopyTensorTo,
+    GetTensor,
+    GgmlType,
+    GraphCompute,
+    Hello,
+    RpcTensor,
+    ServerConnection,
+    SetTensor,
+    State,
+    contiguous_strides,
+    fnv1a_64,
+    hello_response,
+    nbytes,
+)
+
+HELLO = b"\x0e" + struct.pack("<Q", 24) + bytes(24)
+
+
+def frame(cmd: int, payload: bytes) -> bytes:
+    return struct.pack("<BQ", cmd, len(payload)) + payload
+
+
+def t(**kw) -> RpcTensor:
+    ne = kw.pop("ne", (4, 1, 1, 1))
+    ty = kw.pop("type", GgmlType.F32)
+    return RpcTensor(id=kw.pop("id", 1), type=ty, buffer=kw.pop("buffer", 0x100), ne=ne,
+                     nb=contiguous_strides(ty, ne), data=kw.pop("data", 0x1000), **kw)
+
+
+def ready() -> ServerConnection:
+    conn = ServerConnection()
+    conn.receive_data(HELLO)
+    assert isinstance(conn.next_event(), Hello)
+    return conn
+
+
+def test_rpc_tensor_layout_is_296_bytes_and_round_trips():
+    assert RPC_TENSOR.size == 296
+    x = t(name=b"blk.0.attn", op=29, src=(5, 6) + (0,) * 8, use_count=3, flags=16)
+    assert RpcTensor.unpack_from(x.pack()) == x
+    assert RpcTensor.unpack_from(x.pack()).use_count == 3
+
+
+def test_hello_bytes_match_protocol_example():
+    assert hello_response(0) == bytes.fromhex("1c00000000000000") + b"\x07\x00\x00\x00" + bytes(24)
+    assert hello_response(1)[8 + 3] == 1  # the feature byte is the padding byte
+
+
+@pytest.mark.parametrize("split", ["whole", "bytewise"])
+def test_hello_then_alloc(split):
+    conn = ServerConnection()
+    data = HELLO + frame(Cmd.ALLOC_BUFFER, struct.pack("<IQ", 0, 1000))
+    chunks = [data] if split == "whole" else [data[i : i + 1] for i in range(len(data))]
+    events = []
+    for c in chunks:
+        conn.receive_data(c)
+        while (ev := conn.next_event()) is not NEED_DATA:
+            events.append(ev)
+    assert events == [Hello(bytes(24)), AllocBuffer(0, 1000)]
+
+
+def test_trailing_bytes_stay_buffered():
+    conn = ServerConnection()
+    conn.receive_data(HELLO + b"\x0f")
+    assert isinstance(conn.next_event(), Hello)
+    assert conn.next_event() is NEED_DATA
+    assert conn.buffered == 1
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"\x0f" + bytes(8), "expected HELLO"),
+        (b"\x0e" + struct.pack("<Q", 20), "expected 24"),
+    ],
+)
+def test_hello_gate_refuses(data, reason):
+    conn = ServerConnection()
+    conn.receive_data(data)
+    with pytest.raises(RemoteProtocolError, match=reason):
+        conn.next_event()
+    assert conn.state is State.ERROR
+    with pytest.raises(RemoteProtocolError):
+        conn.next_event()
+
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (HELLO, "second HELLO"),
+        (frame(18, b""), "unknown command 0x12"),
+        (frame(0x99, b""), "unknown command 0x99"),
+        (frame(Cmd.GET_ALIGNMENT, bytes(8)), "payload size 8, expected 4"),
+        (frame(Cmd.DEVICE_COUNT, b"\x00"), "payload size 1, expected 0"),
+        (frame(Cmd.SET_TENSOR, bytes(300)), "below minimum 305"),
+        (struct.pack("<BQ", Cmd.GRAPH_COMPUTE, 1 << 63), "above limit"),
+        (struct.pack("<BQ", Cmd.GET_TENSOR, 1 << 63), "expected 312"),
+    ],
+)
+def test_size_rules_fail_before_the_payload_arrives(data, reason):
+    conn = ready()
+    conn.receive_data(data)
+    with pytest.raises(RemoteProtocolError, match=reason):
+        conn.next_event()
+
+
+FIXED_SIZE = sorted(c for c, spec in COMMANDS.items() if spec.size is not None and c != Cmd.HELLO)
+
+
+@pytest.mark.parametrize("cmd", FIXED_SIZE)
+def test_every_fixed_size_command_waits_for_its_whole_payload(cmd):
+    spec = COMMANDS[cmd]
+    conn = ready()
+    payload = bytes(spec.size)
+    data = frame(cmd, payload)
+    conn.receive_data(data[:-1]) if spec.size else None
+    if spec.size:
+        assert conn.next_event() is NEED_DATA
+        conn.receive_data(data[-1:])
+    else:
+        conn.receive_data(data)
+    ev = conn.next_event()
+    assert ev.cmd == cmd
+    assert conn.request_bytes == 9 + spec.size
+
+
+def test_set_tensor_body_is_left_for_the_shell():
+    conn = ready()
+    data = np.arange(4, dtype="<f4").tobytes()
+    req = SetTensor(t(), 0, len(data))
+    wire = ClientConnection()
+    wire._hello_done = True
+    conn.receive_data(wire.send(req) + data[:6])
+    ev = conn.next_event()
+    assert ev.size == 16 and ev.tensor == t()
+    dst = bytearray(16)
+    assert conn.read_body_into(memoryview(dst)) == 6
+    assert conn.body_remaining == 10
+    conn.receive_data(data[6:] + frame(Cmd.DEVICE_COUNT, b""))
+    assert conn.read_body_into(memoryview(dst)[6:]) == 10
+    assert bytes(dst) == data
+    assert conn.next_event().cmd == Cmd.DEVICE_COUNT
+
+
+def test_graph_compute_round_trip_and_truncation():
+    from fleetd.wire import RPC_TENSOR_DTYPE
+
+    recs = np.zeros(2, RPC_TENSOR_DTYPE)
+    recs["id"] = [7, 8]
+    g = GraphCompute(0, (8,), recs)
+    payload = g.encode()
+    assert len(payload) == 12 + 8 + 2 * 296
+    back = GraphCompute.decode(memoryview(payload))
+    assert back.nodes == (8,) and back.tensors["id"].tolist() == [7, 8]
+    with pytest.raises(RemoteProtocolError, match="tensors do not fit"):
+        GraphCompute.decode(memoryview(payload[:-1]))
+    with pytest.raises(RemoteProtocolError, match="nodes do not fit"):
+        GraphCompute.decode(memoryview(struct.pack("<II", 0, 1000) + bytes(8)))
+
+
+def test_copy_tensor_to_endpoint_length_must_match():
+    req = CopyTensorTo(t(), t(id=2), 16, "127.0.0.1:50052")
+    assert CopyTensorTo.decode(memoryview(req.encode())) == req
+    bad = bytearray(req.encode())
+    struct.pack_into("<I", bad, 2 * 296 + 8, 3)
+    with pytest.raises(RemoteProtocolError, match="endpoint_len 3"):
+        CopyTensorTo.decode(memoryview(bytes(bad)))
+
+
+def test_client_checks_version_and_reads_feature_bit():
+    c = ClientConnection()
+    c.decode_response(Hello(), hello_response(1)[8:])
+    assert c.version == (7, 0, 0) and c.features == 1
+    c2 = ClientConnection()
+    with pytest.raises(RemoteProtocolError, match="unsupported"):
+        c2.decode_response(Hello(), bytes([7, 1, 0, 0]) + bytes(24))
+
+
+def test_client_response_size_rule():
+    with pytest.raises(RemoteProtocolError, match="expected 16"):
+        ClientConnection.check_response_size(GetTensor(t(), 0, 16), 8)
+
+
+def test_nbytes_matches_protocol_examples():
+    assert contiguous_strides(GgmlType.Q4_0, (4096, 3, 1, 1)) == (18, 2304, 6912, 6912)
+    assert nbytes(GgmlType.F32, (5, 3, 2, 1), (4, 20, 60, 120)) == 120
+    assert nbytes(GgmlType.F32, (3, 5, 2, 1), (20, 4, 60, 120)) == 120  # transposed view
+    assert nbytes(GgmlType.F32, (0, 3, 1, 1), (4, 0, 0, 0)) == 0
+
+
+def test_fnv1a_check_values():
+    assert fnv1a_64(b"") == 0xCBF29CE484222325
+    assert fnv1a_64(b"a") == 0xAF63DC4C8601EC8C
+    assert fnv1a_64(np.array([5, 6, 7, 8], "<f4").tobytes()) == 0x6A4CC67EA849DD72

@@ -1,0 +1,1 @@
+"""fleetctl tui: the Textual dashboard. It talks only to fleetd.fleet, never to sockets."""
