@@ -42,6 +42,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self.control = None  # the loopback control API (fleetd.server.control), when enabled
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -54,6 +55,11 @@ class Server:
         self.address = sock.getsockname()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="fleetd-accept", daemon=True)
         self._accept_thread.start()
+        if self.config.control_port is not None:
+            from fleetd.server.control import ControlAPI
+
+            self.control = ControlAPI(self, self.config.control_port)
+            self.control.start()
         log.info(
             "fleetd %s serving RPC %d.%d.%d on %s:%d, devices: %s, cache: %s",
             __version__, *PROTOCOL_VERSION, *self.address,
@@ -63,6 +69,8 @@ class Server:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.control is not None:
+            self.control.stop()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -110,6 +118,11 @@ class Server:
             return list(self._sessions.values())
 
     # -- state read by sessions and the control API -----------------------------------------
+
+    def set_p2p(self, enabled: bool) -> None:
+        """Switch peer copy at runtime: off clears the HELLO bit for new connections and makes
+        COPY_TENSOR_TO answer 0."""
+        self.p2p_enabled = enabled
 
     def features(self) -> int:
         return int(Feature.PEER_COPY) if self.p2p_enabled and self.peer_copy_served else 0
