@@ -72,3 +72,9 @@ def fleetctl_main(argv: list[str] | None = None) -> int:
     from fleetd.fleet.cli import main
 
     return main(argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(fleetd_main())

@@ -1,0 +1,73 @@
+"""Shared benchmark plumbing: start fleetd and the stock server as processes, print, save JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fleetd.tools import find_tool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no server on port {port}")
+
+
+@contextlib.contextmanager
+def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
+    """Yield the endpoint of a running 'fleetd' or 'stock' server process."""
+    port = free_port()
+    if kind == "fleetd":
+        args = [sys.executable, "-m", "fleetd.cli", "--port", str(port), "--control-port", "0",
+                "--threads", str(threads), "--log-level", "warning"]
+    else:
+        args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
+    proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        wait_port(port)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def show(title: str, columns: list[str], rows: list[list]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        table.add_row(*(str(x) for x in r))
+    Console().print(table)
+
+
+def save(name: str, data: dict, path: str | None = None) -> Path:
+    out = Path(path) if path else RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    return out
