@@ -6,34 +6,77 @@ import argparse
 import logging
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 from fleetd import __version__
 from fleetd.errors import FleetdError
 
 
-def _fleetd_parser() -> argparse.ArgumentParser:
-    from fleetd.server.config import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+# Built-in defaults; a --config file overrides them and command-line flags override both.
+FLEETD_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 50052,
+    "devices": ["cpu"],
+    "cache_dir": None,
+    "threads": None,
+    "control_port": 50152,
+    "p2p": True,
+    "peer_allow": None,
+    "log_level": "info",
+}
 
+
+def _fleetd_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fleetd",
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
+        epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
+        "control_port, p2p (bool), peer_allow (list) and log_level; flags win over it.",
     )
-    p.add_argument("-H", "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("-p", "--port", type=int, default=DEFAULT_RPC_PORT, help=f"RPC port (default {DEFAULT_RPC_PORT})")
-    p.add_argument("-d", "--device", default="cpu", help="devices, comma separated: cpu (default cpu)")
+    p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
+    p.add_argument("-H", "--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("-p", "--port", type=int, help="RPC port (default 50052)")
+    p.add_argument("-d", "--device", help="devices, comma separated: cpu, cuda (default cpu)")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
     p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
+    p.add_argument("--control-port", type=int, help="loopback control API port, 0 to disable (default 50152)")
+    p.add_argument("--no-p2p", action="store_true", default=None, help="start with peer copy switched off")
     p.add_argument(
-        "--control-port", type=int, default=DEFAULT_CONTROL_PORT,
-        help=f"loopback control API port, 0 to disable (default {DEFAULT_CONTROL_PORT})",
+        "--peer-allow",
+        help="hosts/CIDRs COPY_TENSOR_TO may push to, comma separated (default: loopback and "
+        "the subnet of the bound address)",
     )
-    p.add_argument("--no-p2p", action="store_true", help="start with peer copy switched off")
-    p.add_argument("--peer-allow", help="hosts/CIDRs COPY_TENSOR_TO may push to (comma separated)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("-V", "--version", action="version", version=f"fleetd {__version__}")
     return p
+
+
+def resolve_settings(args: argparse.Namespace) -> dict:
+    """Defaults < config file < flags. Raises ValueError with one clear line."""
+    settings = dict(FLEETD_DEFAULTS)
+    if args.config is not None:
+        try:
+            with open(args.config, "rb") as f:
+                loaded = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from exc
+        unknown = sorted(set(loaded) - set(settings))
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown keys {', '.join(unknown)}")
+        settings.update(loaded)
+    flags = {
+        "host": args.host, "port": args.port, "cache_dir": args.cache_dir, "threads": args.threads,
+        "control_port": args.control_port, "log_level": args.log_level,
+        "devices": args.device.split(",") if args.device else None,
+        "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
+        "p2p": False if args.no_p2p else None,
+    }
+    settings.update({k: v for k, v in flags.items() if v is not None})
+    if not 0 < int(settings["port"]) < 65536:
+        raise ValueError(f"port {settings['port']} outside 1..65535")
+    return settings
 
 
 def _set_threads(n: int | None) -> None:
@@ -45,21 +88,24 @@ def _set_threads(n: int | None) -> None:
 
 def fleetd_main(argv: list[str] | None = None) -> int:
     args = _fleetd_parser().parse_args(argv)
-    if not 0 < args.port < 65536:
-        print(f"fleetd: error: --port {args.port} outside 1..65535", file=sys.stderr)
+    try:
+        settings = resolve_settings(args)
+    except ValueError as exc:
+        print(f"fleetd: error: {exc}", file=sys.stderr)
         return 2
-    _set_threads(args.threads)
+    _set_threads(settings["threads"])
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        level=str(settings["log_level"]).upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     from fleetd.server.config import ServerConfig
     from fleetd.server.daemon import serve_forever
 
     config = ServerConfig(
-        host=args.host, port=args.port, devices=[d for d in args.device.split(",") if d],
-        cache_dir=args.cache_dir, threads=args.threads,
-        control_port=args.control_port or None, p2p=not args.no_p2p,
-        peer_allow=args.peer_allow.split(",") if args.peer_allow else None,
+        host=settings["host"], port=int(settings["port"]), devices=list(settings["devices"]),
+        cache_dir=Path(settings["cache_dir"]) if settings["cache_dir"] else None,
+        threads=settings["threads"], control_port=settings["control_port"] or None,
+        p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
     )
     try:
         return serve_forever(config)
