@@ -14,6 +14,7 @@ from fleetd import __version__
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import make_device
 from fleetd.server.config import ServerConfig
+from fleetd.server.peer import PeerPolicy, PeerStats, PeerTimeouts, serve_copy
 from fleetd.server.session import Session
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Cmd, CopyTensorTo, Feature, PROTOCOL_VERSION
@@ -35,6 +36,9 @@ class Server:
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.p2p_enabled = config.p2p
+        self.peer_stats = PeerStats()
+        self.peer_policy = PeerPolicy(config.peer_allow, config.host)
+        self.peer_timeouts = PeerTimeouts()
         self.started = time.time()
         self._sessions: dict[int, Session] = {}
         self._sessions_lock = threading.Lock()
@@ -127,11 +131,11 @@ class Server:
     def features(self) -> int:
         return int(Feature.PEER_COPY) if self.p2p_enabled and self.peer_copy_served else 0
 
-    # The peer-copy extension replaces this with a real implementation.
-    peer_copy_served = False
+    # COPY_TENSOR_TO / PEER_BARRIER are served (fleetd.server.peer); p2p_enabled gates them.
+    peer_copy_served = True
 
     def peer_copy(self, session: Session, ev: CopyTensorTo) -> int:
-        return session.respond(Cmd.COPY_TENSOR_TO, 0)
+        return session.respond(Cmd.COPY_TENSOR_TO, serve_copy(self, session, ev))
 
     def total_counters(self) -> CommandCounters:
         return self.stats.total([s.counters for s in self.sessions()])

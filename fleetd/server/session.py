@@ -337,7 +337,8 @@ def on_copy_tensor_to(s: Session, ev: CopyTensorTo) -> int:
 
 def on_peer_barrier(s: Session, ev: PeerBarrier) -> int:
     # Commands on one connection are served in order: reaching this proves earlier writes landed.
-    return s.respond(Cmd.PEER_BARRIER, 1)
+    # 0 when P2P is off now, so a source's cached link stops counting as a successful copy.
+    return s.respond(Cmd.PEER_BARRIER, 1 if s.server.p2p_enabled else 0)
 
 
 HANDLERS = {

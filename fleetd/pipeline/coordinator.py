@@ -1,0 +1,162 @@
+"""A layer-split coordinator over P stages, with hub or direct stage boundaries.
+
+    with Pipeline(["10.0.0.2:50052", "10.0.0.3:50052"], layers=3, local_last=True) as p:
+        r = p.step()          # r.output (bytes of the last hidden state), r.counters, r.direct
+
+One step is what a decode step is to llama.cpp's scheduler: the coordinator SET_TENSORs the
+input into stage 0, every stage runs its graph (GRAPH_COMPUTE on the first step, GRAPH_RECOMPUTE
+after), and each boundary moves the hidden state to the next stage:
+
+- hub:    GET_TENSOR from the source to the coordinator, SET_TENSOR out to the destination
+          (a remote-to-local boundary is always just the GET_TENSOR);
+- direct: one COPY_TENSOR_TO to the source, when both ends advertised Feature.PEER_COPY and
+          GGML_RPC_P2P is not "0"; an answer of 0 falls back to the hub path for that step.
+
+The last stage's output comes back with one GET_TENSOR (or a local read). All counters are the
+coordinator's (ClientCounters, shared by every stage's client); GGML_RPC_STATS=1 prints one line
+per step and the per-step table when the pipeline closes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+
+from fleetd.client.stats import ClientCounters
+from fleetd.pipeline.report import per_step, step_line, step_table
+from fleetd.pipeline.stages import LocalStage, RemoteStage
+from fleetd.pipeline.synthetic import StageGraph, Workload, build_stage, layout_stage
+from fleetd.transport.tcp import Timeout
+
+DEFAULT_TIMEOUT = Timeout(connect=10.0, read=300.0)
+
+
+def p2p_from_env() -> bool:
+    return os.environ.get("GGML_RPC_P2P", "1") != "0"
+
+
+def stats_from_env() -> bool:
+    return os.environ.get("GGML_RPC_STATS", "0") not in ("", "0")
+
+
+@dataclass
+class StepResult:
+    step: int
+    output: bytes
+    counters: ClientCounters  # this step's commands and bytes at the coordinator
+    direct: int               # boundaries moved by COPY_TENSOR_TO
+    fallbacks: int            # COPY_TENSOR_TO answered 0, moved through the hub instead
+
+    @property
+    def md5(self) -> str:
+        return hashlib.md5(self.output).hexdigest()
+
+
+class Pipeline:
+    def __init__(
+        self,
+        endpoints: list[str],
+        layers: int,
+        rows: int = 32,
+        n_embd: int = 5120,
+        local_last: bool = False,
+        p2p: bool | None = None,
+        seed: int = 0,
+        peer_endpoints: list[str] | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        stats: bool | None = None,
+    ) -> None:
+        self.work = Workload(layers, rows, n_embd, seed)
+        self.p2p = p2p_from_env() if p2p is None else p2p
+        self.print_stats = stats_from_env() if stats is None else stats
+        self.counters = ClientCounters()
+        self.steps: list[StepResult] = []
+        self.stages: list[RemoteStage | LocalStage] = []
+        peers = peer_endpoints or [None] * len(endpoints)
+        if len(peers) != len(endpoints):
+            raise ValueError("peer_endpoints must name one endpoint per remote stage")
+        try:
+            for ep, peer in zip(endpoints, peers):
+                self.stages.append(RemoteStage(ep, self.counters, timeout, peer))
+            if local_last:
+                self.stages.append(LocalStage())
+            if not self.stages:
+                raise ValueError("a pipeline needs at least one stage")
+            self.graphs = self._place()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up (not part of any step's counters) ---------------------------------------------
+
+    def _place(self) -> list[StageGraph]:
+        graphs = []
+        for stage, layers in zip(self.stages, self.work.split(len(self.stages))):
+            lay = layout_stage(self.work, layers, stage.alignment())
+            buffer, base = stage.alloc(lay.size)
+            sg = build_stage(self.work, layers, lay, buffer, base)
+            for tensor, make in sg.weights:
+                stage.set_tensor(tensor.rpc(), make())
+            graphs.append(sg)
+        return graphs
+
+    def direct_boundary(self, i: int) -> bool:
+        """Whether boundary i -> i+1 is tried with COPY_TENSOR_TO."""
+        a, b = self.stages[i], self.stages[i + 1]
+        return self.p2p and a.peer_copy and b.peer_copy
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        index = len(self.steps)
+        first = index == 0
+        before = self.counters.snapshot()
+        direct = fallbacks = 0
+        hidden = self.work.hidden_input(index)
+        self.stages[0].set_tensor(self.graphs[0].hidden_in.rpc(), hidden)
+        for i, stage in enumerate(self.stages):
+            stage.compute(self.graphs[i].graph, first)
+            if i + 1 == len(self.stages):
+                break
+            moved = self._move(i)
+            direct += moved == "direct"
+            fallbacks += moved == "fallback"
+        output = self.stages[-1].get_tensor(self.graphs[-1].hidden_out.rpc())
+        result = StepResult(index, output, self.counters.minus(before), direct, fallbacks)
+        self.steps.append(result)
+        if self.print_stats:
+            print(step_line(result), file=sys.stderr)
+        return result
+
+    def _move(self, i: int) -> str:
+        src_stage, dst_stage = self.stages[i], self.stages[i + 1]
+        src = self.graphs[i].hidden_out.rpc()
+        dst = self.graphs[i + 1].hidden_in.rpc()
+        how = "hub"
+        if self.direct_boundary(i):
+            if src_stage.client.copy_tensor_to(src, dst, src.nbytes, dst_stage.peer_endpoint):
+                return "direct"
+            how = "fallback"
+        dst_stage.set_tensor(dst, src_stage.get_tensor(src))
+        return how
+
+    def run(self, steps: int) -> list[StepResult]:
+        return [self.step() for _ in range(steps)]
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.print_stats and len(self.steps) > 1:
+            arm = "direct" if any(s.direct for s in self.steps) else "hub"
+            print(step_table({arm: per_step(self.steps[1:])}), file=sys.stderr)
+        for stage in self.stages:
+            stage.close()
+        self.stages = []
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""Stages of a layer split: a remote fleetd (or stock) server, or the coordinator's own device.
+
+Both kinds answer the same few calls the coordinator needs (alloc, set/get a tensor, compute a
+graph), so the coordinator's step loop never asks which one it has. Only a remote stage has a
+`client` (and so can be the source or destination of a COPY_TENSOR_TO).
+"""
+
+from __future__ import annotations
+
+from fleetd.client.rpc import RpcClient
+from fleetd.client.stats import ClientCounters
+from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute.device import NumpyDevice
+from fleetd.compute.graph import Plan, build_plan
+from fleetd.compute.views import check_extent
+from fleetd.transport.tcp import Timeout
+from fleetd.wire import Feature, GraphCompute, RpcTensor
+
+
+class RemoteStage:
+    def __init__(self, endpoint: str, counters: ClientCounters, timeout: Timeout,
+                 peer_endpoint: str | None = None) -> None:
+        self.client = RpcClient(endpoint, timeout, counters).open()
+        self.endpoint = endpoint
+        # The address servers use to reach this one (the coordinator's view by default).
+        self.peer_endpoint = peer_endpoint or endpoint
+        self.name = f"RPC[{endpoint}]"
+
+    @property
+    def peer_copy(self) -> bool:
+        return bool(self.client.features & Feature.PEER_COPY)
+
+    def alignment(self) -> int:
+        return self.client.get_alignment()
+
+    def alloc(self, size: int) -> tuple[int, int]:
+        ptr, _ = self.client.alloc_buffer(size)
+        if ptr == 0:
+            raise MemoryError(f"ALLOC_BUFFER: {self.endpoint} could not allocate {size} bytes")
+        return ptr, self.client.buffer_get_base(ptr)
+
+    def set_tensor(self, t: RpcTensor, data) -> None:
+        self.client.set_tensor(t, data)
+
+    def get_tensor(self, t: RpcTensor) -> bytes:
+        return bytes(self.client.get_tensor(t))
+
+    def compute(self, graph: GraphCompute, first: bool) -> None:
+        # llama.cpp sends the whole graph once and GRAPH_RECOMPUTE while it is unchanged.
+        if first:
+            self.client.graph_compute(graph)
+        else:
+            self.client.graph_recompute(graph.device)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class LocalStage:
+    """The coordinator's own numpy device, running the same kernels as fleetd."""
+
+    peer_copy = False
+    client = None
+
+    def __init__(self) -> None:
+        self.device = NumpyDevice()
+        self.registry = BufferRegistry()
+        self.plan: Plan | None = None
+        self.name = "LOCAL"
+
+    def alignment(self) -> int:
+        return self.device.alignment
+
+    def alloc(self, size: int) -> tuple[int, int]:
+        buf = self.registry.alloc(0, self.device, size, owner=0)
+        if buf is None:
+            raise MemoryError(f"local device could not allocate {size} bytes")
+        return buf.handle, buf.base
+
+    def _span(self, t: RpcTensor):
+        buf = self.registry.get(t.buffer)
+        start = check_extent(buf, t, "local")
+        return buf, start
+
+    def set_tensor(self, t: RpcTensor, data) -> None:
+        buf, start = self._span(t)
+        view = memoryview(data).cast("B")
+        buf.array[start : start + len(view)] = view
+        buf.touched()
+
+    def get_tensor(self, t: RpcTensor) -> bytes:
+        buf, start = self._span(t)
+        return buf.array[start : start + t.nbytes].tobytes()
+
+    def compute(self, graph: GraphCompute, first: bool) -> None:
+        if first or self.plan is None:
+            self.plan = build_plan(graph, self.registry)
+        self.plan.run(self.device.xp)
+
+    def close(self) -> None:
+        self.plan = None
+        for buf in self.registry.owned_by(0):
+            self.registry.free(buf)
