@@ -39,7 +39,8 @@ def fleetd_server():
     servers = []
 
     def start(**kw) -> Server:
-        cfg = ServerConfig(host="127.0.0.1", port=0, control_port=None, **kw)
+        kw.setdefault("control_port", None)  # control_port=0: the control API on a free port
+        cfg = ServerConfig(host="127.0.0.1", port=0, **kw)
         srv = Server(cfg)
         srv.start()
         servers.append(srv)
@@ -48,6 +49,15 @@ def fleetd_server():
     yield start
     for s in servers:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def ssh_server(tmp_path_factory):
+    """A real sshd on a loopback port (tests/sshd.py): .port, .user, .identity, .known_hosts."""
+    from sshd import SshServer  # tests/ is on sys.path, as for conftest itself
+
+    with SshServer(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
 
 
 def endpoint(srv: Server) -> str:

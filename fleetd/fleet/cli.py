@@ -20,7 +20,12 @@ def command(name: str, help: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fleetctl", description="Run fleets of fleetd nodes.")
+    from fleetd.fleet.nodes import NODES_FILE_HELP
+
+    p = argparse.ArgumentParser(
+        prog="fleetctl", description="Run fleets of fleetd nodes.", epilog=NODES_FILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("-V", "--version", action="version", version=f"fleetctl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -30,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleetd.fleet import commands  # noqa: F401  (fills COMMANDS)
+    from fleetd.fleet import commands, deploy_cli  # noqa: F401  (fill COMMANDS)
 
     parser = build_parser()
     args = parser.parse_args(argv)

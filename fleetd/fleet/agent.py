@@ -1,0 +1,287 @@
+"""The node side of fleetctl deploy: a stdlib-only script sent over SSH to `python3 -`.
+
+    python3 - OP JSON_PARAMS   ->   one JSON object on stdout
+
+It must run on a node where nothing of fleetd is installed yet, so it imports only the standard
+library and nothing from this package. Layout under ROOT (/opt/fleetd for root, else
+~/.local/share/fleetd):
+
+    wheels/              uploaded wheels (the node needs no package index)
+    releases/<release>/  one venv per release (<version>-<wheel sha>)
+    current -> releases/<release>
+    fleetd.toml          the node's configuration
+    fleetd.pid           "<pid> <release>" of the supervisor, when not under systemd
+    fleetd.log
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+UNIT = "fleetd.service"
+
+
+def _root(p):
+    return os.path.expanduser(p["root"])
+
+
+def _read_pidfile(root):
+    try:
+        pid, release = open(os.path.join(root, "fleetd.pid")).read().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return None
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        return None
+    return {"pid": pid, "release": release} if "fleetd" in cmdline else None
+
+
+def _use_systemd(p):
+    if not p.get("systemd", True) or not os.path.isdir("/run/systemd/system"):
+        return False
+    args = ["systemctl"] + ([] if os.geteuid() == 0 else ["--user"]) + ["is-system-running"]
+    try:
+        state = subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return state in ("running", "degraded")
+
+
+def _systemctl(*args):
+    base = ["systemctl"] + ([] if os.geteuid() == 0 else ["--user"])
+    return subprocess.run(base + list(args), capture_output=True, text=True, timeout=60)
+
+
+def _port_state(host, port, ours):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+        return "free"
+    except OSError:
+        return "ours" if ours else "busy"
+    finally:
+        s.close()
+
+
+def op_inspect(p):
+    root = _root(p)
+    current = os.path.join(root, "current")
+    release = os.path.basename(os.readlink(current)) if os.path.islink(current) else None
+    running = _read_pidfile(root)
+    systemd = _use_systemd(p)
+    if systemd and running is None and _systemctl("is-active", UNIT).stdout.strip() == "active":
+        running = {"pid": 0, "release": release}
+    try:
+        config = open(os.path.join(root, "fleetd.toml")).read()
+    except OSError:
+        config = None
+    probe = root
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    return {
+        "python": "%d.%d" % sys.version_info[:2],
+        "free_bytes": st.f_bavail * st.f_frsize,
+        "current": release,
+        "releases": sorted(os.listdir(os.path.join(root, "releases")))
+        if os.path.isdir(os.path.join(root, "releases")) else [],
+        "running": running,
+        "port": _port_state(p.get("host", "0.0.0.0"), p["port"], running is not None),
+        "config": config,
+        "systemd": systemd,
+        "wheels": _wheels(os.path.join(root, "wheels")),
+    }
+
+
+def _wheels(top):
+    """Wheel paths relative to wheels/: dependencies at the top, fleetd's under its release."""
+    out = []
+    for dirpath, _dirs, files in os.walk(top):
+        rel = os.path.relpath(dirpath, top)
+        out += [f if rel == "." else f"{rel}/{f}" for f in files if f.endswith(".whl")]
+    return sorted(out)
+
+
+def op_prepare(p):
+    root = _root(p)
+    for d in ("releases", os.path.join("wheels", p["release"])):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    return {"root": root}
+
+
+def op_install(p):
+    """A venv for the release from the uploaded wheels only (--no-index)."""
+    root = _root(p)
+    venv = os.path.join(root, "releases", p["release"])
+    wheels = os.path.join(root, "wheels")
+    marker = os.path.join(venv, ".installed")
+    if os.path.exists(marker):
+        return {"installed": False}
+    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True, capture_output=True)
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", "--no-index",
+           "--find-links", wheels, "--disable-pip-version-check"]
+    for args in (p["requirements"], ["--no-deps", os.path.join(wheels, p["release"], p["wheel"])]):
+        r = subprocess.run(pip + args, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError("pip install: " + (r.stderr.strip().splitlines() or ["failed"])[-1])
+    open(marker, "w").close()
+    return {"installed": True}
+
+
+def op_configure(p):
+    root = _root(p)
+    path = os.path.join(root, "fleetd.toml")
+    try:
+        if open(path).read() == p["config"]:
+            return {"changed": False}
+    except OSError:
+        pass
+    with open(path + ".part", "w") as f:
+        f.write(p["config"])
+    os.replace(path + ".part", path)
+    return {"changed": True}
+
+
+def op_link(p):
+    root = _root(p)
+    tmp = os.path.join(root, "current.part")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(os.path.join("releases", p["release"]), tmp)
+    os.replace(tmp, os.path.join(root, "current"))
+    return {"current": p["release"]}
+
+
+def op_stop(p):
+    root = _root(p)
+    if _use_systemd(p):
+        _systemctl("stop", UNIT)
+    running = _read_pidfile(root)
+    if running is None:
+        return {"stopped": False}
+    os.killpg(running["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + p.get("timeout", 15)
+    while time.monotonic() < deadline and _read_pidfile(root) is not None:
+        time.sleep(0.1)
+    if _read_pidfile(root) is not None:
+        os.killpg(running["pid"], signal.SIGKILL)
+    try:
+        os.unlink(os.path.join(root, "fleetd.pid"))
+    except OSError:
+        pass
+    return {"stopped": True}
+
+
+def op_start(p):
+    root = _root(p)
+    release = p["release"]
+    venv = os.path.join(root, "releases", release)
+    config = os.path.join(root, "fleetd.toml")
+    if _use_systemd(p):
+        unit_dir = "/etc/systemd/system" if os.geteuid() == 0 else os.path.expanduser("~/.config/systemd/user")
+        os.makedirs(unit_dir, exist_ok=True)
+        with open(os.path.join(unit_dir, UNIT), "w") as f:
+            f.write(
+                "[Unit]\nDescription=fleetd ggml RPC server\nAfter=network-online.target\n\n"
+                f"[Service]\nExecStart={root}/current/bin/fleetd --config {config}\n"
+                "Restart=on-failure\nRestartSec=2\n\n[Install]\n"
+                f"WantedBy={'multi-user.target' if os.geteuid() == 0 else 'default.target'}\n"
+            )
+        _systemctl("daemon-reload")
+        _systemctl("enable", UNIT)
+        r = _systemctl("restart", UNIT)
+        if r.returncode != 0:
+            raise RuntimeError("systemctl restart: " + r.stderr.strip())
+        return {"pid": 0, "manager": "systemd"}
+    log = open(os.path.join(root, "fleetd.log"), "ab")
+    proc = subprocess.Popen(
+        [os.path.join(venv, "bin", "python"), "-m", "fleetd.supervise", "--",
+         os.path.join(venv, "bin", "fleetd"), "--config", config],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+    )
+    with open(os.path.join(root, "fleetd.pid.part"), "w") as f:
+        f.write(f"{proc.pid} {release}\n")
+    os.replace(os.path.join(root, "fleetd.pid.part"), os.path.join(root, "fleetd.pid"))
+    return {"pid": proc.pid, "manager": "supervisor"}
+
+
+def _hello(port, timeout):
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
+        data = b""
+        while len(data) < 36:
+            chunk = s.recv(36 - len(data))
+            if not chunk:
+                raise ConnectionError("closed during HELLO")
+            data += chunk
+    size, major, minor, patch, features = struct.unpack("<QBBBB", data[:12])
+    if size != 28:
+        raise ConnectionError(f"HELLO response size {size}")
+    return [major, minor, patch], features
+
+
+def op_health(p):
+    """HELLO on the RPC port, retried until `timeout`; on failure, the log's tail."""
+    root = _root(p)
+    deadline = time.monotonic() + p.get("timeout", 30)
+    last = "no attempt"
+    while time.monotonic() < deadline:
+        try:
+            version, features = _hello(p["port"], 2.0)
+            return {"ok": True, "version": version, "features": features}
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.3)
+    try:
+        tail = open(os.path.join(root, "fleetd.log"), errors="replace").read().splitlines()[-5:]
+    except OSError:
+        tail = []
+    return {"ok": False, "reason": last, "log": tail}
+
+
+def op_logs(p):
+    try:
+        lines = open(os.path.join(_root(p), "fleetd.log"), errors="replace").read().splitlines()
+    except OSError:
+        lines = []
+    return {"lines": lines[-p.get("lines", 50):]}
+
+
+def op_remove_release(p):
+    import shutil
+
+    shutil.rmtree(os.path.join(_root(p), "releases", p["release"]), ignore_errors=True)
+    return {"removed": p["release"]}
+
+
+def op_uninstall(p):
+    import shutil
+
+    op_stop(p)
+    if _use_systemd(p):
+        _systemctl("disable", UNIT)
+    shutil.rmtree(_root(p), ignore_errors=True)
+    return {"removed": _root(p)}
+
+
+OPS = {name[3:]: fn for name, fn in list(globals().items()) if name.startswith("op_")}
+
+
+def main():
+    op, params = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        print(json.dumps({"ok": True, "result": OPS[op](params)}))
+    except Exception as exc:  # reported to fleetctl as one line, never a traceback
+        print(json.dumps({"ok": False, "error": f"{op}: {type(exc).__name__}: {exc}"}))
+
+
+if __name__ == "__main__":
+    main()

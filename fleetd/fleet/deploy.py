@@ -1,0 +1,350 @@
+"""fleetctl deploy: install, configure, start and health-check fleetd on every node.
+
+Per node, each step checks before it acts (fabric's habit), so a second deploy of the same
+build changes nothing and says so:
+
+    check      Python >= 3.11, free disk, the RPC port free or held by our own daemon
+    upload     wheels the node does not have yet (SFTP); nodes need no package index
+    install    a venv per release (<version>-<wheel sha>) from those wheels, --no-index
+    configure  fleetd.toml: ports, devices, peer allow-list = the fleet's own endpoints
+    start      systemd where it runs, else a supervised background process + pid file
+    health     HELLO on the RPC port, then /v1/status through the control API
+
+A failed health check rolls the node back to the release and config it had before (or removes
+the new one if it had none) and reports why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetd import __version__
+from fleetd.errors import FleetError
+from fleetd.fleet import agent
+from fleetd.fleet.node import Fleet, Node
+from fleetd.fleet.remote import Shell, shell_for
+from fleetd.fleet.ssh import NodeError
+
+# What the daemon imports; fleetctl's own dependencies (rich, textual, paramiko) stay off nodes.
+DAEMON_REQUIREMENTS = ["numpy>=1.26", "gguf>=0.17", "prometheus-client>=0.20"]
+MIN_PYTHON = (3, 11)
+MIN_FREE_BYTES = 512 * 1024 * 1024
+HEALTH_TIMEOUT_S = 30.0
+STEPS = ("check", "upload", "install", "configure", "start", "health")
+WHEEL_CACHE = Path.home() / ".cache" / "fleetd" / "wheels"
+
+
+@dataclass(frozen=True)
+class Build:
+    """The wheels a deploy ships: fleetd's own wheel plus the daemon's dependencies."""
+
+    wheel: Path
+    deps: tuple[Path, ...]
+    version: str
+    sha: str
+
+    @property
+    def release(self) -> str:
+        return f"{self.version}-{self.sha[:12]}"
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return (self.wheel, *self.deps)
+
+
+def project_root() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        raise FleetError(f"no pyproject.toml above {__file__}: pass --wheel-dir with a built fleetd wheel")
+    return root
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    # A fixed zip timestamp makes the wheel reproducible: the same source gives the same sha,
+    # so the same release name, so a second deploy is a no-op.
+    env = dict(os.environ, SOURCE_DATE_EPOCH="315532800")
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"],
+                          capture_output=True, text=True, env=env)
+
+
+def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
+    """Build fleetd's wheel from `source` (default: this checkout), or take the one in
+    `wheel_dir`; gather the dependency wheels into a cache (offline first, then the index)."""
+    WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    if wheel_dir is not None:
+        wheels = sorted(Path(wheel_dir).glob("fleetd-*.whl"))
+        if not wheels:
+            raise FleetError(f"--wheel-dir {wheel_dir}: no fleetd-*.whl in it")
+        wheel = wheels[-1]
+    else:
+        out = Path(tempfile.mkdtemp(prefix="fleetd-wheel-"))
+        src = source or project_root()
+        r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src))
+        if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
+            r = _pip("wheel", "--no-deps", "-w", str(out), str(src))
+        if r.returncode != 0:
+            raise FleetError(f"building the fleetd wheel from {src} failed: {r.stderr.strip().splitlines()[-1:]}")
+        wheel = next(out.glob("fleetd-*.whl"))
+    version = wheel.name.split("-")[1]
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    deps_dir = WHEEL_CACHE / "deps"
+    r = _pip("download", "--no-index", "--find-links", str(deps_dir), "-d", str(deps_dir), *DAEMON_REQUIREMENTS)
+    if r.returncode != 0:
+        r = _pip("download", "--only-binary=:all:", "-d", str(deps_dir), *DAEMON_REQUIREMENTS)
+        if r.returncode != 0:
+            raise FleetError(f"downloading daemon dependencies failed: {r.stderr.strip().splitlines()[-1:]}")
+    deps = tuple(sorted(deps_dir.glob("*.whl")))
+    return Build(wheel, deps, version, sha)
+
+
+def default_root(user: str | None) -> str:
+    return "/opt/fleetd" if user == "root" else "~/.local/share/fleetd"
+
+
+def node_config(node: Node, fleet: Fleet) -> str:
+    """fleetd.toml for one node: its ports and devices, peers limited to the fleet's hosts."""
+    s = node.spec
+    peers = sorted({n.spec.host for n in fleet} | {"127.0.0.1"})
+    devices = ", ".join(json.dumps(d) for d in s.devices)
+    return (
+        "# Written by fleetctl deploy; fleetd --config reads it.\n"
+        f'host = "0.0.0.0"\nport = {s.rpc_port}\ncontrol_port = {s.control_port}\n'
+        f"devices = [{devices}]\npeer_allow = [{', '.join(json.dumps(p) for p in peers)}]\n"
+    )
+
+
+@dataclass
+class NodeOutcome:
+    node: str
+    status: str  # deployed | unchanged | rolled-back | failed | planned
+    release: str | None = None
+    previous: str | None = None
+    detail: str = ""
+    steps: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"node": self.node, "status": self.status, "release": self.release,
+                "previous": self.previous, "detail": self.detail, "steps": self.steps}
+
+
+class Agent:
+    """Calls into fleetd.fleet.agent on the node."""
+
+    SOURCE = inspect.getsource(agent)
+
+    def __init__(self, shell: Shell, root: str, python: str = "python3") -> None:
+        self.shell, self.root, self.python = shell, root, python
+
+    def __call__(self, op: str, _timeout: float = 300, **params) -> dict:
+        params["root"] = self.root
+        done = self.shell.python(self.SOURCE, op, json.dumps(params), python=self.python, timeout=_timeout)
+        try:
+            reply = json.loads(done.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise NodeError(f"agent {op}: exit {done.rc}: {(done.stderr or done.stdout).strip()[-200:]}") from None
+        if not reply["ok"]:
+            raise NodeError(reply["error"])
+        return reply["result"]
+
+
+Progress = Callable[[Node, str], None]
+
+
+class Deployer:
+    def __init__(self, fleet: Fleet, build: Build | None, root: str | None = None,
+                 systemd: bool = True, progress: Progress | None = None) -> None:
+        self.fleet = fleet
+        self.build = build
+        self.root = root
+        self.systemd = systemd
+        self.progress = progress or (lambda node, step: None)
+
+    def agent(self, node: Node) -> Agent:
+        return Agent(shell_for(node), self.root or default_root(node.spec.user))
+
+    # -- deploy -----------------------------------------------------------------------------
+
+    def plan(self, node: Node) -> NodeOutcome:
+        """What deploy would do, from a read-only inspection (--dry-run)."""
+        state = self.agent(node)("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
+        steps = self._checks(node, state)
+        b = self.build
+        missing = self._missing_wheels(state)
+        steps["upload"] = f"{len(missing)} wheel(s)" if missing else "nothing to upload"
+        steps["install"] = "exists" if b.release in state["releases"] else f"new venv {b.release}"
+        steps["configure"] = "unchanged" if state["config"] == node_config(node, self.fleet) else "write fleetd.toml"
+        running = state["running"]
+        up_to_date = running and running["release"] == b.release and steps["configure"] == "unchanged"
+        steps["start"] = "already running" if up_to_date else ("restart" if running else "start")
+        return NodeOutcome(node.name, "planned", b.release, state["current"], "", steps)
+
+    def _wheel_path(self, f: Path) -> str:
+        """fleetd's own wheel goes under its release (same file name, other content across
+        builds); dependency wheels are immutable per file name and shared."""
+        return f"wheels/{self.build.release}/{f.name}" if f == self.build.wheel else f"wheels/{f.name}"
+
+    def _missing_wheels(self, state: dict) -> list[Path]:
+        return [f for f in self.build.files if self._wheel_path(f)[len("wheels/"):] not in state["wheels"]]
+
+    def _checks(self, node: Node, state: dict) -> dict:
+        major, minor = (int(x) for x in state["python"].split("."))
+        if (major, minor) < MIN_PYTHON:
+            raise NodeError(f"python3 is {state['python']}, fleetd needs >= {'.'.join(map(str, MIN_PYTHON))}")
+        if state["free_bytes"] < MIN_FREE_BYTES:
+            raise NodeError(f"{state['free_bytes'] >> 20} MiB free, need {MIN_FREE_BYTES >> 20} MiB")
+        if state["port"] == "busy":
+            raise NodeError(f"RPC port {node.spec.rpc_port} is held by another program")
+        return {"check": f"python {state['python']}, {state['free_bytes'] >> 30} GiB free, port {state['port']}"}
+
+    def deploy(self, node: Node) -> NodeOutcome:
+        b = self.build
+        ag = self.agent(node)
+        self.progress(node, "check")
+        state = ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
+        outcome = NodeOutcome(node.name, "deployed", b.release, state["current"])
+        outcome.steps.update(self._checks(node, state))
+        config = node_config(node, self.fleet)
+
+        self.progress(node, "upload")
+        ag("prepare", release=b.release)
+        missing = self._missing_wheels(state)
+        for f in missing:
+            ag.shell.put(f, f"{ag.root}/{self._wheel_path(f)}")
+        outcome.steps["upload"] = f"{len(missing)} wheel(s)"
+
+        self.progress(node, "install")
+        installed = ag("install", release=b.release, wheel=b.wheel.name,
+                       requirements=DAEMON_REQUIREMENTS, _timeout=600)["installed"]
+        outcome.steps["install"] = "new venv" if installed else "exists"
+
+        running = state["running"]
+        if (running and running["release"] == b.release and state["current"] == b.release
+                and state["config"] == config):
+            self.progress(node, "health")
+            health = ag("health", port=node.spec.rpc_port, timeout=5)
+            if health["ok"]:
+                outcome.status = "unchanged"
+                outcome.detail = f"{b.release} already running"
+                outcome.steps.update(configure="unchanged", start="already running", health="ok")
+                return outcome
+
+        self.progress(node, "configure")
+        previous_config = state["config"]
+        outcome.steps["configure"] = "written" if ag("configure", config=config)["changed"] else "unchanged"
+
+        self.progress(node, "start")
+        ag("stop", systemd=self.systemd)
+        ag("link", release=b.release)
+        ag("start", release=b.release, systemd=self.systemd)
+        outcome.steps["start"] = "restarted" if running else "started"
+
+        self.progress(node, "health")
+        problem = self._health(node, ag)
+        if problem is None:
+            outcome.steps["health"] = "ok"
+            return outcome
+        outcome.steps["health"] = problem
+        outcome.detail = self._roll_back(node, ag, state, previous_config, problem)
+        outcome.status = "rolled-back" if state["current"] else "failed"
+        return outcome
+
+    def _health(self, node: Node, ag: Agent) -> str | None:
+        """None when healthy, else the reason."""
+        h = ag("health", port=node.spec.rpc_port, timeout=HEALTH_TIMEOUT_S, _timeout=HEALTH_TIMEOUT_S + 30)
+        if not h["ok"]:
+            log = " | ".join(h["log"][-2:])
+            return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else "")
+        try:
+            status = node.status()
+        except Exception as exc:
+            return f"control API: {exc}"
+        if status.get("version") is None:
+            return "control API: status has no version"
+        return None
+
+    def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str) -> str:
+        b = self.build
+        ag("stop", systemd=self.systemd)
+        if before["current"] is None:
+            ag("remove_release", release=b.release)
+            return f"health check failed, new release removed: {why}"
+        if previous_config is not None:
+            ag("configure", config=previous_config)
+        ag("link", release=before["current"])
+        if before["running"]:
+            ag("start", release=before["current"], systemd=self.systemd)
+            if self._health(node, ag) is not None:
+                return f"health check failed ({why}); previous release {before['current']} did not come back"
+        if b.release != before["current"]:
+            ag("remove_release", release=b.release)
+        return f"health check failed, rolled back to {before['current']}: {why}"
+
+    # -- lifecycle commands -----------------------------------------------------------------
+
+    def current_release(self, node: Node, ag: Agent) -> str:
+        state = ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
+        if state["current"] is None:
+            raise NodeError("fleetd is not deployed here")
+        return state["current"]
+
+    def start(self, node: Node) -> dict:
+        ag = self.agent(node)
+        release = self.current_release(node, ag)
+        if ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)["running"]:
+            return {"status": "already running", "release": release}
+        ag("start", release=release, systemd=self.systemd)
+        problem = self._health(node, ag)
+        if problem:
+            raise NodeError(problem)
+        return {"status": "started", "release": release}
+
+    def stop(self, node: Node) -> dict:
+        stopped = self.agent(node)("stop", systemd=self.systemd)["stopped"]
+        return {"status": "stopped" if stopped else "was not running"}
+
+    def restart(self, node: Node) -> dict:
+        self.stop(node)
+        return self.start(node) | {"status": "restarted"}
+
+    def logs(self, node: Node, lines: int = 50) -> dict:
+        return {"lines": self.agent(node)("logs", lines=lines)["lines"]}
+
+    def uninstall(self, node: Node) -> dict:
+        return {"status": "removed", "root": self.agent(node)("uninstall", systemd=self.systemd)["removed"]}
+
+
+def inventory(fleet: Fleet) -> str:
+    """An Ansible inventory (YAML) for ansible/deploy.yml."""
+    lines = ["fleetd:", "  hosts:"]
+    for n in fleet:
+        s = n.spec
+        lines.append(f"    {json.dumps(n.name)}:")
+        lines.append(f"      ansible_host: {json.dumps(s.host)}")
+        lines.append(f"      ansible_port: {s.ssh_port}")
+        if s.user:
+            lines.append(f"      ansible_user: {json.dumps(s.user)}")
+        if s.is_local:
+            lines.append("      ansible_connection: local")
+        lines.append(f"      fleetd_rpc_port: {s.rpc_port}")
+        lines.append(f"      fleetd_control_port: {s.control_port}")
+        lines.append(f"      fleetd_devices: {json.dumps(','.join(s.devices))}")
+    return "\n".join(lines) + "\n"
+
+
+def clean_build(b: Build) -> None:
+    """Remove a temporary wheel directory made by build()."""
+    if b.wheel.parent.name.startswith("fleetd-wheel-"):
+        shutil.rmtree(b.wheel.parent, ignore_errors=True)
+
+
+__all__ = ["Build", "Deployer", "NodeOutcome", "STEPS", "build", "inventory", "node_config", "__version__"]

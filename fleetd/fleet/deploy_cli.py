@@ -1,0 +1,154 @@
+"""fleetctl deploy | start | stop | restart | logs | uninstall | inventory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from fleetd.fleet.cli import command
+from fleetd.fleet.deploy import STEPS, Deployer, NodeOutcome, build, clean_build, inventory
+from fleetd.fleet.node import Fleet
+from fleetd.fleet.nodes import NODES_FILE_HELP
+from fleetd.fleet.ssh import SshOptions
+
+STATUS_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
+                "rolled-back": "yellow", "failed": "red"}
+
+
+def _fleet_args(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    p.add_argument("nodes", type=Path, help="nodes file (see fleetctl --help)")
+    p.add_argument("--node", action="append", default=[], help="only this node (repeatable)")
+    p.add_argument("--root", help="install directory on nodes (default /opt/fleetd for root, "
+                   "else ~/.local/share/fleetd)")
+    p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
+    p.add_argument("--known-hosts", action="append", default=[], help="extra known_hosts file")
+    p.add_argument("--identity", "-i", action="append", default=[], help="extra SSH private key")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.epilog = NODES_FILE_HELP
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _load(args) -> Fleet:
+    opts = SshOptions(known_hosts=tuple(args.known_hosts), identity=tuple(args.identity))
+    fleet = Fleet.load(args.nodes, opts)
+    return fleet.select(args.node) if args.node else fleet
+
+
+def outcome_table(outcomes: list[NodeOutcome]) -> Table:
+    table = Table(title="fleetctl deploy")
+    for col in ("node", "status", "release", "previous", "steps"):
+        table.add_column(col, overflow="fold")
+    for o in outcomes:
+        style = STATUS_STYLE.get(o.status, "")
+        steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
+        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
+                      "\n".join(x for x in (steps, o.detail) if x))
+    return table
+
+
+def _failed(node, exc: Exception) -> NodeOutcome:
+    return NodeOutcome(node.name, "failed", detail=f"{type(exc).__name__}: {exc}")
+
+
+def cmd_deploy(args) -> int:
+    console = Console(stderr=True)
+    with _load(args) as fleet:
+        with console.status("building wheels"):
+            b = build(source=args.source, wheel_dir=args.wheel_dir)
+        try:
+            with Progress(SpinnerColumn(), TextColumn("{task.fields[node]:<24}"), BarColumn(),
+                          TextColumn("{task.description}"), console=console,
+                          disable=args.json or not console.is_terminal) as progress:
+                tasks = {n: progress.add_task("waiting", total=len(STEPS), node=n.name) for n in fleet}
+
+                def step(node, name):
+                    progress.update(tasks[node], description=name, completed=STEPS.index(name))
+
+                deployer = Deployer(fleet, b, root=args.root, systemd=not args.no_systemd, progress=step)
+                result = fleet.map(deployer.plan if args.dry_run else deployer.deploy)
+                for n in fleet:
+                    progress.update(tasks[n], completed=len(STEPS), description="done")
+        finally:
+            clean_build(b)
+        outcomes = [v if isinstance(v, NodeOutcome) else _failed(n, v) for n, v in result.items()]
+    if args.json:
+        print(json.dumps([o.as_dict() for o in outcomes], indent=2))
+    else:
+        Console().print(outcome_table(outcomes))
+        changed = sum(o.status == "deployed" for o in outcomes)
+        if not args.dry_run and changed == 0 and all(o.status == "unchanged" for o in outcomes):
+            Console().print("nothing changed: every node already runs this build")
+    return 0 if all(o.status in ("deployed", "unchanged", "planned") for o in outcomes) else 1
+
+
+def _configure_deploy(p):
+    _fleet_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
+    p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
+
+
+cmd_deploy.configure = _configure_deploy
+command("deploy", "install, configure, start and health-check fleetd on every node over SSH")(cmd_deploy)
+
+
+def _lifecycle(name: str, help_: str, action, extra=None):
+    def run(args) -> int:
+        with _load(args) as fleet:
+            deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd)
+            fn = getattr(deployer, action)
+            result = fleet.map((lambda n: fn(n, args.lines)) if action == "logs" else fn)
+        rows = {n.name: (v if not isinstance(v, Exception) else {"error": f"{type(v).__name__}: {v}"})
+                for n, v in result.items()}
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif action == "logs":
+            for node, v in rows.items():
+                print(f"==> {node} <==")
+                print("\n".join(v.get("lines", [])) or v.get("error", ""))
+        else:
+            table = Table(title=f"fleetctl {name}")
+            table.add_column("node")
+            table.add_column("result")
+            for node, v in rows.items():
+                table.add_row(node, v.get("error") and f"[red]{v['error']}[/]" or v.get("status", ""))
+            Console().print(table)
+        return 0 if result.ok else 1
+
+    def configure(p):
+        _fleet_args(p)
+        if extra:
+            extra(p)
+
+    run.configure = configure
+    command(name, help_)(run)
+
+
+_lifecycle("start", "start the deployed fleetd on nodes", "start")
+_lifecycle("stop", "stop fleetd on nodes", "stop")
+_lifecycle("restart", "restart fleetd on nodes", "restart")
+_lifecycle("logs", "show the tail of fleetd's log on nodes", "logs",
+           lambda p: p.add_argument("-n", "--lines", type=int, default=50, help="lines per node"))
+_lifecycle("uninstall", "stop fleetd and remove its install directory on nodes", "uninstall")
+
+
+def cmd_inventory(args) -> int:
+    sys.stdout.write(inventory(Fleet.load(args.nodes)))
+    return 0
+
+
+def _configure_inventory(p):
+    p.add_argument("nodes", type=Path, help="nodes file")
+    p.epilog = NODES_FILE_HELP
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+cmd_inventory.configure = _configure_inventory
+command("inventory", "print an Ansible inventory (YAML) for ansible/deploy.yml")(cmd_inventory)

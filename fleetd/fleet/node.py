@@ -1,0 +1,288 @@
+"""Node (one fleetd host: lazy SSH, its control API) and Fleet (a list of nodes, run in parallel).
+
+    fleet = Fleet.load("nodes.txt")
+    result = fleet.map(lambda node: node.status())    # FleetResult: node -> value or exception
+    for node, value in result.items(): ...
+    result.raise_on_failure()                         # FleetFailed, whole result inside
+
+fabric's shapes: `Group(list)` / `GroupResult(dict)` / `GroupException`. One node failing never
+stops the others; per-node outcomes are data and the CLI or TUI renders them.
+
+The control API is reached through an SSH direct-tcpip channel to 127.0.0.1:<control_port>;
+a local node (localhost without a user) is reached over plain loopback TCP. Either way one small
+HTTP/1.1 exchange runs over the stream (`Connection: close`, read to EOF, bounded).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from fleetd import __version__
+from fleetd.errors import ConnectTimeout, FleetError, ReadTimeout
+from fleetd.fleet.nodes import NodeSpec, load_nodes
+from fleetd.fleet.ssh import ControlUnreachable, NodeError, SshOptions, open_ssh, open_tunnel
+
+# Parallel SSH sessions at once: enough for a rack, few enough not to trip sshd's MaxStartups
+# (default 10:30:100 drops unauthenticated connections beyond 10).
+MAX_WORKERS = 8
+# Largest control API answer we read: /v1/stats of a daemon with thousands of sessions is ~1 MiB.
+MAX_RESPONSE = 16 << 20
+
+
+class ControlError(NodeError):
+    """The control API answered with an error status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Replay:
+    """A socket stand-in that lets http.client parse a response we already read whole."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def makefile(self, mode: str) -> io.BytesIO:
+        return io.BytesIO(self._data)
+
+
+def http_exchange(stream, method: str, path: str, body: bytes | None, port: int, timeout: float,
+                  what: str) -> tuple[int, str, bytes]:
+    """One request over a connected stream (socket or paramiko Channel): (status, type, body)."""
+    head = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        f"User-Agent: fleetctl/{__version__}",
+        "Accept: application/json",
+        "Connection: close",
+    ]
+    if body is not None:
+        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    stream.settimeout(timeout)
+    chunks, total = [], 0
+    try:
+        stream.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
+        while True:  # bounded: MAX_RESPONSE bytes, each recv bounded by the timeout
+            data = stream.recv(65536)
+            if not data:
+                break
+            total += len(data)
+            if total > MAX_RESPONSE:
+                raise ControlError(f"{what}: {method} {path}: answer over {MAX_RESPONSE >> 20} MiB")
+            chunks.append(data)
+    except TimeoutError as exc:
+        raise ReadTimeout(f"{what}: {method} {path}: no answer within {timeout:g}s") from exc
+    except OSError as exc:
+        raise ControlUnreachable(f"{what}: {method} {path}: {exc}") from exc
+    resp = http.client.HTTPResponse(_Replay(b"".join(chunks)), method=method)
+    try:
+        resp.begin()
+        data = resp.read()
+    except (http.client.HTTPException, ValueError) as exc:
+        got = "nothing" if not total else f"{total} bytes that are not HTTP"
+        raise ControlUnreachable(f"{what}: {method} {path}: got {got} ({type(exc).__name__})") from exc
+    return resp.status, resp.getheader("Content-Type", ""), data
+
+
+class Node:
+    """One fleetd host. SSH connects on first use (fabric's lazy `open()`), once, under a lock."""
+
+    def __init__(self, spec: NodeSpec, ssh: SshOptions | None = None) -> None:
+        self.spec = spec
+        self.ssh_options = ssh or SshOptions()
+        self._client = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.spec.target
+
+    @property
+    def is_local(self) -> bool:
+        return self.spec.is_local
+
+    def __repr__(self) -> str:
+        s = self.spec
+        extra = f" user={s.user}" if s.user else ""
+        extra += f" port={s.ssh_port}" if s.ssh_port != 22 else ""
+        return f"<Node {self.name} host={s.host}{extra} control_port={s.control_port}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Node) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    # -- connections ------------------------------------------------------------------------
+
+    def ssh(self):
+        """The connected paramiko SSHClient (connects on first use, reconnects when lost)."""
+        with self._lock:
+            c = self._client
+            if c is not None and (c.get_transport() is None or not c.get_transport().is_active()):
+                c.close()
+                c = self._client = None
+            if c is None:
+                c = self._client = open_ssh(self.spec, self.ssh_options)
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def _open_control(self):
+        port = self.spec.control_port
+        t = self.ssh_options.connect_timeout
+        if self.is_local:
+            try:
+                return socket.create_connection(("127.0.0.1", port), timeout=t)
+            except TimeoutError as exc:
+                raise ConnectTimeout(f"control API 127.0.0.1:{port}: no answer within {t:g}s") from exc
+            except OSError as exc:
+                raise ControlUnreachable(
+                    f"control API 127.0.0.1:{port}: {(exc.strerror or str(exc)).lower()}: "
+                    f"is fleetd running with --control-port {port}?"
+                ) from exc
+        return open_tunnel(self.ssh(), self.spec, port, t)
+
+    # -- the control API --------------------------------------------------------------------
+
+    def request(self, method: str, path: str, doc: Any = None) -> tuple[int, str, bytes]:
+        body = None if doc is None else json.dumps(doc).encode()
+        stream = self._open_control()
+        try:
+            return http_exchange(stream, method, path, body, self.spec.control_port,
+                                 self.ssh_options.timeout, self.name)
+        finally:
+            stream.close()
+
+    def call(self, method: str, path: str, doc: Any = None) -> dict:
+        """A JSON request; an error status raises ControlError with the daemon's message."""
+        status, ctype, data = self.request(method, path, doc)
+        try:
+            answer = json.loads(data) if "json" in ctype else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ControlError(f"{self.name}: {method} {path}: answer is not JSON: {exc}", status) from exc
+        if status >= 400:
+            msg = answer.get("error") if isinstance(answer, dict) else None
+            raise ControlError(f"{self.name}: {method} {path}: HTTP {status}: {msg or data[:200]!r}", status)
+        if not isinstance(answer, dict):
+            raise ControlError(f"{self.name}: {method} {path}: expected a JSON object, got {ctype or 'no type'}", status)
+        return answer
+
+    def status(self) -> dict:
+        return self.call("GET", "/v1/status")
+
+    def stats(self) -> dict:
+        return self.call("GET", "/v1/stats")
+
+    def reset_stats(self) -> dict:
+        return self.call("POST", "/v1/stats/reset")
+
+    def p2p(self) -> dict:
+        return self.call("GET", "/v1/p2p")
+
+    def set_p2p(self, enabled: bool) -> dict:
+        return self.call("PUT", "/v1/p2p", {"enabled": bool(enabled)})
+
+    def metrics(self) -> str:
+        status, _, data = self.request("GET", "/metrics")
+        if status != 200:
+            raise ControlError(f"{self.name}: GET /metrics: HTTP {status}", status)
+        return data.decode()
+
+
+class FleetResult(dict):
+    """node -> value, or node -> the exception its call raised (fabric's GroupResult)."""
+
+    @property
+    def succeeded(self) -> dict:
+        return {n: v for n, v in self.items() if not isinstance(v, BaseException)}
+
+    @property
+    def failed(self) -> dict:
+        return {n: v for n, v in self.items() if isinstance(v, BaseException)}
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def raise_on_failure(self) -> FleetResult:
+        if self.failed:
+            raise FleetFailed(self)
+        return self
+
+
+class FleetFailed(FleetError):
+    """Raised at the edge with the whole result inside: "2 of 5 nodes failed: n3 ConnectTimeout"."""
+
+    def __init__(self, result: FleetResult) -> None:
+        self.result = result
+        failed = result.failed
+        parts = ", ".join(f"{n.name} {type(e).__name__}" for n, e in failed.items())
+        super().__init__(f"{len(failed)} of {len(result)} nodes failed: {parts}")
+
+
+class Fleet(list):
+    """A list of Nodes; `map` runs a function on every node in a bounded thread pool."""
+
+    def __init__(self, nodes: Iterable[Node] = ()) -> None:
+        super().__init__(nodes)
+
+    @classmethod
+    def load(cls, path: str | Path, ssh: SshOptions | None = None) -> Fleet:
+        return cls(Node(spec, ssh) for spec in load_nodes(path))
+
+    def select(self, names: Iterable[str]) -> Fleet:
+        """The nodes named (by name, host or [user@]host[:port]); FleetError for unknown names."""
+        out = []
+        for want in names:
+            hits = [n for n in self if want in (n.name, n.spec.host, n.spec.target)]
+            if not hits:
+                have = ", ".join(n.name for n in self)
+                raise FleetError(f"no node named {want!r} (have: {have})")
+            out += [n for n in hits if n not in out]
+        return Fleet(out)
+
+    def map(self, fn: Callable[[Node], Any], workers: int = MAX_WORKERS) -> FleetResult:
+        """fn(node) on every node at once (at most `workers` threads); never raises for a node."""
+
+        def one(node: Node):
+            try:
+                return fn(node)
+            except Exception as exc:  # kept in the result, rendered by the caller
+                return _Failed(exc)
+
+        if not self:
+            return FleetResult()
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(self))), thread_name_prefix="fleet") as pool:
+            values = list(pool.map(one, self))
+        return FleetResult((n, v.exc if isinstance(v, _Failed) else v) for n, v in zip(self, values, strict=True))
+
+    def close(self) -> None:
+        for n in self:
+            n.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Failed:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc

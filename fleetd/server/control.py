@@ -1,0 +1,390 @@
+"""The loopback control API: JSON status, stats and the P2P switch, plus Prometheus /metrics.
+
+    GET  /v1/status        version, protocol and feature bits, devices, uptime, sessions, P2P
+    GET  /v1/stats         per command count / request bytes / response bytes, graph computes,
+                           compute seconds, peer copies and fallbacks; per session and in total
+    POST /v1/stats/reset   zero every counter (live sessions and closed ones)
+    GET  /v1/p2p           {"enabled": bool, "served": bool}
+    PUT  /v1/p2p           body {"enabled": bool}: switch peer copy at runtime
+    GET  /metrics          Prometheus text exposition from the daemon's own CollectorRegistry
+
+/metrics (counters get `_total` on exposition; every command has a series from the start):
+fleetd_rpc_commands_total{command}, fleetd_rpc_request_bytes_total{command},
+fleetd_rpc_response_bytes_total{command}, fleetd_graph_computes_total,
+fleetd_graph_compute_seconds_total, fleetd_peer_copies_total, fleetd_peer_pushed_bytes_total,
+fleetd_peer_confirmed_bytes_total, fleetd_peer_links_opened_total,
+fleetd_peer_copy_fallbacks_total{reason}, and the gauges fleetd_sessions, fleetd_p2p_enabled,
+fleetd_uptime_seconds.
+
+It binds 127.0.0.1 only: fleetctl and the TUI reach it through an SSH direct-tcpip channel, so a
+node exposes nothing beyond its RPC port. A browser on the node is kept out too: a request with
+an Origin header, or a Host header that is not a loopback name, gets 403 (DNS rebinding and
+cross-site POSTs). Every failure is a JSON answer `{"error": "..."}` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fleetd import __version__
+from fleetd.server.stats import COMMAND_BYTES, CommandCounters
+from fleetd.wire import PROTOCOL_VERSION, Feature, cmd_name
+
+if TYPE_CHECKING:
+    from fleetd.server.daemon import Server
+
+log = logging.getLogger("fleetd.control")
+
+CONTROL_HOST = "127.0.0.1"
+# Request bodies are tiny JSON objects ({"enabled": true}); anything bigger is a mistake.
+MAX_BODY = 4096
+# An idle keep-alive connection is dropped after this many seconds, so stop() leaves no reader.
+IDLE_TIMEOUT = 30.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+
+
+class HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+# -- the documents -----------------------------------------------------------------------------
+
+
+def _bytes_moved(c: CommandCounters) -> tuple[int, int]:
+    return sum(c.request_bytes.values()), sum(c.response_bytes.values())
+
+
+def _peer_stats(server: Server) -> dict | None:
+    # The peer-copy extension adds server.peer_stats (copies, bytes, fallbacks by reason).
+    ps = getattr(server, "peer_stats", None)
+    return ps.as_dict() if ps is not None else None
+
+
+def status_doc(server: Server) -> dict:
+    now = time.time()
+    features = server.features()
+    sessions = []
+    for s in sorted(server.sessions(), key=lambda s: s.id):
+        rx, tx = _bytes_moved(s.counters)
+        sessions.append({
+            "id": s.id,
+            "peer": s.peer,
+            "started": s.started,
+            "age_seconds": round(now - s.started, 3),
+            "commands": sum(s.counters.count.values()),
+            "request_bytes": rx,
+            "response_bytes": tx,
+        })
+    host, port = getattr(server, "address", (server.config.host, server.config.port))[:2]
+    return {
+        "version": __version__,
+        "protocol": ".".join(map(str, PROTOCOL_VERSION)),
+        "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
+        "rpc": {"host": host, "port": port},
+        "devices": [
+            {"index": i, "name": d.name, "free": free, "total": total}
+            for i, d in enumerate(server.devices)
+            for free, total in [d.memory()]
+        ],
+        "started": server.started,
+        "uptime_seconds": round(now - server.started, 3),
+        "p2p": p2p_doc(server),
+        "sessions": sessions,
+    }
+
+
+def stats_doc(server: Server, reset_at: float) -> dict:
+    sessions = []
+    for s in sorted(server.sessions(), key=lambda s: s.id):
+        sessions.append({"id": s.id, "peer": s.peer, "started": s.started, **s.counters.as_dict()})
+    return {
+        "since": reset_at,
+        "total": server.total_counters().as_dict(),
+        "peer": _peer_stats(server),
+        "sessions": sessions,
+    }
+
+
+def p2p_doc(server: Server) -> dict:
+    return {"enabled": bool(server.p2p_enabled), "served": bool(server.peer_copy_served)}
+
+
+# -- /metrics ----------------------------------------------------------------------------------
+
+
+class FleetdCollector:
+    """Reads the daemon's counters at scrape time (prometheus_client's custom collector).
+
+    Label values come from closed sets only: command names and fallback reasons.
+    """
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on what the daemon serves; no describe-time checks
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server
+        total = server.total_counters()
+        families = (
+            ("fleetd_rpc_commands", "RPC commands served", total.count),
+            ("fleetd_rpc_request_bytes", "RPC request bytes received, framing included", total.request_bytes),
+            ("fleetd_rpc_response_bytes", "RPC response bytes sent, framing included", total.response_bytes),
+        )
+        for name, doc, values in families:
+            fam = CounterMetricFamily(name, doc, labels=["command"])
+            for c in COMMAND_BYTES:  # zeros for every command: series exist before first use
+                fam.add_metric([cmd_name(c)], values[c])
+            yield fam
+        yield CounterMetricFamily("fleetd_graph_computes", "graphs computed", value=total.graph_computes)
+        yield CounterMetricFamily(
+            "fleetd_graph_compute_seconds", "seconds spent computing graphs", value=total.compute_seconds
+        )
+        # server.peer_stats (fleetd.server.peer.PeerStats): totals, fallbacks by closed reason set
+        peer = _peer_stats(server) or {}
+        yield CounterMetricFamily(
+            "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer.get("copies_ok", 0)
+        )
+        yield CounterMetricFamily(
+            "fleetd_peer_pushed_bytes", "bytes pushed to peers by COPY_TENSOR_TO, landed or not",
+            value=peer.get("bytes_pushed", 0),
+        )
+        yield CounterMetricFamily(
+            "fleetd_peer_confirmed_bytes", "bytes pushed to peers whose PEER_BARRIER answered 1",
+            value=peer.get("bytes_confirmed", 0),
+        )
+        yield CounterMetricFamily("fleetd_peer_links_opened", "connections opened to peers", value=peer.get("links_opened", 0))
+        fam = CounterMetricFamily(
+            "fleetd_peer_copy_fallbacks", "COPY_TENSOR_TO answered 0 (the client falls back), by reason",
+            labels=["reason"],
+        )
+        for reason, n in (peer.get("fallbacks") or {}).items():
+            fam.add_metric([str(reason)], n)
+        yield fam
+        yield GaugeMetricFamily("fleetd_sessions", "RPC connections open now", value=len(server.sessions()))
+        yield GaugeMetricFamily("fleetd_p2p_enabled", "1 when peer copy is switched on", value=int(server.p2p_enabled))
+        yield GaugeMetricFamily(
+            "fleetd_uptime_seconds", "seconds since the daemon started", value=time.time() - server.started
+        )
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+Route = Callable[["ControlAPI", "_Handler"], tuple[HTTPStatus, dict]]
+
+
+def _get_status(api: ControlAPI, req: _Handler):
+    return HTTPStatus.OK, status_doc(api.server)
+
+
+def _get_stats(api: ControlAPI, req: _Handler):
+    return HTTPStatus.OK, stats_doc(api.server, api.reset_at)
+
+
+def _post_stats_reset(api: ControlAPI, req: _Handler):
+    req.read_body()  # an optional body is read and ignored
+    api.reset_stats()
+    return HTTPStatus.OK, {"reset": True, "since": api.reset_at}
+
+
+def _get_p2p(api: ControlAPI, req: _Handler):
+    return HTTPStatus.OK, p2p_doc(api.server)
+
+
+def _put_p2p(api: ControlAPI, req: _Handler):
+    body = req.read_json()
+    enabled = body.get("enabled") if isinstance(body, dict) else None
+    if not isinstance(enabled, bool) or set(body) != {"enabled"}:
+        raise HttpError(HTTPStatus.BAD_REQUEST, 'PUT /v1/p2p: expected {"enabled": true|false}')
+    was = bool(api.server.p2p_enabled)
+    api.server.set_p2p(enabled)
+    if was != enabled:
+        log.info("control: P2P switched %s", "on" if enabled else "off")
+    return HTTPStatus.OK, {**p2p_doc(api.server), "was": was}
+
+
+ROUTES: dict[str, dict[str, Route]] = {
+    "/v1/status": {"GET": _get_status},
+    "/v1/stats": {"GET": _get_stats},
+    "/v1/stats/reset": {"POST": _post_stats_reset},
+    "/v1/p2p": {"GET": _get_p2p, "PUT": _put_p2p},
+    "/metrics": {"GET": None},  # text, served by _Handler._metrics
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"fleetd/{__version__}"
+    timeout = IDLE_TIMEOUT
+    api: ControlAPI  # set on the subclass ControlAPI makes
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            self._check_origin()
+            routes = ROUTES.get(path)
+            if routes is None:
+                raise HttpError(HTTPStatus.NOT_FOUND, f"{method} {path}: no such resource (have: {', '.join(ROUTES)})")
+            if method not in routes:
+                allow = ", ".join(routes)
+                raise HttpError(
+                    HTTPStatus.METHOD_NOT_ALLOWED, f"{method} {path}: method not allowed (allowed: {allow})",
+                    {"Allow": allow},
+                )
+            if path == "/metrics":
+                self._send(HTTPStatus.OK, generate_latest(self.api.registry), CONTENT_TYPE_LATEST)
+                return
+            status, doc = routes[method](self.api, self)
+            self._send_json(status, doc)
+        except HttpError as exc:
+            self._send_json(exc.status, {"error": str(exc)}, exc.headers)
+        except Exception:
+            log.exception("control: %s %s failed", method, path)
+            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{method} {path}: internal error, see the daemon log"})
+
+    def _check_origin(self) -> None:
+        if self.headers.get("Origin") is not None:
+            raise HttpError(HTTPStatus.FORBIDDEN, "control API: cross-origin requests refused")
+        host = self.headers.get("Host")
+        if host is not None:
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in LOOPBACK_HOSTS:
+                raise HttpError(HTTPStatus.FORBIDDEN, f"control API: Host {host!r} is not a loopback name")
+
+    def read_body(self) -> bytes:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            if self.headers.get("Transfer-Encoding"):
+                raise HttpError(HTTPStatus.LENGTH_REQUIRED, "control API: chunked bodies not accepted, send Content-Length")
+            return b""
+        if not raw.strip().isdigit():
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"control API: Content-Length {raw!r} is not a number")
+        n = int(raw)
+        if n > MAX_BODY:
+            self.close_connection = True  # the body stays unread
+            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"control API: body of {n} bytes over the {MAX_BODY}-byte limit")
+        body = self.rfile.read(n)
+        if len(body) != n:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"control API: body ended after {len(body)} of {n} bytes")
+        return body
+
+    def read_json(self):
+        body = self.read_body()
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body is not JSON: {exc}") from exc
+
+    def _send_json(self, status: HTTPStatus, doc: dict, headers: dict[str, str] | None = None) -> None:
+        self._send(status, (json.dumps(doc) + "\n").encode(), "application/json", headers)
+
+    def _send(self, status: HTTPStatus, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code, message=None, explain=None) -> None:
+        # The stdlib's own parse errors (bad request line, header too long): JSON, like ours.
+        self.close_connection = True
+        try:
+            self._send_json(HTTPStatus(code), {"error": f"control API: {message or HTTPStatus(code).phrase}"})
+        except OSError:
+            pass
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("control %s: %s", self.address_string(), format % args)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class ControlAPI:
+    """The HTTP server over one daemon. `port=0` picks a free port, read back from `.port`."""
+
+    def __init__(self, server: Server, port: int) -> None:
+        if not 0 <= port < 65536:
+            raise ValueError(f"control API: port {port} outside 0..65535")
+        self.server = server
+        self.host = CONTROL_HOST  # never configurable: the API is reached through SSH
+        self.requested_port = port
+        self.port: int | None = None
+        self.reset_at = time.time()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(FleetdCollector(server))
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"<ControlAPI {self.host}:{self.port or self.requested_port}>"
+
+    def start(self) -> None:
+        handler = type("Handler", (_Handler,), {"api": self})
+        try:
+            self._httpd = _HTTPServer((self.host, self.requested_port), handler)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"control API {self.host}:{self.requested_port}: {exc.strerror} "
+                "(another fleetd on this host? give each its own --control-port; 0 disables it)"
+            ) from exc
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="fleetd-control", daemon=True
+        )
+        self._thread.start()
+        log.info("control API on http://%s:%d", self.host, self.port)
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._httpd = None
+
+    def reset_stats(self) -> None:
+        self.server.stats.reset([s.counters for s in self.server.sessions()])
+        ps = getattr(self.server, "peer_stats", None)
+        if ps is not None:
+            if hasattr(ps, "reset"):
+                ps.reset()
+            else:  # PeerStats without reset(): start it afresh (a racing update may be lost)
+                ps.__init__()
+        self.reset_at = time.time()

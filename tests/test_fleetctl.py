@@ -1,0 +1,328 @@
+"""fleetctl status / stats / p2p against real daemons through a real sshd on loopback.
+
+Two in-process fleetd servers with their own control ports; the nodes file names them as
+`root@127.0.0.1:<sshd port>`, so every control request rides a paramiko direct-tcpip channel
+through sshd (host key checked against a generated known_hosts, key auth with a generated key).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from conftest import REPO, free_port
+from fleetd.client import RpcClient
+from fleetd.errors import FleetError
+from fleetd.fleet.cli import main
+from fleetd.fleet.commands import down_text, stats_table, status_table
+from fleetd.fleet.node import Fleet, FleetFailed, Node
+from fleetd.fleet.nodes import NodeSpec, parse_nodes
+from fleetd.fleet.ssh import SshOptions
+from fleetd.transport.tcp import Timeout
+from fleetd.wire import Feature, GgmlType, RpcTensor, contiguous_strides
+
+pytestmark = pytest.mark.timeout(120)
+
+BOUNDED = Timeout(connect=5.0, read=30.0)
+
+
+def ep(srv) -> str:
+    return f"127.0.0.1:{srv.address[1]}"
+
+
+@pytest.fixture
+def fleet2(fleetd_server, ssh_server, tmp_path):
+    """Two daemons (a, b) and a nodes file that reaches both through sshd; yields (a, b, args)."""
+    a = fleetd_server(control_port=0)
+    b = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(
+        "# two fleetd daemons behind one sshd\n\n"
+        f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='a')}\n"
+        f"{ssh_server.node_line(rpc_port=b.address[1], control_port=b.control.port, name='b')}  # second\n"
+    )
+    args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts),
+            "--connect-timeout", "5", "--timeout", "20"]
+    return a, b, args
+
+
+def run_json(capsys, *argv) -> tuple[int, dict]:
+    rc = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def put_tensor(client: RpcClient, nbytes: int = 4096) -> None:
+    ptr, _ = client.alloc_buffer(nbytes)
+    base = client.buffer_get_base(ptr)
+    ne = (nbytes // 4, 1, 1, 1)
+    t = RpcTensor(id=1, type=GgmlType.F32, buffer=ptr, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base)
+    client.set_tensor(t, np.ones(nbytes // 4, dtype=np.float32))
+    client.get_tensor(t, 0, 16)  # a response: the SET_TENSOR before it has been served and counted
+
+
+# -- through sshd ------------------------------------------------------------------------------
+
+
+def test_status_and_stats_of_two_nodes_through_ssh(fleet2, ssh_server, capsys):
+    a, b, args = fleet2
+    with RpcClient(ep(a), BOUNDED) as c:
+        put_tensor(c)
+        local = "{}:{}".format(*c.sock.getsockname()[:2])
+        rc, doc = run_json(capsys, "status", *args)
+        assert rc == 0
+        assert list(doc) == ["a", "b"]
+        sa, sb = doc["a"]["status"], doc["b"]["status"]
+        assert (sa["rpc"]["port"], sb["rpc"]["port"]) == (a.address[1], b.address[1])
+        assert [s["peer"] for s in sa["sessions"]] == [local] and sb["sessions"] == []
+        assert sa["p2p"]["enabled"] is True and sa["protocol"] == "7.0.0"
+
+        rc, doc = run_json(capsys, "stats", *args)
+        assert rc == 0
+        ca, cb = doc["a"]["stats"]["total"]["commands"], doc["b"]["stats"]["total"]["commands"]
+        assert ca["SET_TENSOR"]["count"] == 1 and ca["SET_TENSOR"]["request_bytes"] == 9 + 296 + 1 + 8 + 4096
+        assert cb["SET_TENSOR"]["count"] == 0 and cb["HELLO"]["count"] == 0
+        [session] = doc["a"]["stats"]["sessions"]
+        assert session["peer"] == local and session["commands"]["SET_TENSOR"]["count"] == 1
+
+        assert main(["status", *args]) == 0  # the rich tables
+        out = capsys.readouterr().out
+        assert "a" in out and "b" in out and out.count(" up ") >= 2 and local in out
+        assert main(["stats", *args]) == 0
+        out = capsys.readouterr().out
+        assert "SET_TENSOR" in out and "down" not in out
+    # It went through sshd: our key was accepted there.
+    assert "Accepted publickey" in ssh_server.log.read_text()
+
+
+def test_p2p_switch_through_ssh(fleet2, capsys):
+    a, b, args = fleet2
+    rc, doc = run_json(capsys, "p2p", "off", *args, "--node", "a")
+    assert rc == 0 and list(doc) == ["a"]
+    assert doc["a"]["p2p"] == {"enabled": False, "served": True, "was": True}
+    assert a.p2p_enabled is False and b.p2p_enabled is True
+    with RpcClient(ep(a), BOUNDED) as c:  # the HELLO bit is gone for new connections
+        assert not c.features & Feature.PEER_COPY
+
+    rc, doc = run_json(capsys, "p2p", "status", *args)
+    assert rc == 0 and {n: v["p2p"]["enabled"] for n, v in doc.items()} == {"a": False, "b": True}
+
+    assert main(["p2p", "on", *args]) == 0
+    assert "on" in capsys.readouterr().out
+    assert a.p2p_enabled is True and b.p2p_enabled is True
+
+    assert main(["p2p", "off", *args, "--node", "nosuch"]) == 1
+    assert "FleetError: no node named 'nosuch' (have: a, b)" in capsys.readouterr().err
+    assert a.p2p_enabled is True
+
+
+def test_metrics_through_ssh_match_stats(fleet2, ssh_server):
+    a, _, args = fleet2
+    with RpcClient(ep(a), BOUNDED) as c:
+        put_tensor(c, 8192)
+    fleet = Fleet.load(args[0], SshOptions(identity=(str(ssh_server.identity),),
+                                           known_hosts=(str(ssh_server.known_hosts),), connect_timeout=5))
+    with fleet:
+        node = fleet.select(["a"])[0]
+        assert not node.is_local
+        # Wait (bounded) until the closed session has been folded into the totals.
+        for _ in range(200):
+            stats = node.stats()
+            if not stats["sessions"]:
+                break
+        text = node.metrics()
+        assert node.stats()["total"] == stats["total"]  # nothing moved in between
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text) for s in fam.samples
+    }
+    for cmd, v in stats["total"]["commands"].items():
+        assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v["count"]
+        assert samples[("fleetd_rpc_request_bytes_total", (("command", cmd),))] == v["request_bytes"]
+        assert samples[("fleetd_rpc_response_bytes_total", (("command", cmd),))] == v["response_bytes"]
+    assert stats["total"]["commands"]["SET_TENSOR"]["count"] == 1
+    for reason, n in stats["peer"]["fallbacks"].items():
+        assert samples[("fleetd_peer_copy_fallbacks_total", (("reason", reason),))] == n
+
+
+def test_down_nodes_show_their_reason(fleetd_server, ssh_server, tmp_path, capsys):
+    a = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(
+        f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='good')}\n"
+        f"{ssh_server.node_line(control_port=free_port(), name='nocontrol')}\n"
+        f"{ssh_server.user}@127.0.0.1:{free_port()} name=nossh\n"
+        f"{ssh_server.user}@localhost:{ssh_server.port} name=unknownkey\n"  # known_hosts has 127.0.0.1 only
+    )
+    args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts),
+            "--connect-timeout", "5"]
+    rc, doc = run_json(capsys, "status", *args)
+    assert rc == 1
+    assert doc["good"]["up"] is True
+    assert doc["nocontrol"]["up"] is False and doc["nocontrol"]["error"].startswith("ControlUnreachable:")
+    assert "channel to 127.0.0.1:" in doc["nocontrol"]["error"]
+    assert doc["nossh"]["up"] is False and doc["nossh"]["error"].startswith("SshError:")
+    assert "refused" in doc["nossh"]["error"]
+    assert doc["unknownkey"]["up"] is False and "not in known_hosts" in doc["unknownkey"]["error"]
+
+    rc = main(["status", *args])
+    captured = capsys.readouterr()
+    assert rc == 1
+    out = " ".join(captured.out.split())  # rich wraps at 80 columns without a terminal
+    assert out.count("│ down ") == 3 and out.count(": down: ") == 3  # three rows, three reason lines
+    assert "unknownkey: down: SshError: ssh root@localhost:" in out.replace(ssh_server.user + "@", "root@")
+    assert "host key not in known_hosts" in out
+    assert captured.err.strip() == (
+        "FleetFailed: 3 of 4 nodes failed: nocontrol ControlUnreachable, nossh SshError, unknownkey SshError"
+    )
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_fleetctl_as_a_subprocess(fleet2):
+    a, b, args = fleet2
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160")
+    code = "import sys; from fleetd.cli import fleetctl_main; sys.exit(fleetctl_main())"
+    proc = subprocess.run([sys.executable, "-c", code, "status", *args, "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["b"]["status"]["rpc"]["port"] == b.address[1]
+    proc = subprocess.run([sys.executable, "-c", code, "p2p", "off", *args, "--node", "b"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert b.p2p_enabled is False and a.p2p_enabled is True
+
+
+def test_stats_watch_is_bounded_by_count(fleet2, capsys):
+    a, _, args = fleet2
+    assert main(["stats", *args, "--watch", "--count", "3", "--interval", "0.05", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3
+    assert all(set(json.loads(line)["nodes"]) == {"a", "b"} for line in lines)
+    assert main(["stats", *args, "--watch", "--count", "2", "--interval", "0.05"]) == 0
+    assert "RPC commands" in capsys.readouterr().out
+
+
+def test_flip_p2p_while_a_pipeline_runs(fleet2, capsys):
+    """The pipeline moves from the direct path to the hub path within one step, outputs unchanged."""
+    pipeline = pytest.importorskip("fleetd.pipeline")
+    a, b, args = fleet2
+    rows, n_embd, steps = 4, 64, 6
+    with pipeline.Pipeline([ep(a), ep(b)], 2, rows, n_embd, p2p=False, timeout=BOUNDED, stats=False) as p:
+        reference = [r.md5 for r in p.run(steps)]
+    results = []
+    with pipeline.Pipeline([ep(a), ep(b)], 2, rows, n_embd, p2p=True, timeout=BOUNDED, stats=False) as p:
+        results += p.run(2)
+        assert main(["p2p", "off", *args, "--node", "a"]) == 0  # a is the source of the boundary
+        results += p.run(2)
+        assert main(["p2p", "on", *args, "--node", "a"]) == 0
+        results += p.run(2)
+    capsys.readouterr()
+    assert [(r.direct, r.fallbacks) for r in results] == [(1, 0), (1, 0), (0, 1), (0, 1), (1, 0), (1, 0)]
+    assert [r.md5 for r in results] == reference
+    assert a.peer_stats.as_dict()["fallbacks"]["disabled"] == 2
+
+
+# -- a local node, formatters, the nodes file --------------------------------------------------
+
+
+def test_local_node_without_ssh(fleetd_server, tmp_path, capsys):
+    a = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={a.address[1]} control_port={a.control.port}\n")
+    node = Node(parse_nodes(nodes.read_text())[0])
+    assert node.is_local
+    assert node.status()["rpc"]["port"] == a.address[1]
+    assert node._client is None  # no SSH was opened
+    rc, doc = run_json(capsys, "p2p", "off", str(nodes))
+    assert rc == 0 and doc["localhost"]["p2p"]["enabled"] is False and a.p2p_enabled is False
+
+
+def test_formatters_render_down_nodes_without_a_terminal(fleetd_server):
+    a = fleetd_server(control_port=0)
+    node = Node(NodeSpec("localhost", control_port=a.control.port, name="n1"))
+    answers = {"n1": node.status(), "n2": FleetError("ssh root@10.9.9.9:22: no route to host")}
+    console = Console(record=True, width=200, color_system=None)
+    console.print(status_table(answers))
+    text = console.export_text()
+    assert "n1" in text and " up " in text and f":{a.address[1]}" in text
+    assert [line.split()[:2] for line in text.splitlines() if "n2" in line] == [["│", "n2"]]
+    assert "down" in text
+    assert down_text(answers).plain == "n2: down: FleetError: ssh root@10.9.9.9:22: no route to host"
+    assert down_text({"n1": answers["n1"]}) is None
+    console.print(stats_table({"n1": node.stats(), "n2": answers["n2"]}))
+    assert "all" in console.export_text()
+
+
+def test_fleet_map_keeps_going_when_a_node_fails():
+    specs = parse_nodes("h1 name=ok\nh2 name=bad\nh3 name=ok2\n")
+    fleet = Fleet(Node(s) for s in specs)
+
+    def fn(node):
+        if node.name == "bad":
+            raise FleetError("boom")
+        return node.name.upper()
+
+    result = fleet.map(fn)
+    assert list(result.values())[0] == "OK" and list(result.values())[2] == "OK2"
+    assert [n.name for n in result.failed] == ["bad"]
+    with pytest.raises(FleetFailed, match=r"^1 of 3 nodes failed: bad FleetError$"):
+        result.raise_on_failure()
+
+
+def test_nodes_file_format():
+    specs = parse_nodes(
+        "# comment\n\n"
+        "gpu1\n"
+        "root@10.0.0.2:2222 rpc_port=50053 control_port=7000 devices=cuda:0,cuda:1  # trailing\n"
+        "  [fe80::1]:22 name=edge\n"
+        "10.0.0.3 rpc_port=1\n10.0.0.3 rpc_port=2\n"
+        "localhost\n127.0.0.1:2200\n"
+    )
+    by = {s.name: s for s in specs}
+    assert list(by) == ["gpu1", "10.0.0.2:2222", "edge", "10.0.0.3/1", "10.0.0.3/2", "localhost", "127.0.0.1:2200"]
+    s = by["10.0.0.2:2222"]
+    assert (s.user, s.host, s.ssh_port, s.rpc_port, s.control_port, s.devices, s.line) == (
+        "root", "10.0.0.2", 2222, 50053, 7000, ("cuda:0", "cuda:1"), 4)
+    assert by["gpu1"] .ssh_port == 22 and by["gpu1"].rpc_port == 50052 and by["gpu1"].control_port == 50152
+    assert by["edge"].host == "fe80::1" and by["edge"].target == "[fe80::1]"
+    assert by["localhost"].is_local and not by["127.0.0.1:2200"].is_local and not by["gpu1"].is_local
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("gpu1 rpc_port=70000", "nodes.txt:3: rpc_port '70000' is not a port in 1..65535"),
+        ("gpu1 rpc_port", "nodes.txt:3: expected key=value after the host, got 'rpc_port'"),
+        ("gpu1 colour=blue", "nodes.txt:3: unknown key 'colour' (known: rpc_port, control_port, devices, name)"),
+        ("@gpu1", "nodes.txt:3: empty user name before '@'"),
+        ("gpu1:ssh", "nodes.txt:3: ssh port 'ssh' is not a port in 1..65535"),
+        ("fe80::1", "nodes.txt:3: ssh port ':1' is not a port"),
+        ("[fe80::1", "nodes.txt:3: unclosed '['"),
+        ("gpu1 devices=", "nodes.txt:3: devices '': expected e.g. cpu or cuda:0,cuda:1"),
+        ("gpu1 rpc_port=1 rpc_port=2", "nodes.txt:3: rpc_port given twice"),
+        ("gpu0", "nodes.txt:3: gpu0 rpc_port=50052 already listed on line 1"),
+        ("gpu1 name=gpu0", "nodes.txt:3: node name 'gpu0' already used on line 1 (add name=...)"),
+    ],
+)
+def test_bad_nodes_file_line_names_the_line(tmp_path, capsys, line, message):
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"gpu0\n# ok so far\n{line}\n")
+    assert main(["status", str(nodes)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("NodesFileError: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_or_empty_nodes_file(tmp_path, capsys):
+    assert main(["status", str(tmp_path / "nope.txt")]) == 1
+    assert "NodesFileError: nodes file" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    assert main(["stats", str(tmp_path / "empty.txt")]) == 1
+    assert "no nodes in it" in capsys.readouterr().err
