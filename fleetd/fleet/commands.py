@@ -196,7 +196,7 @@ def arguments(configure):
     return wrap
 
 
-def _fleet_args(p: argparse.ArgumentParser) -> None:
+def fleet_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = NODES_FILE_HELP
     p.add_argument("nodes", metavar="NODES", help="nodes file (format below)")
@@ -211,7 +211,7 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for one control API answer (default 30)")
 
 
-def _open_fleet(args) -> Fleet:
+def open_fleet(args) -> Fleet:
     if args.debug:
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for flag, v in (("--connect-timeout", args.connect_timeout), ("--timeout", args.timeout)):
@@ -249,13 +249,13 @@ def _print_json(doc) -> None:
 
 
 def _status_configure(p):
-    _fleet_args(p)
+    fleet_args(p)
 
 
 @command("status", "version, devices, uptime, sessions and P2P state of every node")
 @arguments(_status_configure)
 def cmd_status(args) -> int:
-    with _open_fleet(args) as fleet:
+    with open_fleet(args) as fleet:
         result = fleet.map(lambda n: n.status())
     if args.json:
         _print_json(_json_doc(result, "status"))
@@ -271,7 +271,7 @@ def cmd_status(args) -> int:
 
 
 def _stats_configure(p):
-    _fleet_args(p)
+    fleet_args(p)
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count samples)")
     p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between samples (default 2)")
     p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N samples")
@@ -291,7 +291,7 @@ def cmd_stats(args) -> int:
     if args.count is not None and args.count < 1:
         raise FleetError(f"--count {args.count}: must be 1 or more")
     samples = (args.count or sys.maxsize) if args.watch else 1
-    with _open_fleet(args) as fleet:
+    with open_fleet(args) as fleet:
         if args.reset:
             fleet.map(lambda n: n.reset_stats()).raise_on_failure()
         if not args.watch:
@@ -336,7 +336,7 @@ def _watch(fleet: Fleet, args, samples: int) -> int:
 
 def _p2p_configure(p):
     p.add_argument("action", choices=["on", "off", "status"], help="switch peer copy on or off, or show it")
-    _fleet_args(p)
+    fleet_args(p)
     p.add_argument("--node", action="append", default=[], metavar="NAME",
                    help="only this node (its name, host or [user@]host[:port]; repeatable)")
 
@@ -344,7 +344,7 @@ def _p2p_configure(p):
 @command("p2p", "switch direct server-to-server copy on or off at runtime, or show it")
 @arguments(_p2p_configure)
 def cmd_p2p(args) -> int:
-    with _open_fleet(args) as fleet:
+    with open_fleet(args) as fleet:
         if args.node:
             fleet = fleet.select(args.node)
         if args.action == "status":

@@ -12,32 +12,25 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from fleetd.fleet.cli import command
+from fleetd.fleet.commands import fleet_args, open_fleet
 from fleetd.fleet.deploy import STEPS, Deployer, NodeOutcome, build, clean_build, inventory
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.nodes import NODES_FILE_HELP
-from fleetd.fleet.ssh import SshOptions
 
 STATUS_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
                 "rolled-back": "yellow", "failed": "red"}
 
 
-def _fleet_args(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
-    p.add_argument("nodes", type=Path, help="nodes file (see fleetctl --help)")
+def _deploy_args(p: argparse.ArgumentParser) -> None:
+    fleet_args(p)
     p.add_argument("--node", action="append", default=[], help="only this node (repeatable)")
     p.add_argument("--root", help="install directory on nodes (default /opt/fleetd for root, "
                    "else ~/.local/share/fleetd)")
     p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
-    p.add_argument("--known-hosts", action="append", default=[], help="extra known_hosts file")
-    p.add_argument("--identity", "-i", action="append", default=[], help="extra SSH private key")
-    if json_flag:
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.epilog = NODES_FILE_HELP
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def _load(args) -> Fleet:
-    opts = SshOptions(known_hosts=tuple(args.known_hosts), identity=tuple(args.identity))
-    fleet = Fleet.load(args.nodes, opts)
+    fleet = open_fleet(args)
     return fleet.select(args.node) if args.node else fleet
 
 
@@ -89,7 +82,7 @@ def cmd_deploy(args) -> int:
 
 
 def _configure_deploy(p):
-    _fleet_args(p)
+    _deploy_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
     p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
@@ -123,7 +116,7 @@ def _lifecycle(name: str, help_: str, action, extra=None):
         return 0 if result.ok else 1
 
     def configure(p):
-        _fleet_args(p)
+        _deploy_args(p)
         if extra:
             extra(p)
 

@@ -1,0 +1,81 @@
+"""A/B on a real fleet: the same layer split through the coordinator (hub) and with
+COPY_TENSOR_TO (direct), per-step accounting side by side, outputs compared by md5, and what
+the nodes themselves counted (peer copies, fallbacks) over each arm."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from fleetd.fleet.node import Fleet
+from fleetd.pipeline import Pipeline, per_step
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    per_step: dict
+    md5: str
+    seconds_per_step: float
+    node_peer_copies: int  # copies the nodes report as done during this arm
+    node_fallbacks: int
+
+    def as_dict(self) -> dict:
+        return {"arm": self.arm, "per_step": self.per_step, "md5": self.md5,
+                "seconds_per_step": self.seconds_per_step,
+                "node_peer_copies": self.node_peer_copies, "node_fallbacks": self.node_fallbacks}
+
+
+def _peer_totals(fleet: Fleet) -> tuple[int, int]:
+    """(copies ok, fallbacks) summed over nodes that answer; nodes that do not count as 0."""
+    copies = fallbacks = 0
+    for value in fleet.map(lambda n: n.stats()).values():
+        if isinstance(value, Exception):
+            continue
+        peer = value.get("peer") or {}
+        copies += int(peer.get("copies_ok", 0))
+        fallbacks += sum(int(v) for v in (peer.get("fallbacks") or {}).values())
+    return copies, fallbacks
+
+
+def run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: int, n_embd: int,
+            steps: int, local_last: bool) -> ArmResult:
+    before = _peer_totals(fleet)
+    with Pipeline(endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct",
+                  stats=False) as p:
+        results = [p.step()]  # GRAPH_COMPUTE: left out of the per-step window
+        t0 = time.perf_counter()
+        results += [p.step() for _ in range(steps - 1)]
+        elapsed = time.perf_counter() - t0
+    after = _peer_totals(fleet)
+    window = results[1:] or results
+    return ArmResult(
+        arm, per_step(window), hashlib.md5(b"".join(r.output for r in results)).hexdigest(),
+        elapsed / max(1, len(results) - 1), after[0] - before[0], after[1] - before[1],
+    )
+
+
+def compare(fleet: Fleet, layers: int | None = None, rows: int = 32, n_embd: int = 5120,
+            steps: int = 5, local_last: bool = True, order: tuple[str, ...] = ("hub", "direct", "direct", "hub")) -> dict:
+    """Both arms, in an ABBA order so drift on a shared machine hits both alike."""
+    endpoints = [n.spec.rpc_endpoint for n in fleet]
+    stages = len(endpoints) + int(local_last)
+    layers = layers or 2 * stages
+    runs = [run_arm(fleet, endpoints, arm, layers, rows, n_embd, steps, local_last) for arm in order]
+    arms = {}
+    for r in runs:
+        arms.setdefault(r.arm, []).append(r)
+    summary = {
+        arm: {
+            "per_step": rs[0].per_step,
+            "md5": rs[0].md5,
+            "seconds_per_step": sorted(x.seconds_per_step for x in rs)[len(rs) // 2],
+            "node_peer_copies": sum(x.node_peer_copies for x in rs),
+            "node_fallbacks": sum(x.node_fallbacks for x in rs),
+        }
+        for arm, rs in arms.items()
+    }
+    md5s = {r.md5 for r in runs}
+    return {"stages": stages, "layers": layers, "rows": rows, "n_embd": n_embd, "steps": steps,
+            "arms": summary, "runs": [r.as_dict() for r in runs], "outputs_identical": len(md5s) == 1}

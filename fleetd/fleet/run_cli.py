@@ -1,0 +1,188 @@
+"""fleetctl ab (hub vs direct on a fleet) and fleetctl demo (the same on a local fleet)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fleetd.errors import FleetError
+from fleetd.fleet.ab import compare
+from fleetd.fleet.cli import command
+from fleetd.fleet.commands import arguments, fleet_args, open_fleet, stats_table, status_table
+from fleetd.fleet.node import Fleet
+from fleetd.pipeline import step_table
+
+START_TIMEOUT_S = 30.0
+
+
+def ab_table(doc: dict) -> Table:
+    arms = doc["arms"]
+    table = Table(title=f"hub vs direct: {doc['stages']} stages, {doc['layers']} layers, "
+                        f"{doc['rows']} x {doc['n_embd']} f32")
+    table.add_column("")
+    for arm in arms:
+        table.add_column(arm, justify="right")
+    rows = [
+        ("COPY_TENSOR_TO per step", lambda a: f"{a['per_step']['commands'].get('COPY_TENSOR_TO', 0):.2f}"),
+        ("GET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('GET_TENSOR', 0):.2f}"),
+        ("SET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('SET_TENSOR', 0):.2f}"),
+        ("coordinator bytes per step", lambda a: f"{a['per_step']['request_bytes'] + a['per_step']['response_bytes']:,.0f}"),
+        ("peer copies counted by nodes", lambda a: str(a["node_peer_copies"])),
+        ("fallbacks counted by nodes", lambda a: str(a["node_fallbacks"])),
+        ("seconds per step (median)", lambda a: f"{a['seconds_per_step']:.4f}"),
+        ("output md5", lambda a: a["md5"][:12]),
+    ]
+    for label, fn in rows:
+        table.add_row(label, *(fn(a) for a in arms.values()))
+    return table
+
+
+def _print_ab(doc: dict) -> None:
+    console = Console()
+    console.print(ab_table(doc))
+    console.print(step_table({arm: a["per_step"] for arm, a in doc["arms"].items()}))
+    same = "[green]identical[/]" if doc["outputs_identical"] else "[red]DIFFERENT[/]"
+    console.print(f"outputs of all runs: {same}")
+
+
+def _ab_configure(p):
+    fleet_args(p)
+    p.add_argument("--rows", type=int, default=32, help="hidden state rows (default 32, as the seed)")
+    p.add_argument("--n-embd", type=int, default=5120, help="hidden size (default 5120, as the seed)")
+    p.add_argument("--layers", type=int, help="layers in total (default 2 per stage)")
+    p.add_argument("--steps", type=int, default=5, help="steps per run (default 5, ABBA order)")
+    p.add_argument("--no-local", action="store_true",
+                   help="no coordinator stage: every stage is a node (default: the coordinator's "
+                        "numpy device is the last stage, like RPC0,RPC1,CUDA0)")
+
+
+@command("ab", "A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO)")
+@arguments(_ab_configure)
+def cmd_ab(args) -> int:
+    if args.steps < 2:
+        raise FleetError("--steps must be at least 2 (the first step is a full GRAPH_COMPUTE)")
+    with open_fleet(args) as fleet:
+        doc = compare(fleet, args.layers, args.rows, args.n_embd, args.steps, not args.no_local)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_ab(doc)
+    return 0 if doc["outputs_identical"] else 1
+
+
+
+# -- demo: a local fleet on loopback ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_fleet(count: int, workdir: Path):
+    """`count` fleetd processes on loopback and a nodes file naming them; stopped on exit."""
+    procs, lines = [], []
+    try:
+        for i in range(count):
+            rpc, control = _free_port(), _free_port()
+            log = open(workdir / f"node-{i}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fleetd.cli", "--port", str(rpc), "--control-port", str(control),
+                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            lines.append(f"localhost rpc_port={rpc} control_port={control} name=local-{i}")
+        nodes_file = workdir / "nodes.txt"
+        nodes_file.write_text("# a local fleet started by fleetctl demo\n" + "\n".join(lines) + "\n")
+        fleet = Fleet.load(nodes_file)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for node, proc in zip(fleet, procs):
+            while True:
+                if proc.poll() is not None:
+                    raise FleetError(f"{node.name} exited with {proc.returncode}: see {workdir}")
+                try:
+                    node.status()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise FleetError(f"{node.name} did not answer within {START_TIMEOUT_S:.0f}s") from None
+                    time.sleep(0.1)
+        yield fleet, nodes_file
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
+    """Generate the small model and run llama-completion through the fleet, when the pinned tools
+    are built; None when they are not."""
+    from fleetd.tools import find_tool
+
+    try:
+        exe = find_tool("llama-completion")
+    except FileNotFoundError as exc:
+        console.print(f"[yellow]skipping the llama.cpp run: {exc}[/]")
+        return None
+    from fleetd.models import generate
+
+    model = generate("llama", "f16", workdir)
+    rpc = ",".join(n.spec.rpc_endpoint for n in fleet)
+    args = [str(exe), "-m", str(model), "--rpc", rpc, "-ngl", "99", "-p", "Once upon a time",
+            "-n", "24", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    return {"model": str(model), "command": " ".join(args), "output": p.stdout}
+
+
+def _demo_configure(p):
+    p.add_argument("--nodes", type=int, default=2, help="fleetd processes to start (default 2)")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--n-embd", type=int, default=1024, help="hidden size of the A/B (default 1024)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp run")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@command("demo", "start a local fleet on loopback, run llama.cpp and an A/B through it, show stats")
+@arguments(_demo_configure)
+def cmd_demo(args) -> int:
+    console = Console(stderr=args.json)
+    report: dict = {}
+    console.print(f"starting {args.nodes} fleetd nodes on loopback")
+    with tempfile.TemporaryDirectory(prefix="fleetd-demo-") as tmp, \
+            local_fleet(args.nodes, Path(tmp)) as (fleet, nodes_file):
+        workdir = Path(tmp)
+        console.print(f"local fleet: {', '.join(n.spec.rpc_endpoint for n in fleet)} (nodes file {nodes_file})")
+        console.print(status_table({n.name: v for n, v in fleet.map(lambda n: n.status()).items()}))
+        if not args.no_llama:
+            with console.status("llama-completion on a generated model through the fleet"):
+                report["llama"] = _llama_run(fleet, workdir, console)
+            if report["llama"]:
+                console.print(f"[bold]llama-completion --rpc {','.join(n.spec.rpc_endpoint for n in fleet)}[/]")
+                console.print(report["llama"]["output"].strip())
+        with console.status("A/B: hub path vs direct path"):
+            report["ab"] = compare(fleet, None, args.rows, args.n_embd, args.steps, True)
+        stats = {n.name: v for n, v in fleet.map(lambda n: n.stats()).items()}
+        report["stats"] = {k: (v if not isinstance(v, Exception) else str(v)) for k, v in stats.items()}
+        if not args.json:
+            _print_ab(report["ab"])
+            console.print(stats_table(stats))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0 if report["ab"]["outputs_identical"] else 1
+
