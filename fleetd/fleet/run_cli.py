@@ -140,13 +140,33 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
     from fleetd.models import generate
 
     model = generate("llama", "f16", workdir)
-    rpc = ",".join(n.spec.rpc_endpoint for n in fleet)
-    args = [str(exe), "-m", str(model), "--rpc", rpc, "-ngl", "99", "-p", "Once upon a time",
-            "-n", "24", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1"]
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
-    return {"model": str(model), "command": " ".join(args), "output": p.stdout}
+
+    def complete(rpc: str) -> tuple[list[str], str]:
+        args = [str(exe), "-m", str(model), "--rpc", rpc, "-ngl", "99", "-p", "Once upon a time",
+                "-n", "24", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1"]
+        p = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=600)
+        if p.returncode != 0:
+            raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+        return args, p.stdout
+
+    args, ours = complete(",".join(n.spec.rpc_endpoint for n in fleet))
+    # The same command against the stock ggml-rpc-server: the tokens must be the same.
+    port = _free_port()
+    stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-p", str(port), "-t", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                break
+            if time.monotonic() > deadline:
+                raise FleetError("the stock ggml-rpc-server did not start")
+            time.sleep(0.05)
+        _, theirs = complete(f"127.0.0.1:{port}")
+    finally:
+        stock.terminate()
+        stock.wait(10)
+    return {"model": str(model), "command": " ".join(args), "output": ours, "same_as_stock": ours == theirs}
 
 
 def _demo_configure(p):
@@ -175,6 +195,9 @@ def cmd_demo(args) -> int:
             if report["llama"]:
                 console.print(f"[bold]llama-completion --rpc {','.join(n.spec.rpc_endpoint for n in fleet)}[/]")
                 console.print(report["llama"]["output"].strip())
+                same = report["llama"]["same_as_stock"]
+                console.print("(random weights, so the text is noise) same output as the stock "
+                              f"ggml-rpc-server: {'[green]yes[/]' if same else '[red]NO[/]'}")
         with console.status("A/B: hub path vs direct path"):
             report["ab"] = compare(fleet, None, args.rows, args.n_embd, args.steps, True)
         stats = {n.name: v for n, v in fleet.map(lambda n: n.stats()).items()}
@@ -184,5 +207,6 @@ def cmd_demo(args) -> int:
             console.print(stats_table(stats))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
-    return 0 if report["ab"]["outputs_identical"] else 1
+    llama_ok = report.get("llama") is None or report["llama"]["same_as_stock"]
+    return 0 if report["ab"]["outputs_identical"] and llama_ok else 1
 
