@@ -63,7 +63,7 @@ def show(title: str, columns: list[str], rows: list[list]) -> None:
         table.add_column(c, justify="right" if c != columns[0] else "left")
     for r in rows:
         table.add_row(*(str(x) for x in r))
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def save(name: str, data: dict, path: str | None = None) -> Path:

@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/transfer.py [--max-mib 256] [--json PATH]
 
-Both servers run as separate processes on loopback, driven by the same Python client; sizes are
-measured alternately (stock, fleetd, stock, fleetd) so drift on a shared machine hits both.
-Ratio = fleetd / stock (throughput: higher is better; latency: lower is better).
+All servers run as separate processes on loopback, driven by the same Python client; sizes are
+measured alternately (stock, fleetd, fleetd without counters, ...) so drift on a shared machine
+hits all alike. Ratio = fleetd / stock (throughput: higher is better; latency: lower is better);
+"count cost" = fleetd / fleetd with command counting switched off (1.00 = free).
 """
 
 from __future__ import annotations
@@ -84,14 +85,16 @@ class Target:
 
 def run(max_bytes: int, rounds: int, latency_calls: int) -> dict:
     results = {"set": {}, "get": {}, "latency": {}}
-    with server_process("stock") as stock_ep, server_process("fleetd") as fleetd_ep:
-        targets = {"stock": Target(stock_ep, max_bytes), "fleetd": Target(fleetd_ep, max_bytes)}
+    with server_process("stock") as stock_ep, server_process("fleetd") as fleetd_ep, \
+            server_process("fleetd", extra=["--no-counters"]) as nocount_ep:
+        targets = {"stock": Target(stock_ep, max_bytes), "fleetd": Target(fleetd_ep, max_bytes),
+                   "fleetd-nocount": Target(nocount_ep, max_bytes)}
         try:
             for size in sizes(max_bytes):
                 data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
                 out = np.empty(size, np.uint8)
                 for kind in ("set", "get"):
-                    for name in ("stock", "fleetd"):
+                    for name in targets:
                         results[kind].setdefault(name, {})[size] = []
                     for _ in range(rounds):
                         for name, tgt in targets.items():
@@ -126,17 +129,24 @@ def main(argv=None) -> int:
         for kind in ("set", "get"):
             s = statistics.median(raw[kind]["stock"][size])
             f = statistics.median(raw[kind]["fleetd"][size])
-            rec[kind] = {"stock_bps": s, "fleetd_bps": f, "ratio": f / s}
-            row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", f"{f / s:.2f}"]
+            n = statistics.median(raw[kind]["fleetd-nocount"][size])
+            rec[kind] = {"stock_bps": s, "fleetd_bps": f, "fleetd_nocount_bps": n, "ratio": f / s,
+                         "count_cost": f / n}
+            row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", f"{f / s:.2f}", f"{f / n:.2f}"]
         rows.append(row)
         records.append(rec)
     show("SET_TENSOR / GET_TENSOR throughput on loopback (MiB/s, median)",
-         ["payload", "SET stock", "SET fleetd", "SET ratio", "GET stock", "GET fleetd", "GET ratio"], rows)
+         ["payload", "SET stock", "SET fleetd", "SET ratio", "SET count cost",
+          "GET stock", "GET fleetd", "GET ratio", "GET count cost"], rows)
     ls = statistics.median(raw["latency"]["stock"])
     lf = statistics.median(raw["latency"]["fleetd"])
-    show("Small command round trip (GET_ALIGNMENT, median)", ["", "stock µs", "fleetd µs", "ratio"],
-         [["latency", f"{ls * 1e6:.1f}", f"{lf * 1e6:.1f}", f"{lf / ls:.2f}"]])
-    out = save("transfer", {"throughput": records, "latency": {"stock_s": ls, "fleetd_s": lf, "ratio": lf / ls},
+    ln = statistics.median(raw["latency"]["fleetd-nocount"])
+    show("Small command round trip (GET_ALIGNMENT, median)",
+         ["", "stock µs", "fleetd µs", "ratio", "fleetd no count µs", "count cost"],
+         [["latency", f"{ls * 1e6:.1f}", f"{lf * 1e6:.1f}", f"{lf / ls:.2f}", f"{ln * 1e6:.1f}", f"{lf / ln:.2f}"]])
+    out = save("transfer", {"throughput": records,
+                            "latency": {"stock_s": ls, "fleetd_s": lf, "fleetd_nocount_s": ln,
+                                        "ratio": lf / ls, "count_cost": lf / ln},
                             "rounds": args.rounds, "raw": {k: {n: {str(s): v for s, v in d.items()} if isinstance(d, dict) else d
                                                                   for n, d in raw[k].items()} for k in raw}},
                args.json)

@@ -49,6 +49,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         "the subnet of the bound address)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-counters", action="store_true", help=argparse.SUPPRESS)  # benchmarks only
     p.add_argument("-V", "--version", action="version", version=f"fleetd {__version__}")
     return p
 
@@ -106,6 +107,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         cache_dir=Path(settings["cache_dir"]) if settings["cache_dir"] else None,
         threads=settings["threads"], control_port=settings["control_port"] or None,
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
+        count_commands=not args.no_counters,
     )
     try:
         return serve_forever(config)

@@ -20,3 +20,6 @@ class ServerConfig:
     p2p: bool = True
     # Hosts / CIDRs a COPY_TENSOR_TO may push to. None = loopback plus the daemon's own /24.
     peer_allow: list[str] | None = None
+    # Off only to measure what counting costs (benchmarks/transfer.py); the control API then
+    # reports zeros for commands.
+    count_commands: bool = True

@@ -95,7 +95,7 @@ class Session:
 
     def _serve(self) -> None:
         conn = self.conn
-        counters = self.counters
+        record = self.counters.record if self.server.config.count_commands else _not_counted
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
@@ -108,9 +108,7 @@ class Session:
                 continue
             cmd = event.cmd
             sent = HANDLERS[type(event)](self, event)
-            counters.count[cmd] += 1
-            counters.request_bytes[cmd] += conn.request_bytes
-            counters.response_bytes[cmd] += sent or 0
+            record(cmd, conn.request_bytes, sent)
 
     def close(self) -> None:
         try:
@@ -164,6 +162,11 @@ class Session:
                 f"{what}: offset {offset} + size {size} beyond tensor of {t.nbytes} bytes"
             )
         return buf, start + offset
+
+
+def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
+    """Stands in for CommandCounters.record when counting is off (benchmarks/transfer.py
+    measures what counting costs against this)."""
 
 
 # -- handlers: one per request type, each returns the response bytes it sent ---------------------

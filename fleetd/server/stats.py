@@ -22,6 +22,12 @@ class CommandCounters:
     graph_computes: int = 0
     compute_seconds: float = 0.0
 
+    def record(self, cmd: int, request_bytes: int, response_bytes: int) -> None:
+        """One served command: the session's hot path, so three dict updates and nothing else."""
+        self.count[cmd] += 1
+        self.request_bytes[cmd] += request_bytes
+        self.response_bytes[cmd] += response_bytes
+
     def add(self, other: CommandCounters) -> None:
         for c in COMMAND_BYTES:
             self.count[c] += other.count[c]
