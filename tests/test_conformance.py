@@ -388,7 +388,12 @@ def test_two_clients_progress_at_once_on_fleetd_not_on_stock(stock_server, fleet
         second.recv(36)
     first.close()
     second.settimeout(10)
-    assert second.recv(36)[:12] == struct.pack("<Q", 28) + b"\x07\x00\x00\x00"
+    answer = b""
+    while len(answer) < 36:  # bounded by the 10 s timeout: recv raises rather than loop forever
+        chunk = second.recv(36 - len(answer))
+        assert chunk, "stock server closed the waiting connection"
+        answer += chunk
+    assert answer[:12] == struct.pack("<Q", 28) + b"\x07\x00\x00\x00"
     second.close()
 
 
