@@ -5,33 +5,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from fleetd.tools import find_tool
+from fleetd.transport import free_port, wait_listening
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"no server on port {port}")
 
 
 @contextlib.contextmanager
@@ -46,7 +30,7 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        wait_port(port)
+        wait_listening(port)
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()

@@ -22,17 +22,7 @@ from pathlib import Path
 from fleetd.pipeline import Pipeline, per_step, step_table
 from fleetd.pipeline.__main__ import start_local_servers
 from fleetd.tools import find_tool, have_tool
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"stock server on port {port} did not start in {timeout}s")
+from fleetd.transport import wait_listening
 
 
 def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -44,7 +34,7 @@ def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
         procs.append(subprocess.Popen(
             [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_port(port)
+        wait_listening(port)
         # The probe connection above was a whole "client" to the stock server; let it go.
         time.sleep(0.2)
         eps.append(f"127.0.0.1:{port}")

@@ -3,34 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from fleetd.server import Server, ServerConfig
 from fleetd.tools import find_tool
+from fleetd.transport import free_port, wait_listening
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
 
 
 @pytest.fixture
@@ -79,7 +61,7 @@ def stock_server(tmp_path):
         log = open(tmp_path / f"stock-{port}.log", "wb")
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append(proc)
-        wait_port(port)
+        wait_listening(port)
         start.proc = proc
         return f"127.0.0.1:{port}"
 

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import endpoint, free_port
+from conftest import endpoint
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.tools import find_tool
 from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64

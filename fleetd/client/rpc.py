@@ -17,7 +17,6 @@ import struct
 import numpy as np
 
 from fleetd.client.stats import ClientCounters
-from fleetd.errors import RemoteProtocolError
 from fleetd.transport.tcp import Timeout, connect, mapped_errors, recv_exact
 from fleetd.wire import (
     AllocBuffer,

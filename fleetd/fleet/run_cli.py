@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from fleetd.fleet.cli import command
 from fleetd.fleet.commands import arguments, fleet_args, open_fleet, stats_table, status_table
 from fleetd.fleet.node import Fleet
 from fleetd.pipeline import step_table
+from fleetd.transport import free_port, wait_listening
 
 START_TIMEOUT_S = 30.0
 
@@ -83,19 +83,13 @@ def cmd_ab(args) -> int:
 # -- demo: a local fleet on loopback ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_fleet(count: int, workdir: Path):
     """`count` fleetd processes on loopback and a nodes file naming them; stopped on exit."""
     procs, lines = [], []
     try:
         for i in range(count):
-            rpc, control = _free_port(), _free_port()
+            rpc, control = free_port(), free_port()
             log = open(workdir / f"node-{i}.log", "wb")
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fleetd.cli", "--port", str(rpc), "--control-port", str(control),
@@ -151,17 +145,14 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
 
     args, ours = complete(",".join(n.spec.rpc_endpoint for n in fleet))
     # The same command against the stock ggml-rpc-server: the tokens must be the same.
-    port = _free_port()
+    port = free_port()
     stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-p", str(port), "-t", "1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-                break
-            if time.monotonic() > deadline:
-                raise FleetError("the stock ggml-rpc-server did not start")
-            time.sleep(0.05)
+        try:
+            wait_listening(port, START_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise FleetError(f"the stock ggml-rpc-server did not start: {exc}") from None
         _, theirs = complete(f"127.0.0.1:{port}")
     finally:
         stock.terminate()

@@ -47,7 +47,6 @@ from fleetd.wire import (
     encode_response,
     hello_response,
 )
-from fleetd.wire.hashing import cache_file_name, fnv1a_64
 
 if TYPE_CHECKING:
     from fleetd.server.daemon import Server

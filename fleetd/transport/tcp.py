@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from dataclasses import dataclass
 
 from fleetd.errors import ConnectTimeout, PeerClosed, ReadTimeout, TransportError
@@ -56,3 +57,22 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise PeerClosed(f"peer closed after {got} of {n} bytes")
         got += k
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for local fleets, tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
+    """Return once something accepts connections on host:port; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:g}s")

@@ -1,4 +1,5 @@
 """Sans-IO ggml RPC protocol core: no sockets, threads or clocks in this package."""
+# ruff: noqa: F401  (re-exports: the flat public API)
 
 from fleetd.wire.commands import (
     COMMANDS,
