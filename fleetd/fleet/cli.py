@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleetd.fleet import commands, deploy_cli, run_cli  # noqa: F401  (fill COMMANDS)
+    from fleetd.fleet import commands, deploy_cli, run_cli, tui_cli  # noqa: F401  (fill COMMANDS)
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -65,7 +65,7 @@ def _down_row(t: Table, name: str) -> None:
     t.add_row(name, Text("down", style="bold red"), *[""] * (len(t.columns) - 2))
 
 
-def _p2p_text(p2p: dict) -> Text:
+def p2p_text(p2p: dict) -> Text:
     if not p2p.get("served", True):
         return Text("n/a", style="dim")
     return Text("on", style="green") if p2p.get("enabled") else Text("off", style="yellow")
@@ -92,7 +92,7 @@ def status_table(answers: Answers) -> Table:
             continue
         t.add_row(
             name, Text("up", style="bold green"), st.get("version", "?"),
-            f":{st.get('rpc', {}).get('port', '?')}", _p2p_text(st.get("p2p", {})),
+            f":{st.get('rpc', {}).get('port', '?')}", p2p_text(st.get("p2p", {})),
             ", ".join(_device_text(d) for d in st.get("devices", [])),
             fmt_duration(st.get("uptime_seconds", 0)), str(len(st.get("sessions", []))),
         )
@@ -179,7 +179,7 @@ def p2p_table(answers: Answers) -> Table:
         was = ""
         if "was" in p:
             was = Text("on", style="green") if p["was"] else Text("off", style="yellow")
-        t.add_row(name, _p2p_text(p), was)
+        t.add_row(name, p2p_text(p), was)
     return t
 
 
