@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute import dequant
+from fleetd.compute.buffers import Buffer, BufferRegistry
 from fleetd.compute.ops import Kernel, kernel_for
+from fleetd.compute.ops.common import op_name
 from fleetd.compute.views import tensor_view
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag, check_type
@@ -19,6 +21,9 @@ class Step:
     srcs: list
     node: RpcTensor
     src_tensors: list
+    dst_buffer: Buffer  # the step writes [dst_start, dst_end) of it: cached dequants there go stale
+    dst_start: int
+    dst_end: int
 
 
 @dataclass(slots=True)
@@ -31,10 +36,17 @@ class Plan:
         for s in self.steps:
             try:
                 s.kernel(xp, s.dst, s.srcs, s.node, s.src_tensors)
-            except ComputeError:
-                raise
+            except ComputeError as exc:
+                # One line naming op, node and types: "CPY node f32 ne=[…]: quantizing to …"
+                op, msg = op_name(s.node), str(exc)
+                msg = msg[len(op) :].lstrip(":") if msg.startswith(op) else " " + msg
+                raise type(exc)(f"{op} {s.node.describe()}:{msg}") from exc
             except Exception as exc:  # a kernel meeting a shape it does not handle
-                raise ComputeError(f"{s.node.describe()}: {type(exc).__name__}: {exc}") from exc
+                raise ComputeError(
+                    f"{op_name(s.node)} {s.node.describe()}: {type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                dequant.CACHE.note_write(s.dst_buffer, s.dst_start, s.dst_end)
 
 
 def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
@@ -46,6 +58,7 @@ def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
 
     tensors: dict[int, RpcTensor] = {}
     views: dict[int, object] = {}
+    buffers: dict[int, Buffer | None] = {}
     pending = [nid for nid in graph.nodes]
     while pending:
         tid = pending.pop()
@@ -64,7 +77,10 @@ def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
                 f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer"
             )
         tensors[tid] = t
+        buffers[tid] = buf
         views[tid] = tensor_view(buf, t, "GRAPH_COMPUTE") if buf is not None else None
+        if buf is not None:
+            dequant.note_owner(buf)
         pending.extend(s for s in t.src if s)
         if t.view_src:
             pending.append(t.view_src)
@@ -87,5 +103,7 @@ def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
                 raise RemoteProtocolError(
                     f"GRAPH_COMPUTE: source {s.describe()} of {node.describe()} has no memory"
                 )
-        steps.append(Step(kernel, dst, srcs, node, src_tensors))
+        buf = buffers[nid]
+        start = node.data - buf.base
+        steps.append(Step(kernel, dst, srcs, node, src_tensors, buf, start, start + node.nbytes))
     return Plan(graph.device, steps, len(graph.nodes))

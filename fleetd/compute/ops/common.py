@@ -1,11 +1,16 @@
-"""Helpers shared by kernels: reading any element type as f32, writing f32 to any type."""
+"""Helpers shared by kernels: reading any element type as f32, writing f32 to any type, params."""
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import struct
 
-from fleetd.errors import UnsupportedOp
-from fleetd.wire import GgmlType, RpcTensor, type_name
+from fleetd.compute import dequant
+from fleetd.errors import ComputeError, UnsupportedOp
+from fleetd.wire import GgmlOp, GgmlType, RpcTensor, type_name
+
+FLOAT_TYPES = frozenset({GgmlType.F32, GgmlType.F16, GgmlType.BF16})
+INT_TYPES = frozenset({GgmlType.I8, GgmlType.I16, GgmlType.I32, GgmlType.I64})
 
 
 def bf16_to_f32(xp, raw):
@@ -20,33 +25,58 @@ def f32_to_bf16(xp, x):
     return xp.where(nan, (bits >> 16) | 64, rounded).astype(xp.uint16)
 
 
+def round_bf16(xp, x):
+    """x rounded to bf16 precision, kept as f32."""
+    return bf16_to_f32(xp, f32_to_bf16(xp, x))
+
+
+def round_f16(xp, x):
+    return x.astype(xp.float16).astype(xp.float32)
+
+
 def as_f32(xp, view, t: RpcTensor):
     """The tensor's values as float32 (a view when already f32)."""
     if t.type == GgmlType.F32:
         return view
     if t.type == GgmlType.BF16:
         return bf16_to_f32(xp, view)
-    if t.type in (GgmlType.F16, GgmlType.F64, GgmlType.I32, GgmlType.I16, GgmlType.I8, GgmlType.I64):
+    if t.type in (GgmlType.F16, GgmlType.F64) or t.type in INT_TYPES:
         return view.astype(xp.float32)
+    if dequant.is_packed(t.type):
+        return dequant.dequantize(xp, view, t.type)
     raise UnsupportedOp(f"reading {type_name(t.type)} as f32 is not supported")
 
 
+def weights_f32(xp, view, t: RpcTensor):
+    """as_f32 for weights: non-f32 conversions are cached until the buffer is written."""
+    if t.type == GgmlType.F32:
+        return view
+    return dequant.CACHE.get(dequant.owner_of(view), view, t.type, lambda v: as_f32(xp, v, t))
+
+
 def store(xp, dst, node: RpcTensor, value) -> None:
-    """Write f32 `value` (broadcastable to dst) into dst, converting as ggml's from_float does."""
-    if node.type == GgmlType.BF16:
+    """Write f32 `value` (broadcastable to dst's logical shape) into dst, converting as ggml's
+    from_float does."""
+    if getattr(value, "dtype", None) == xp.float64:
+        value = value.astype(xp.float32)  # f64 -> f32 -> f16 as the CPU rounds, not f64 -> f16
+    type_ = node.type
+    if type_ == GgmlType.BF16:
         dst[...] = f32_to_bf16(xp, xp.broadcast_to(value, dst.shape))
-    elif node.type == GgmlType.I32:
-        # C truncation toward zero.
-        dst[...] = xp.trunc(value).astype(xp.int32)
-    elif node.type in (GgmlType.F32, GgmlType.F16, GgmlType.F64):
+    elif type_ in INT_TYPES:
+        dst[...] = xp.trunc(value)  # C conversion: truncation toward zero
+    elif type_ in (GgmlType.F32, GgmlType.F16, GgmlType.F64):
         dst[...] = value
+    elif dequant.is_packed(type_):
+        logical = dst.shape[:-1] + (node.ne[0],)
+        dst[...] = dequant.quantize(xp, xp.broadcast_to(value, logical), type_)
     else:
-        raise UnsupportedOp(f"{type_name(node.type)} destination is not supported")
+        raise UnsupportedOp(f"{type_name(type_)} destination is not supported")
 
 
 def repeat_to(xp, a, shape):
     """Broadcast `a` to `shape` by tiling (ggml_repeat semantics: index mod size)."""
-    if a.shape == tuple(shape):
+    shape = tuple(shape)
+    if a.shape == shape:
         return a
     reps = []
     for have, want in zip(a.shape, shape):
@@ -55,11 +85,57 @@ def repeat_to(xp, a, shape):
         elif want % have == 0:
             reps.append(want // have)
         else:
-            raise UnsupportedOp(f"cannot repeat shape {a.shape} to {tuple(shape)}")
+            raise UnsupportedOp(f"cannot repeat shape {a.shape} to {shape}")
     if any(r != 1 for r in reps):
         a = xp.tile(a, reps)
     return xp.broadcast_to(a, shape)
 
 
+def repeat_interleave_to(xp, a, shape):
+    """Broadcast by division (ggml's "div" broadcast: index i maps to i // (want // have))."""
+    for axis, (have, want) in enumerate(zip(a.shape, shape)):
+        if have != want:
+            if have == 0 or want % have:
+                raise UnsupportedOp(f"cannot broadcast shape {a.shape} to {tuple(shape)}")
+            a = xp.repeat(a, want // have, axis=axis)
+    return a
+
+
 def f32_param(node: RpcTensor, slot: int) -> float:
-    return float(np.array(node.op_params[slot], dtype=np.int32).view(np.float32))
+    return struct.unpack("<f", struct.pack("<I", node.op_params[slot] & 0xFFFFFFFF))[0]
+
+
+def i32_param(node: RpcTensor, slot: int) -> int:
+    return (node.op_params[slot] + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def op_name(node: RpcTensor) -> str:
+    return GgmlOp(node.op).name if node.op in GgmlOp._value2member_map_ else f"op {node.op}"
+
+
+def unsupported(node: RpcTensor, src_tensors, why: str = "") -> UnsupportedOp:
+    types = ", ".join(type_name(s.type) for s in src_tensors if s is not None)
+    extra = f": {why}" if why else ""
+    return UnsupportedOp(f"{op_name(node)}: dst {type_name(node.type)}, srcs {types} not supported{extra}")
+
+
+def require_types(node: RpcTensor, src_tensors, dst_types, *src_types) -> None:
+    """Raise UnsupportedOp unless dst's type and each listed source's type are allowed."""
+    ok = node.type in dst_types and all(
+        s is not None and s.type in allowed for s, allowed in zip(src_tensors, src_types)
+    )
+    if not ok:
+        raise unsupported(node, src_tensors)
+
+
+def check_indices(xp, node: RpcTensor, idx, bound: int) -> None:
+    """Row indices must lie in [0, bound): numpy would wrap negatives and read the wrong row."""
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= bound):
+        raise ComputeError(
+            f"{op_name(node)}: index {int(idx.min())}..{int(idx.max())} outside [0, {bound})"
+        )
+
+
+def quiet(xp):
+    """IEEE results (log(-1), x/0, exp overflow) are the point, not warnings."""
+    return xp.errstate(all="ignore") if hasattr(xp, "errstate") else contextlib.nullcontext()

@@ -1,0 +1,124 @@
+"""ROPE and ROPE_BACK: rotary position embeddings, with the YaRN/ext parameters and the
+multi-section variants (MROPE, IMROPE, VISION). Angles follow the CPU kernel step for step:
+`p * theta_scale^m` is a running f32 product, then the YaRN ramp, then cosf/sinf times mscale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fleetd.compute.ops import register
+from fleetd.compute.ops.common import as_f32, f32_param, i32_param, store, unsupported
+from fleetd.wire import GgmlOp, GgmlType
+
+NORMAL, NEOX, MROPE, VISION, IMROPE = 0, 2, 8, 24, 40
+MULTI_MODES = (MROPE, VISION, IMROPE)
+
+
+def corr_dims(n_dims: int, n_ctx_orig: int, freq_base, beta_fast, beta_slow):
+    """ggml_rope_yarn_corr_dims in f32, with C's IEEE results for n_ctx_orig = 0 (log 0 = -inf)."""
+    f32 = np.float32
+
+    def corr_dim(n_rot):
+        return f32(n_dims) * np.log(f32(n_ctx_orig) / (n_rot * f32(2 * math.pi))) / (f32(2) * np.log(freq_base))
+
+    with np.errstate(all="ignore"):
+        low = np.maximum(f32(0), np.floor(corr_dim(beta_fast)))
+        high = np.minimum(f32(n_dims - 1), np.ceil(corr_dim(beta_slow)))
+    return f32(low), f32(high)
+
+
+def running_thetas(xp, positions, theta_scale, n_pairs: int):
+    """(n_tok, n_pairs): p, p*ts, (p*ts)*ts, … in f32, as the CPU's cache loop multiplies."""
+    steps = xp.full((positions.shape[0], n_pairs), theta_scale, dtype=xp.float32)
+    steps[:, 0] = positions.astype(xp.float32)
+    return xp.cumprod(steps, axis=1, dtype=xp.float32)
+
+
+def section_thetas(xp, node, pos, n_tok: int, theta_scale, n_pairs: int, mode: int):
+    """Per-pair thetas of the multi-RoPE modes: each pair picks one of four positions."""
+    s = [i32_param(node, 11 + i) for i in range(4)]
+    total = sum(s)
+    if total <= 0:
+        raise unsupported(node, [], "multi-RoPE with empty sections")
+    sector = np.arange(n_pairs) % total
+    which = np.full(n_pairs, 3)  # p_e unless a rule below picks t, h or w
+    if mode == IMROPE:
+        which[(sector % 3 == 0) & (sector < 3 * s[0])] = 0
+        which[(sector % 3 == 1) & (sector < 3 * s[1])] = 1
+        which[(sector % 3 == 2) & (sector < 3 * s[2])] = 2
+    else:
+        which[sector < s[0] + s[1] + s[2]] = 2
+        which[sector < s[0] + s[1]] = 1
+        which[sector < s[0]] = 0
+    exponent = np.arange(n_pairs)
+    if mode == VISION:
+        # Each section restarts its running product at the section's first pair.
+        starts = np.array([0, s[0], s[0] + s[1], s[0] + s[1] + s[2]])
+        exponent = sector - starts[which]
+    tables = [running_thetas(xp, pos[k * n_tok : (k + 1) * n_tok], theta_scale, n_pairs) for k in range(4)]
+    stacked = xp.stack(tables)  # (4, n_tok, n_pairs)
+    return stacked[xp.asarray(which), :, xp.asarray(exponent)].T  # (n_tok, n_pairs)
+
+
+def _rope(xp, dst, srcs, node, src_tensors, sin_sign: float):
+    xt = src_tensors[0]
+    if xt.type not in (GgmlType.F32, GgmlType.F16) or node.type != xt.type or src_tensors[1].type != GgmlType.I32:
+        raise unsupported(node, src_tensors)
+    n_dims, mode, n_ctx_orig = i32_param(node, 1), i32_param(node, 2), i32_param(node, 4)
+    freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = (
+        np.float32(f32_param(node, i)) for i in range(5, 11)
+    )
+    n_offs = i32_param(node, 15)
+    x = as_f32(xp, srcs[0], xt)  # (ne3, n_tok, n_head, ne0)
+    ne0, n_tok = x.shape[3], x.shape[1]
+    if mode not in (NORMAL, NEOX) + MULTI_MODES or n_dims % 2 or n_offs % 2 or n_offs + n_dims > ne0:
+        raise unsupported(node, src_tensors, f"mode {mode}, n_dims {n_dims}, n_offs {n_offs}")
+    pos = srcs[1].reshape(-1)
+    theta_scale = np.float32(freq_base ** np.float32(-2.0 / n_dims))
+    n_pairs = ne0 // 2 if mode == VISION else n_dims // 2
+    if mode in MULTI_MODES:
+        theta_extrap = section_thetas(xp, node, pos, n_tok, theta_scale, n_pairs, mode)
+    else:
+        theta_extrap = running_thetas(xp, pos[:n_tok], theta_scale, n_pairs)
+    if len(srcs) > 2 and srcs[2] is not None:
+        factors = as_f32(xp, srcs[2], src_tensors[2]).reshape(-1)[:n_pairs]
+        theta_extrap = theta_extrap / factors
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0:
+        low, high = corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        with np.errstate(all="ignore"):
+            ramp_y = (np.arange(n_pairs, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
+        ramp = xp.asarray((1 - np.minimum(1, np.maximum(0, ramp_y))) * ext_factor, dtype=xp.float32)
+        theta = theta * (1 - ramp) + theta_extrap * ramp
+        mscale = np.float32(mscale * np.float32(1.0 + 0.1 * np.log(np.float32(1.0) / freq_scale)))
+    cos = (xp.cos(theta) * mscale)[None, :, None, :]
+    sin = (xp.sin(theta) * mscale * np.float32(sin_sign))[None, :, None, :]
+
+    pairs = np.arange(n_pairs)
+    if mode == NORMAL:
+        first, second = n_offs + 2 * pairs, n_offs + 2 * pairs + 1
+    elif mode == VISION:
+        first, second = pairs, pairs + n_dims
+    else:
+        first, second = n_offs + pairs, n_offs + pairs + n_dims // 2
+    first, second = xp.asarray(first), xp.asarray(second)
+    x0, x1 = x[..., first], x[..., second]
+    out = x.copy()
+    out[..., first] = x0 * cos - x1 * sin
+    out[..., second] = x0 * sin + x1 * cos
+    store(xp, dst, node, out)
+
+
+@register(GgmlOp.ROPE)
+def op_rope(xp, dst, srcs, node, src_tensors):
+    _rope(xp, dst, srcs, node, src_tensors, 1.0)
+
+
+@register(GgmlOp.ROPE_BACK)
+def op_rope_back(xp, dst, srcs, node, src_tensors):
+    # The inverse rotation: the same angles with the sine negated.
+    _rope(xp, dst, srcs, node, src_tensors, -1.0)
