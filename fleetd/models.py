@@ -1,158 +1,213 @@
-"""Small deterministic GGUF models for demos and tests, written with the `gguf` package.
+"""Small deterministic GGUF models for the demo, the end-to-end tests and the benchmarks.
 
-    path = generate("llama", "f16", out_dir)     # same bytes on every machine, every run
+    path = generate("llama", "f16", out_dir)            # same bytes on every machine, every run
+    path = generate("qwen3moe", "q4_k", out_dir, "bench")
 
-Weights are seeded normal noise, so text is gibberish, but every op a real model of the family
-sends runs, and two servers computing the same graphs must print the same tokens. The
-tokenizer is a SentencePiece-style ("llama") vocabulary of byte tokens plus a few pieces.
+Families: llama, qwen3 (q/k norms), qwen3moe (8 experts, 2 used), gemma3 (post norms, GELU,
+sliding window). Weight types: f32, f16, q8_0 (gguf's quantizer), q4_k (a simple min/scale
+quantizer of ours: exact format, not llama-quantize's search; tensors whose rows are not whole
+256-blocks fall back to Q8_0 as llama-quantize does). Weights are seeded per family. The
+tokenizer is a SentencePiece-style vocabulary with byte fallback, enough for llama.cpp to
+tokenize any text.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-import gguf
-
-QUANT = {
-    "f32": gguf.GGMLQuantizationType.F32,
-    "f16": gguf.GGMLQuantizationType.F16,
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-}
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from gguf import quants as gguf_quants
 
 
 @dataclass(frozen=True)
-class Shape:
-    n_vocab: int
-    n_embd: int = 64
+class Dims:
+    n_embd: int = 256
     n_head: int = 4
     n_head_kv: int = 2
-    n_ff: int = 128
-    n_layer: int = 4
-    n_ctx: int = 512
-    n_expert: int = 4
+    head_dim: int = 64
+    n_ff: int = 512
+    n_layer: int = 2
+    n_ctx: int = 2048
+    n_expert: int = 8
     n_expert_used: int = 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    n_ff_expert: int = 256
 
 
-def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
-    """<unk>, <s>, </s>, 256 byte tokens, then '▁' pieces for letters and a few words."""
-    T = gguf.TokenType
-    tokens = [b"<unk>", b"<s>", b"</s>"]
-    types = [T.UNKNOWN, T.CONTROL, T.CONTROL]
-    tokens += [f"<0x{b:02X}>".encode() for b in range(256)]
-    types += [T.BYTE] * 256
+TINY = Dims()  # the end-to-end tests: seconds per model on two cores
+BENCH = Dims(n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_layer=8, n_ff_expert=768)  # ~100M params
+SIZES = {"tiny": TINY, "bench": BENCH}
+# Random weights make chaotic models: rounding-level differences between two correct servers
+# grow until a near-tie flips a greedy token. Small layer gains (the residual stream
+# dominates) and wide logit and router margins keep the models decisive, as trained ones are.
+LAYER_GAIN, DECISIVE = 0.5, 8.0
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "it", "an", "be", "are", "were", "this", "which", "or", "had", "not", "but", "have", "one", "all", "their", "they", "we", "there", "been", "has", "when", "who", "more", "its", "so", "some", "time", "would", "up", "out", "if", "about", "into", "than", "them", "only", "other", "new", "may", "these", "two", "first", "any", "then", "also"]
+
+FILE_TYPES = {
+    "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
+}
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
     pieces = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
     pieces += ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
-    pieces += ["\u2581the", "\u2581upon", "\u2581time", "\u2581once", "\u2581of", "on", "er", "in"]
-    tokens += [p.encode() for p in pieces]
-    types += [T.NORMAL] * len(pieces)
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    pieces += ["\u2581" + w for w in WORDS]
+    tokens += pieces
+    types += [TokenType.NORMAL] * len(pieces)
+    # Longer pieces score higher, so the tokenizer prefers whole words.
+    scores = [0.0] * (3 + 256) + [float(len(p)) for p in pieces]
     return tokens, scores, [int(t) for t in types]
 
 
-def _weights(name: str, shape: tuple[int, ...], scale: float = 0.05) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """f32 (rows, n) -> Q4_K bytes (rows, n/256*144): per 32-element sub-block a scale and a
+    min (6 bits each, relative to the f16 super-block d and dmin), 4-bit values."""
+    blocks = x.reshape(-1, 8, 32).astype(np.float32)
+    mins = np.maximum(0, -blocks.min(axis=2))  # stored positive, subtracted
+    scales = (blocks.max(axis=2) + mins) / 15
+    d = (scales.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(scales / d32)), 0, 63).astype(np.uint8)
+        mn = np.clip(np.nan_to_num(np.rint(mins / dmin32)), 0, 63).astype(np.uint8)
+        step = (d32 * sc)[:, :, None]
+        q = np.clip(np.nan_to_num(np.rint((blocks + (dmin32 * mn)[:, :, None]) / step)), 0, 15).astype(np.uint8)
+    packed_scales = np.zeros((blocks.shape[0], 12), np.uint8)
+    packed_scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed_scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    packed_scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, qs], axis=1)
+    return out.reshape(x.shape[0], -1) if x.ndim == 2 else out.reshape(x.shape[:-1] + (-1,))
 
 
-def _add(w: gguf.GGUFWriter, name: str, data: np.ndarray, dtype: str) -> None:
-    """Norm vectors stay f32 (as convert_hf_to_gguf keeps them); matrices take `dtype`."""
-    if data.ndim == 1 or dtype == "f32":
-        w.add_tensor(name, data.astype(np.float32))
-    elif dtype == "f16":
-        w.add_tensor(name, data.astype(np.float16))
-    else:
-        qtype = QUANT[dtype]
-        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+def encode(values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """Weights in the file's type; 1-D tensors (norms) stay F32, as llama.cpp's converters do."""
+    if values.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        return values.astype(np.float32), GGMLQuantizationType.F32
+    if qtype == GGMLQuantizationType.F16:
+        return values.astype(np.float16), qtype
+    if qtype == GGMLQuantizationType.Q4_K and values.shape[-1] % 256 == 0:
+        return quantize_q4_k(values), qtype
+    return gguf_quants.quantize(values.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
 
 
-def _attention(w, i: int, s: Shape, dtype: str, qk_norm: bool) -> None:
-    p = f"blk.{i}."
-    kv = s.n_head_kv * s.head_dim
-    _add(w, p + "attn_norm.weight", 1.0 + _weights(p + "attn_norm", (s.n_embd,)), dtype)
-    _add(w, p + "attn_q.weight", _weights(p + "attn_q", (s.n_head * s.head_dim, s.n_embd)), dtype)
-    _add(w, p + "attn_k.weight", _weights(p + "attn_k", (kv, s.n_embd)), dtype)
-    _add(w, p + "attn_v.weight", _weights(p + "attn_v", (kv, s.n_embd)), dtype)
-    _add(w, p + "attn_output.weight", _weights(p + "attn_output", (s.n_embd, s.n_head * s.head_dim)), dtype)
-    if qk_norm:
-        _add(w, p + "attn_q_norm.weight", 1.0 + _weights(p + "q_norm", (s.head_dim,)), dtype)
-        _add(w, p + "attn_k_norm.weight", 1.0 + _weights(p + "k_norm", (s.head_dim,)), dtype)
+def weights(arch: str, n_vocab: int, rng: np.random.Generator, d: Dims) -> dict[str, np.ndarray]:
+    """Tensors in numpy order (ggml ne reversed), scaled so logits keep clear margins."""
+
+    def mat(rows, cols, scale=LAYER_GAIN):
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {
+        "token_embd.weight": (rng.standard_normal((n_vocab, d.n_embd))).astype(np.float32),
+        "output_norm.weight": norm(d.n_embd),
+        "output.weight": mat(n_vocab, d.n_embd, DECISIVE),
+    }
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm(d.n_embd)
+        t[p + "attn_q.weight"] = mat(d.n_head * d.head_dim, d.n_embd)
+        t[p + "attn_k.weight"] = mat(d.n_head_kv * d.head_dim, d.n_embd)
+        t[p + "attn_v.weight"] = mat(d.n_head_kv * d.head_dim, d.n_embd)
+        t[p + "attn_output.weight"] = mat(d.n_embd, d.n_head * d.head_dim)
+        t[p + "ffn_norm.weight"] = norm(d.n_embd)
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
+            t[p + "attn_q_norm.weight"] = norm(d.head_dim)
+            t[p + "attn_k_norm.weight"] = norm(d.head_dim)
+        if arch == "gemma3":
+            t[p + "post_attention_norm.weight"] = norm(d.n_embd)
+            t[p + "post_ffw_norm.weight"] = norm(d.n_embd)
+        if arch == "qwen3moe":
+            t[p + "ffn_gate_inp.weight"] = mat(d.n_expert, d.n_embd, DECISIVE)
+            t[p + "ffn_gate_exps.weight"] = np.stack([mat(d.n_ff_expert, d.n_embd) for _ in range(d.n_expert)])
+            t[p + "ffn_up_exps.weight"] = np.stack([mat(d.n_ff_expert, d.n_embd) for _ in range(d.n_expert)])
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(d.n_embd, d.n_ff_expert) for _ in range(d.n_expert)])
+        else:
+            t[p + "ffn_gate.weight"] = mat(d.n_ff, d.n_embd)
+            t[p + "ffn_up.weight"] = mat(d.n_ff, d.n_embd)
+            t[p + "ffn_down.weight"] = mat(d.n_embd, d.n_ff)
+    if arch == "gemma3":
+        # Gemma scales embeddings by sqrt(n_embd) in the graph. The output stays untied (the
+        # loader accepts either): tied to weak layers, every token would predict itself.
+        t["token_embd.weight"] *= 0.1
+    return t
 
 
-def _dense_ffn(w, i: int, s: Shape, dtype: str) -> None:
-    p = f"blk.{i}."
-    _add(w, p + "ffn_norm.weight", 1.0 + _weights(p + "ffn_norm", (s.n_embd,)), dtype)
-    _add(w, p + "ffn_gate.weight", _weights(p + "ffn_gate", (s.n_ff, s.n_embd)), dtype)
-    _add(w, p + "ffn_up.weight", _weights(p + "ffn_up", (s.n_ff, s.n_embd)), dtype)
-    _add(w, p + "ffn_down.weight", _weights(p + "ffn_down", (s.n_embd, s.n_ff)), dtype)
-
-
-def _moe_ffn(w, i: int, s: Shape, dtype: str) -> None:
-    p = f"blk.{i}."
-    _add(w, p + "ffn_norm.weight", 1.0 + _weights(p + "ffn_norm", (s.n_embd,)), dtype)
-    _add(w, p + "ffn_gate_inp.weight", _weights(p + "router", (s.n_expert, s.n_embd)), "f32")
-    _add(w, p + "ffn_gate_exps.weight", _weights(p + "gate_exps", (s.n_expert, s.n_ff, s.n_embd)), dtype)
-    _add(w, p + "ffn_up_exps.weight", _weights(p + "up_exps", (s.n_expert, s.n_ff, s.n_embd)), dtype)
-    _add(w, p + "ffn_down_exps.weight", _weights(p + "down_exps", (s.n_expert, s.n_embd, s.n_ff)), dtype)
-
-
-ARCHS = ("llama", "qwen3", "qwen3moe")
-
-
-def generate(arch: str, dtype: str, out_dir: Path, shape: Shape | None = None) -> Path:
-    """Write `<out_dir>/<arch>-<dtype>.gguf` (reused when already there) and return its path."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r} (known: {', '.join(ARCHS)})")
-    if dtype not in QUANT:
-        raise ValueError(f"unknown type {dtype!r} (known: {', '.join(QUANT)})")
-    out = Path(out_dir) / f"{arch}-{dtype}.gguf"
-    if out.is_file():
-        return out
+def write_model(path: Path, arch: str, type_name: str, d: Dims = TINY) -> None:
+    qtype, file_type = FILE_TYPES[type_name]
     tokens, scores, types = vocabulary()
-    s = shape or Shape(n_vocab=len(tokens))
-    tmp = out.with_suffix(".part")
-    w = gguf.GGUFWriter(str(tmp), arch)
-    w.add_name(f"fleetd-test-{arch}-{dtype}")
-    w.add_context_length(s.n_ctx)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
-    w.add_rope_dimension_count(s.head_dim)
+    rng = np.random.default_rng(sum(map(ord, arch)))  # per family, same for every weight type
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"fleetd-test-{arch}-{type_name}")
+    w.add_file_type(file_type)
+    w.add_context_length(d.n_ctx)
+    w.add_embedding_length(d.n_embd)
+    w.add_block_count(d.n_layer)
+    w.add_feed_forward_length(d.n_ff)
+    w.add_head_count(d.n_head)
+    w.add_head_count_kv(d.n_head_kv)
+    w.add_key_length(d.head_dim)
+    w.add_value_length(d.head_dim)
+    w.add_rope_dimension_count(d.head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
     if arch == "qwen3moe":
-        w.add_expert_count(s.n_expert)
-        w.add_expert_used_count(s.n_expert_used)
-        w.add_expert_feed_forward_length(s.n_ff)
+        w.add_expert_count(d.n_expert)
+        w.add_expert_used_count(d.n_expert_used)
+        w.add_expert_feed_forward_length(d.n_ff_expert)
+    if arch == "gemma3":
+        w.add_sliding_window(64)
     w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
     w.add_add_bos_token(True)
-    _add(w, "token_embd.weight", _weights("token_embd", (s.n_vocab, s.n_embd), 0.5), dtype)
-    for i in range(s.n_layer):
-        _attention(w, i, s, dtype, qk_norm=arch in ("qwen3", "qwen3moe"))
-        (_moe_ffn if arch == "qwen3moe" else _dense_ffn)(w, i, s, dtype)
-    _add(w, "output_norm.weight", 1.0 + _weights("output_norm", (s.n_embd,)), dtype)
-    _add(w, "output.weight", _weights("output", (s.n_vocab, s.n_embd), 0.2), dtype)
+    w.add_add_eos_token(False)
+    for name, values in weights(arch, len(tokens), rng, d).items():
+        data, raw_type = encode(values, qtype)
+        if raw_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tmp.replace(out)
-    return out
+
+
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3")
+
+
+def generate(arch: str, type_name: str, out_dir: Path, size: str = "tiny") -> Path:
+    """Write `<out_dir>/<arch>-<type>[-<size>].gguf` (reused when already there); its path."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r} (known: {', '.join(ARCHS)})")
+    if type_name not in FILE_TYPES:
+        raise ValueError(f"unknown weight type {type_name!r} (known: {', '.join(FILE_TYPES)})")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} (known: {', '.join(SIZES)})")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if size == "tiny" else f"-{size}"
+    path = out_dir / f"{arch}-{type_name}{suffix}.gguf"
+    if not path.is_file():
+        part = path.with_suffix(".part")
+        write_model(part, arch, type_name, SIZES[size])
+        part.replace(path)
+    return path

@@ -138,9 +138,14 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
     def complete(rpc: str) -> tuple[list[str], str]:
         args = [str(exe), "-m", str(model), "--rpc", rpc, "-ngl", "99", "-p", "Once upon a time",
                 "-n", "24", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1"]
-        p = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=600)
-        if p.returncode != 0:
-            raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+        # llama.cpp prints through an asynchronous log thread that can drop the tail at exit
+        # on a busy machine; a complete run ends with a blank line, so rerun (at most twice).
+        for _ in range(3):
+            p = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=600)
+            if p.returncode != 0:
+                raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+            if p.stdout.endswith("\n\n"):
+                break
         return args, p.stdout
 
     args, ours = complete(",".join(n.spec.rpc_endpoint for n in fleet))

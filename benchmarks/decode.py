@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""llama-bench prompt processing (pp) and decode (tg) tokens/s through fleetd and through the
+stock ggml-rpc-server, same models, same thread count, one run. Prints a table, writes JSON.
+
+    benchmarks/decode.py [--models DIR] [--threads 1] [--pp 64] [--tg 32] [--json out.json]
+
+Models are fleetd.models' ("<arch>-<type>[-bench]", generated when missing). llama.cpp
+sends GRAPH_RECOMPUTE for every decode step whose graph is unchanged, so tg measures fleetd's
+plan-cache hot path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fleetd.models import SIZES, generate
+from fleetd.tools import find_tool
+from fleetd.transport import free_port, wait_listening
+
+# ~100M-parameter variants ("-bench"): big enough that kernels, not per-op overhead, dominate.
+DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
+
+
+def start_server(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if kind == "fleetd":
+        args = [str(REPO / ".venv/bin/fleetd"), "--port", str(port), "--control-port", "0",
+                "-t", str(threads), "--log-level", "warning"]
+    else:
+        args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
+    with open(log, "ab") as out:  # the child keeps its own fd
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    wait_listening(port)
+    return proc, f"127.0.0.1:{port}"
+
+
+def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
+    """{'pp': tokens/s, 'tg': tokens/s} from llama-bench's JSON output."""
+    args = [str(find_tool("llama-bench")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
+            "-p", str(pp), "-n", str(tg), "-t", str(threads), "-r", str(reps), "-o", "json"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1800, check=True)
+    rows = json.loads(proc.stdout)
+    out = {}
+    for row in rows:
+        kind = "pp" if row.get("n_prompt", 0) > 0 else "tg"
+        out[kind] = float(row["avg_ts"])
+    return out
+
+
+def ensure_models(models_dir: Path, names: list[str]) -> None:
+    missing = [n for n in names if not (models_dir / f"{n}.gguf").exists()]
+    if not missing:
+        return
+    for name in missing:
+        parts = name.split("-")
+        size = parts.pop() if parts[-1] in SIZES else "tiny"
+        arch, type_name = parts
+        generate(arch, type_name, models_dir, size)
+
+
+def table(results: list[dict]) -> str:
+    head = f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for kind in ("pp", "tg"):
+            s, f = r["stock"].get(kind), r["fleetd"].get(kind)
+            ratio = f / s if s and f else float("nan")
+            lines.append(f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=64)
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=str(REPO / "benchmarks" / "decode.json"))
+    ap.add_argument("--log", default="/tmp/fleetd-bench.log")
+    args = ap.parse_args()
+
+    names = args.models.split(",")
+    models_dir = Path(args.models_dir)
+    ensure_models(models_dir, names)
+    results = []
+    for name in names:
+        row = {"model": name}
+        for kind in ("stock", "fleetd"):
+            proc, endpoint = start_server(kind, args.threads, Path(args.log))
+            try:
+                row[kind] = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+        results.append(row)
+        print(f"{name}: stock {row['stock']} fleetd {row['fleetd']}", flush=True)
+    print(table(results))
+    meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
+            "cpus": os.cpu_count(), "results": results}
+    Path(args.json).write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
