@@ -85,7 +85,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=str(REPO / "benchmarks" / "decode.json"))
+    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
     args = ap.parse_args()
 
@@ -107,6 +107,7 @@ def main() -> int:
     print(table(results))
     meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
             "cpus": os.cpu_count(), "results": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(meta, indent=1))
     return 0
 
