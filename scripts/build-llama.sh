@@ -46,11 +46,17 @@ target_include_directories(test-backend-ops PRIVATE ${CMAKE_SOURCE_DIR}/ggml/inc
 CM
 fi
 
-echo "configuring llama.cpp ($VERSION) in $PREFIX/build" >&2
-cmake -S "$SRC" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >&2
-cmake --build "$PREFIX/build" -j "$JOBS" --target "${TOOLS[@]}" >&2
+# The compiler's output goes to a log in the cache; it is shown only when the build fails.
+LOG="$PREFIX/build.log"
+echo "building llama.cpp ($VERSION) in $PREFIX/build, log in $LOG (10-25 min on 2 cores)" >&2
+if ! { cmake -S "$SRC" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_RPC=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
+     && cmake --build "$PREFIX/build" -j "$JOBS" --target "${TOOLS[@]}"; } >"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    echo "llama.cpp build failed; full log: $LOG" >&2
+    exit 1
+fi
 
 mkdir -p "$PREFIX/bin"
 for t in "${TOOLS[@]}"; do
