@@ -176,11 +176,11 @@ def test_unknown_op_names_op_and_types():
 
 
 def test_unsupported_type_pair_is_refused_not_approximated():
-    # K-quant destinations need ggml's iterative quantizer, which fleetd does not have.
+    # IQ2_XXS has no from_float in ggml either (it needs ggml_quantize_init).
     m = Local()
     a = m.tensor(GgmlType.F32, (256, 1), np.ones(256, np.float32))
-    dst = m.tensor(GgmlType.Q4_K, (256, 1))
-    with pytest.raises(UnsupportedOp, match="CPY.*Q4_K"):
+    dst = m.tensor(GgmlType.IQ2_XXS, (256, 1))
+    with pytest.raises(UnsupportedOp, match="CPY.*IQ2_XXS"):
         m.run(m.g.cpy(a, dst))
 
 
@@ -322,13 +322,13 @@ def test_unsupported_graph_closes_only_its_connection(fleetd_server, caplog):
                 ptr, _ = c.alloc_buffer(4096)
                 base = c.buffer_get_base(ptr)
                 a = g.tensor(GgmlType.F32, (256, 1), ptr, base)
-                dst = g.tensor(GgmlType.Q4_K, (256, 1), ptr, base + 1024)
+                dst = g.tensor(GgmlType.IQ2_XXS, (256, 1), ptr, base + 1024)
                 c.graph_compute(g.serialize([g.cpy(a, dst)]))
                 assert connection_closed(c.sock)
             finally:
                 c.close()
         lines = [r.getMessage() for r in caplog.records if "graph failed" in r.getMessage()]
-        assert len(lines) == 1 and "CPY" in lines[0] and "Q4_K" in lines[0], lines
+        assert len(lines) == 1 and "CPY" in lines[0] and "IQ2_XXS" in lines[0], lines
         assert np.frombuffer(keeper.get_tensor(kept.rpc()), "<f4").tolist() == list(range(16))
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from fleetd.compute import quantizers
 from fleetd.compute.buffers import Buffer
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlType, type_name
@@ -127,6 +128,13 @@ OWN_QUANTIZERS = {
     GgmlType.Q1_0: _quant_q1_0,
     GgmlType.Q2_0: _quant_q2_0,
     GgmlType.IQ4_NL: _quant_iq4_nl,
+    GgmlType.Q2_K: quantizers.quant_q2_k,
+    GgmlType.Q3_K: quantizers.quant_q3_k,
+    GgmlType.Q4_K: quantizers.quant_q4_k,
+    GgmlType.Q5_K: quantizers.quant_q5_k,
+    GgmlType.Q6_K: quantizers.quant_q6_k,
+    GgmlType.IQ4_XS: quantizers.quant_iq4_xs,
+    GgmlType.NVFP4: quantizers.quant_nvfp4,
 }
 
 QUANTIZABLE = frozenset(
