@@ -181,6 +181,7 @@ def quantize(xp, values, type_: int):
 
 
 WRITE_LOG_LENGTH = 4096  # graph writes remembered per buffer; older ones count as "anything"
+RECENT_VIEWS = 4096  # views remembered by `lookup`; forgotten all at once past that
 ENTRIES_PER_BUFFER = 64  # a KV cache read through growing views must not pile up f32 copies
 
 
@@ -200,6 +201,10 @@ class DequantCache:
         self._writes: weakref.WeakKeyDictionary[Buffer, collections.deque] = weakref.WeakKeyDictionary()
         self.hits = 0
         self.misses = 0
+        # id(view) -> (weakref to the view, buffer, generation, type, f32 value): a plan's
+        # views live as long as the plan, so a recompute finds its weights here with one
+        # generation compare, before any key or extent is worked out.
+        self._recent: dict[int, tuple] = {}
 
     def note_write(self, buf: Buffer, start: int, end: int) -> None:
         """A graph node wrote bytes [start, end) of `buf` (offsets in the buffer)."""
@@ -209,6 +214,23 @@ class DequantCache:
             if log is None:
                 log = self._writes[buf] = collections.deque(maxlen=WRITE_LOG_LENGTH)
             log.append((buf.generation, start, end))
+
+    def lookup(self, view, type_: int, convert):
+        """`get` for a view whose buffer is found by `owner_of`; a view seen before whose
+        buffer has not been written since is answered at once."""
+        seen = self._recent.get(id(view))
+        if seen is not None and seen[0]() is view and seen[1].generation == seen[2] and seen[3] == type_:
+            self.hits += 1
+            return seen[4]
+        buf = owner_of(view)
+        if buf is None:
+            return convert(view)
+        generation = buf.generation
+        value = self.get(buf, view, type_, convert)
+        if len(self._recent) >= RECENT_VIEWS:
+            self._recent.clear()
+        self._recent[id(view)] = (weakref.ref(view), buf, generation, type_, value)
+        return value
 
     def get(self, buf: Buffer | None, view, type_: int, convert):
         """`convert(view)` as f32, reusing the last result while its region is unwritten."""
@@ -258,6 +280,7 @@ class DequantCache:
         with self._lock:
             self._by_buffer.clear()
             self._writes.clear()
+            self._recent.clear()
 
 
 def _extent(view) -> int:

@@ -26,6 +26,8 @@ from fleetd.compute.ops.matmul import activations_like_cpu
 from fleetd.wire import GgmlOp, GgmlType
 
 TILE_Q = 64  # from this many queries on, the CPU takes its tiled path (f32 accumulators)
+LIVE_ROUND = 16  # decode scores the KV prefix up to the last visible entry, in whole 16s
+ONLINE_CHUNK_ELEMENTS = 1 << 20  # f32 v*vs products precomputed at once by the online f16 path
 
 
 def alibi_slopes(xp, n_head: int, max_bias: float):
@@ -89,11 +91,23 @@ def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
     if softcap != 0:
         scale = np.float32(scale) / np.float32(softcap)
 
+    seqs, heads, n_q, d_k = srcs[0].shape
+    d_v, n_kv, heads_kv, seqs_kv = vt.ne  # V [D_v, n_kv, H_kv, S_k] (a packed view holds bytes)
+    mask_t = src_tensors[3] if len(src_tensors) > 3 else None
+    # One query over >= 512 entries: the CPU splits KV across threads (thread-count
+    # dependent sums), and one long f16 loop would be slow here: two-pass instead.
+    split_kv = n_q == 1 and seqs == 1 and n_kv >= 512 and kt.type == vt.type
+    online = vt.type == GgmlType.F16 and n_q < TILE_Q and not split_kv
+    k_view, v_view, mask_view = srcs[1], srcs[2], srcs[3] if mask_t is not None else None
+    if online and n_q == 1 and mask_t is not None:
+        # Decode: the online path reads only entries some query sees, so the masked tail of
+        # the KV cache need not be converted or scored at all.
+        n_kv = _live_prefix(xp, mask_view, n_q, n_kv)
+        k_view, v_view, mask_view = k_view[:, :, :n_kv], v_view[:, :, :n_kv], mask_view[..., :n_kv]
+
     q = activations_like_cpu(xp, srcs[0], kt.type)  # (S, H, n_q, D_k)
     # K and V are the KV cache, rewritten every step: converted, not cached.
-    k = as_f32(xp, srcs[1], kt)  # (S_k, H_kv, n_kv, D_k)
-    seqs, heads, n_q, d_k = q.shape
-    d_v, n_kv, heads_kv, seqs_kv = vt.ne  # V [D_v, n_kv, H_kv, S_k] (a packed view holds bytes)
+    k = as_f32(xp, k_view, kt)  # (S_k, H_kv, n_kv, D_k)
     rs, rh = seqs // seqs_kv, heads // heads_kv
     # Grouped heads (and sequences) by division, without copying K and V.
     q6 = q.reshape(seqs_kv, rs, heads_kv, rh, n_q, d_k)
@@ -102,22 +116,28 @@ def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
     with quiet(xp):
         if softcap != 0:
             scores = np.float32(softcap) * xp.tanh(scores)
-        mask_t = src_tensors[3] if len(src_tensors) > 3 else None
         if mask_t is not None:
             slopes = alibi_slopes(xp, heads, max_bias)[None, :, None, None]
-            scores = scores + slopes * _mask_for(xp, srcs[3], mask_t, n_q, heads, seqs)
+            scores = scores + slopes * _mask_for(xp, mask_view, mask_t, n_q, heads, seqs)
         sinks = None
         if len(src_tensors) > 4 and src_tensors[4] is not None:
             sinks = srcs[4].reshape(-1)[:heads].astype(xp.float32)[None, :, None, None]
-        # One query over >= 512 entries: the CPU splits KV across threads (thread-count
-        # dependent sums), and one long f16 loop would be slow here: two-pass instead.
-        split_kv = n_q == 1 and seqs == 1 and n_kv >= 512 and kt.type == vt.type
-        if vt.type == GgmlType.F16 and n_q < TILE_Q and not split_kv:
-            out = _online_f16(xp, scores, srcs[2], sinks, rs, rh)
+        if online:
+            out = _online_f16(xp, scores, v_view, sinks, rs, rh)
         else:
-            out = _two_pass(xp, scores, as_f32(xp, srcs[2], vt), sinks, rs, rh)
+            out = _two_pass(xp, scores, as_f32(xp, v_view, vt), sinks, rs, rh)
     # dst is [D_v, H, n_q, S]: numpy (S, n_q, H, D_v)
     store(xp, dst, node, out.reshape(seqs, heads, n_q, d_v).swapaxes(1, 2))
+
+
+def _live_prefix(xp, mask_view, n_q: int, n_kv: int) -> int:
+    """Entries up to the last one some query may see (its mask is not -inf), rounded up to
+    LIVE_ROUND. Scores of one query are a matrix-vector product, whose rows are dotted
+    independently: the kept scores are bit-identical to the full product's."""
+    m = mask_view[:, :, :n_q, :n_kv]
+    seen = xp.flatnonzero(~xp.all(xp.isneginf(m.reshape(-1, m.shape[-1])), axis=0))
+    last = int(seen[-1]) + 1 if seen.size else 0
+    return min(n_kv, max(LIVE_ROUND, -(-last // LIVE_ROUND) * LIVE_ROUND))
 
 
 def _two_pass(xp, scores, v, sinks, rs, rh):
@@ -156,15 +176,24 @@ def _online_f16(xp, scores, v16, sinks, rs, rh):
     valid = ~xp.isneginf(s_live)
     ms_all = xp.where(valid & (s_live > before), xp.exp(before - peaks), xp.float32(1)).astype(xp.float32)
     vs_all = xp.where(valid, xp.exp(xp.where(valid, s_live, 0) - xp.where(valid, peaks, 0)), 0).astype(xp.float32)
-    total = xp.zeros(grouped + (1,), dtype=xp.float32)
+    n_live = int(live.size)
+    # Per entry: does any query/head rescale there (the running max rose)?
+    rescale = xp.any((ms_all != 1).reshape(-1, n_live), axis=0).tolist() if n_live else []
+    ms_t = xp.moveaxis(ms_all, -1, 0)[..., None]  # (n_live,) + grouped + (1,)
+    vs_t = xp.moveaxis(vs_all, -1, 0)[..., None]
+    total = _running_total(xp, ms_t, vs_t, rescale, grouped)
+    v_live = xp.moveaxis(v16[:, :, live, :], 2, 0)[:, :, None, :, None, None, :]  # (n_live, S, 1, H, 1, 1, D)
     acc = xp.zeros(grouped + (d_v,), dtype=xp.float16)
-    for n, j in enumerate(live.tolist()):
-        ms, vs = ms_all[..., n : n + 1], vs_all[..., n : n + 1]
-        if bool((ms != 1).any()):
-            acc = (acc.astype(xp.float32) * ms).astype(xp.float16)
-        v_row = v16[:, None, :, None, j : j + 1, :].astype(xp.float32)
-        acc = (acc.astype(xp.float32) + v_row * vs).astype(xp.float16)
-        total = total * ms + vs
+    per_entry = max(1, acc.size)
+    chunk = max(1, ONLINE_CHUNK_ELEMENTS // per_entry)
+    for c0 in range(0, n_live, chunk):
+        # v_row * vs for a chunk of entries at once (elementwise f32: the same products).
+        prods = v_live[c0 : c0 + chunk].astype(xp.float32) * vs_t[c0 : c0 + chunk]
+        for n in range(c0, min(c0 + chunk, n_live)):
+            # f16(f32(acc) * ms), then f16(f32(acc) + v*vs): one ufunc each, cast on the way out.
+            if rescale[n]:
+                xp.multiply(acc, ms_t[n], out=acc, dtype=xp.float32, casting="unsafe")
+            xp.add(acc, prods[n - c0], out=acc, dtype=xp.float32, casting="unsafe")
     peak = peaks[..., -1:] if live.size else xp.full(grouped + (1,), -xp.inf, dtype=xp.float32)
     out = acc.astype(xp.float32)
     if sinks is not None:
@@ -175,3 +204,21 @@ def _online_f16(xp, scores, v16, sinks, rs, rh):
         out = out * ms
         total = total * ms + vs
     return out * xp.where(total == 0, 0, 1 / xp.where(total == 0, 1, total))
+
+
+def _running_total(xp, ms_t, vs_t, rescale, grouped):
+    """total = total * ms + vs over the entries in order, in f32. ms is exactly 1 away from
+    the rescale points, so between them the running total is a plain sequential sum (an
+    add.accumulate, which sums left to right as the loop does)."""
+    total = xp.zeros(grouped + (1,), dtype=xp.float32)
+    n_live = len(rescale)
+    points = [n for n in range(n_live) if rescale[n]] + [n_live]
+    start = 0
+    for stop in points:
+        if stop > start:
+            seq = xp.concatenate([total[None], vs_t[start:stop]])
+            total = xp.add.accumulate(seq, axis=0)[-1]
+        if stop < n_live:
+            total = total * ms_t[stop]
+            start = stop
+    return total

@@ -51,7 +51,7 @@ def weights_f32(xp, view, t: RpcTensor):
     """as_f32 for weights: non-f32 conversions are cached until the buffer is written."""
     if t.type == GgmlType.F32:
         return view
-    return dequant.CACHE.get(dequant.owner_of(view), view, t.type, lambda v: as_f32(xp, v, t))
+    return dequant.CACHE.lookup(view, t.type, lambda v: as_f32(xp, v, t))
 
 
 def store(xp, dst, node: RpcTensor, value) -> None:

@@ -80,6 +80,10 @@ def _activations(xp, view, xt, wt):
     return x if xt.type == wt.type else activations_like_cpu(xp, x, wt.type)
 
 
+def _overlaps(xp, dst, srcs) -> bool:
+    return any(s is not None and xp.shares_memory(dst, s) for s in srcs[:2])
+
+
 @register(GgmlOp.MUL_MAT)
 def op_mul_mat(xp, dst, srcs, node, src_tensors):
     # dst[b3, b2, n, m] = sum_k x[b3, b2, n, k] * w[b3 // r3, b2 // r2, m, k]
@@ -90,8 +94,13 @@ def op_mul_mat(xp, dst, srcs, node, src_tensors):
     a3, a2, m, k = w.shape
     b3, b2, n, _ = x.shape
     if a3 == a2 == 1:
-        # One weight matrix for every batch: a single GEMM over all rows.
-        out = x.reshape(-1, k) @ w[0, 0].T
+        # One weight matrix for every batch: a single GEMM over all rows, straight into dst
+        # when dst is plain f32 memory that no operand shares.
+        rows = x.reshape(-1, k)
+        if node.type == GgmlType.F32 and dst.flags.c_contiguous and not _overlaps(xp, dst, srcs):
+            xp.matmul(rows, w[0, 0].T, out=dst.reshape(-1, m))
+            return
+        out = rows @ w[0, 0].T
     else:
         r3, r2 = b3 // a3, b2 // a2
         x6 = x.reshape(a3, r3, a2, r2, n, k)

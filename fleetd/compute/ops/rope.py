@@ -98,19 +98,33 @@ def _rope(xp, dst, srcs, node, src_tensors, sin_sign: float):
     cos = (xp.cos(theta) * mscale)[None, :, None, :]
     sin = (xp.sin(theta) * mscale * np.float32(sin_sign))[None, :, None, :]
 
-    pairs = np.arange(n_pairs)
-    if mode == NORMAL:
-        first, second = n_offs + 2 * pairs, n_offs + 2 * pairs + 1
-    elif mode == VISION:
-        first, second = pairs, pairs + n_dims
-    else:
-        first, second = n_offs + pairs, n_offs + pairs + n_dims // 2
-    first, second = xp.asarray(first), xp.asarray(second)
+    first, second = _halves(mode, n_offs, n_dims, n_pairs)
     x0, x1 = x[..., first], x[..., second]
+    # Both halves computed before any write: dst may share memory with x (ggml runs ROPE
+    # in place when it can).
+    rot0 = x0 * cos - x1 * sin
+    rot1 = x0 * sin + x1 * cos
+    if node.type == GgmlType.F32:
+        if n_pairs * 2 < ne0:
+            dst[...] = x  # the dimensions past n_dims pass through
+        dst[..., first] = rot0
+        dst[..., second] = rot1
+        return
     out = x.copy()
-    out[..., first] = x0 * cos - x1 * sin
-    out[..., second] = x0 * sin + x1 * cos
+    out[..., first] = rot0
+    out[..., second] = rot1
     store(xp, dst, node, out)
+
+
+def _halves(mode: int, n_offs: int, n_dims: int, n_pairs: int) -> tuple[slice, slice]:
+    """The two elements each rotation pairs, as slices of the last axis."""
+    if mode == NORMAL:  # adjacent: (n_offs + 2i, n_offs + 2i + 1)
+        end = n_offs + 2 * n_pairs
+        return slice(n_offs, end, 2), slice(n_offs + 1, end, 2)
+    if mode == VISION:  # i and i + n_dims
+        return slice(0, n_pairs), slice(n_dims, n_dims + n_pairs)
+    half = n_offs + n_dims // 2  # NEOX and the multi modes: i and i + n_dims / 2
+    return slice(n_offs, n_offs + n_pairs), slice(half, half + n_pairs)
 
 
 @register(GgmlOp.ROPE)
