@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import struct
 
-import numpy as np
 
 from fleetd.client.stats import ClientCounters
 from fleetd.transport.tcp import Timeout, connect, mapped_errors, recv_exact
@@ -170,9 +169,6 @@ class RpcClient:
             self._recv_response(request, view)
             return out
         return self._recv_response(request).obj
-
-    def get_tensor_array(self, tensor: RpcTensor, dtype) -> np.ndarray:
-        return np.frombuffer(self.get_tensor(tensor), dtype=dtype)
 
     def copy_tensor(self, src: RpcTensor, dst: RpcTensor) -> bool:
         return bool(self._call(CopyTensor(src, dst))[0])

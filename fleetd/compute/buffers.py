@@ -68,7 +68,3 @@ class BufferRegistry:
 
     def __len__(self) -> int:
         return len(self._by_handle)
-
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(b.size for b in self._by_handle.values())

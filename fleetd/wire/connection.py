@@ -27,6 +27,7 @@ from fleetd.wire.commands import (
 from fleetd.wire.state import HelloGate, State
 
 _HEADER = struct.Struct("<BQ")  # | cmd u8 | payload_size u64 |
+KNOWN_FEATURES = sum(Feature)
 _SIZE = struct.Struct("<Q")
 
 
@@ -146,13 +147,6 @@ class ServerConnection:
             raise LocalProtocolError(f"body_received({n}) with {self.body_remaining} pending")
         self.body_remaining -= n
 
-    def discard_body(self) -> int:
-        """Drop the buffered part of a body nobody wants; return how many bytes still follow."""
-        n = min(self.body_remaining, len(self._buf) - self._pos)
-        self._pos += n
-        self.body_remaining -= n
-        return self.body_remaining
-
     def fail(self) -> None:
         self._gate.fail()
 
@@ -207,7 +201,7 @@ class ClientConnection:
             if major != PROTOCOL_VERSION[0] or minor > PROTOCOL_VERSION[1]:
                 raise RemoteProtocolError(f"HELLO: server version {major}.{minor}.{patch} unsupported")
             self.version = (major, minor, patch)
-            self.features = Feature(features & max(Feature))
+            self.features = Feature(features & KNOWN_FEATURES)  # bits we do not know stay off
             self._hello_done = True
         return values
 
