@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest -q -m "not slow" "$@"
+exec .venv/bin/python -m pytest -q "$@"
