@@ -11,6 +11,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ip >/dev/null || need+=(iproute2)
+command -v pkill >/dev/null || need+=(procps)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}" >&2
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
