@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fleetd import __version__
 from fleetd.compute.buffers import BufferRegistry
+from fleetd.errors import TransportError
 from fleetd.compute.device import make_device
 from fleetd.server.config import ServerConfig
 from fleetd.server.peer import PeerPolicy, PeerStats, PeerTimeouts, serve_copy
@@ -53,8 +54,13 @@ class Server:
     def start(self) -> tuple[str, int]:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
-        sock.listen(LISTEN_BACKLOG)
+        try:
+            sock.bind((self.config.host, self.config.port))
+            sock.listen(LISTEN_BACKLOG)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {self.config.host}:{self.config.port} for RPC: "
+                                 f"{exc.strerror or exc}") from exc
         self._listener = sock
         self.address = sock.getsockname()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="fleetd-accept", daemon=True)
