@@ -18,6 +18,22 @@ from fleetd.transport import free_port, wait_listening
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# On a small machine, whether a server lands on the client's core or the other one changes a
+# round trip by 2x. Pin the client to the first core and every server to the rest, the same for
+# stock and fleetd, so that placement is not what the ratio measures.
+CPUS = sorted(os.sched_getaffinity(0))
+CLIENT_CPUS = set(CPUS[:1]) if len(CPUS) > 1 else set(CPUS)
+SERVER_CPUS = set(CPUS[1:]) if len(CPUS) > 1 else set(CPUS)
+
+
+def _pin(cpus: set[int]):
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def pin_client() -> None:
+    os.sched_setaffinity(0, CLIENT_CPUS)
+
+
 @contextlib.contextmanager
 def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     """Yield the endpoint of a running 'fleetd' or 'stock' server process."""
@@ -28,7 +44,7 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_pin(SERVER_CPUS))
     try:
         wait_listening(port)
         yield f"127.0.0.1:{port}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, server_process, show  # noqa: E402
+from common import pin_client, save, server_process, show  # noqa: E402
 
 from fleetd.client import RpcClient  # noqa: E402
 from fleetd.wire import GgmlType, RpcTensor, contiguous_strides  # noqa: E402
@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="where to write the JSON (default benchmarks/results/transfer.json)")
     args = p.parse_args(argv)
 
+    pin_client()
     raw = run(args.max_mib * MIB, args.rounds, args.latency_calls)
     rows, records = [], []
     for size in sizes(args.max_mib * MIB):

@@ -53,7 +53,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetd.session")
 
-RECV_CHUNK = 256 * 1024
+RECV_CHUNK = 64 * 1024
+# A read that starts a new request asks for less: every fixed-size request fits (GET_ALLOC_SIZE,
+# the largest, is 3269 bytes), and of a SET_TENSOR no more than this of its data takes the
+# buffered path; the rest goes with recv_into straight into the tensor's buffer.
+FIRST_READ = 4 * 1024
 # Responses up to this size are joined with their header into one send (one segment, one syscall).
 SMALL_RESPONSE = 64 * 1024
 
@@ -98,7 +102,7 @@ class Session:
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
-                n = self.sock.recv_into(self._scratch)
+                n = self.sock.recv_into(self._scratch, RECV_CHUNK if conn.buffered else FIRST_READ)
                 if n == 0:
                     if conn.buffered:
                         raise ConnectionError("peer closed in the middle of a request")
