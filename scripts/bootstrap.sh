@@ -21,7 +21,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip "setuptools>=68" wheel >&2
+.venv/bin/python -m pip install -q --upgrade pip "setuptools>=77" wheel >&2
 .venv/bin/python -m pip install -q -e '.[test,ansible]' >&2
 
 bash scripts/build-llama.sh >/dev/null
