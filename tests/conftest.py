@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 from pathlib import Path
 
@@ -40,6 +42,22 @@ def ssh_server(tmp_path_factory):
 
     with SshServer(tmp_path_factory.mktemp("sshd")) as server:
         yield server
+
+
+def frame(cmd: int, payload: bytes) -> bytes:
+    """A request as it goes on the wire: | cmd u8 | payload_size u64 | payload |."""
+    return struct.pack("<BQ", cmd, len(payload)) + payload
+
+
+def connection_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """True when the server closed this connection (EOF or reset) within `timeout`."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
 
 
 def endpoint(srv: Server) -> str:

@@ -7,11 +7,10 @@ checked in-process against numpy references: plan building and kernels over a re
 from __future__ import annotations
 
 import logging
-import socket
 
 import numpy as np
 import pytest
-from conftest import endpoint
+from conftest import connection_closed, endpoint
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
@@ -35,14 +34,6 @@ def q8_0(values: np.ndarray) -> bytes:
 def dequant_q8_0(raw: bytes, shape) -> np.ndarray:
     blocks = np.frombuffer(raw, np.uint8).reshape(shape[0], -1)
     return gguf_quants.dequantize(blocks, GGMLQuantizationType.Q8_0)
-
-
-def connection_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except (ConnectionResetError, BrokenPipeError):
-        return True
 
 
 # -- in-process: a registry, a graph, a plan -------------------------------------------------

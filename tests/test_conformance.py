@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import endpoint
+from conftest import connection_closed, endpoint, frame
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.tools import find_tool
 from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64
@@ -199,17 +199,6 @@ def free_drops_stored_graph(ep):
 # -- helpers for malformed input -------------------------------------------------------------
 
 
-def connection_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
-    """True when the server closed this connection (EOF or reset) within `timeout`."""
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 def raw(ep, data: bytes, hello: bool = True) -> socket.socket:
     host, port = ep.split(":")
     s = socket.create_connection((host, int(port)), timeout=10)
@@ -222,10 +211,6 @@ def raw(ep, data: bytes, hello: bool = True) -> socket.socket:
             got += chunk
     s.sendall(data)
     return s
-
-
-def frame(cmd: int, payload: bytes) -> bytes:
-    return struct.pack("<BQ", cmd, len(payload)) + payload
 
 
 def malformed_cases(ep):

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import threading
 import time
 
 import numpy as np
 import pytest
+from conftest import frame
 
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.errors import TransportError
@@ -276,10 +278,7 @@ def test_fallback_stock_destination(fleetd_server, stock_server):
 
 def _raw_copy(endpoint_bytes: bytes, declared_len: int) -> bytes:
     t = f32_tensor(0x100, 0x1000, 4).pack()
-    import struct
-
-    payload = t + t + struct.pack("<QI", 16, declared_len) + endpoint_bytes
-    return struct.pack("<BQ", Cmd.COPY_TENSOR_TO, len(payload)) + payload
+    return frame(Cmd.COPY_TENSOR_TO, t + t + struct.pack("<QI", 16, declared_len) + endpoint_bytes)
 
 
 @pytest.mark.parametrize("case", ["source_out_of_bounds", "endpoint_len_mismatch", "bad_endpoint"])

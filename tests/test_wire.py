@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 
+from conftest import frame
 from fleetd.errors import RemoteProtocolError
 from fleetd.wire import (
     COMMANDS,
@@ -31,10 +32,6 @@ from fleetd.wire import (
 )
 
 HELLO = b"\x0e" + struct.pack("<Q", 24) + bytes(24)
-
-
-def frame(cmd: int, payload: bytes) -> bytes:
-    return struct.pack("<BQ", cmd, len(payload)) + payload
 
 
 def t(**kw) -> RpcTensor:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fleetd import __version__
 from fleetd.compute.buffers import BufferRegistry
-from fleetd.errors import TransportError
 from fleetd.compute.device import make_device
+from fleetd.errors import TransportError
 from fleetd.server.config import ServerConfig
 from fleetd.server.peer import PeerPolicy, PeerStats, PeerTimeouts, serve_copy
 from fleetd.server.session import Session
