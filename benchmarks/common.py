@@ -39,7 +39,7 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     """Yield the endpoint of a running 'fleetd' or 'stock' server process."""
     port = free_port()
     if kind == "fleetd":
-        args = [sys.executable, "-m", "fleetd.cli", "--port", str(port), "--control-port", "0",
+        args = [sys.executable, "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
                 "--threads", str(threads), "--log-level", "warning"]
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]

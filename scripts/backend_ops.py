@@ -74,7 +74,7 @@ class Server:
         if self.proc is None or self.proc.poll() is not None:
             self.port = free_port()
             if self.kind == "fleetd":
-                args = [sys.executable, "-m", "fleetd.cli", "--port", str(self.port), "--control-port", "0",
+                args = [sys.executable, "-m", "fleetd.server", "--port", str(self.port), "--control-port", "0",
                         "--log-level", "warning"]
             else:
                 args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(self.port), "-t", "1"]

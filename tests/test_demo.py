@@ -16,10 +16,10 @@ def test_demo_runs_llama_and_ab_on_a_local_fleet():
         find_tool("llama-completion")
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    p = subprocess.run([sys.executable, "-m", "fleetd.cli", "--help"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "fleetd.server", "--help"], capture_output=True, text=True)
     assert p.returncode == 0
     p = subprocess.run(
-        [sys.executable, "-c", "from fleetd.cli import fleetctl_main; raise SystemExit(fleetctl_main())",
+        [sys.executable, "-c", "from fleetd.ctl import main; raise SystemExit(main())",
          "demo", "--json", "--n-embd", "256", "--steps", "3"],
         capture_output=True, text=True, timeout=900,
     )

@@ -188,7 +188,7 @@ def test_down_nodes_show_their_reason(fleetd_server, ssh_server, tmp_path, capsy
 def test_fleetctl_as_a_subprocess(fleet2):
     a, b, args = fleet2
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160")
-    code = "import sys; from fleetd.cli import fleetctl_main; sys.exit(fleetctl_main())"
+    code = "import sys; from fleetd.ctl import main; sys.exit(main())"
     proc = subprocess.run([sys.executable, "-c", code, "status", *args, "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ DAEMON_REQUIREMENTS = ["numpy>=1.26", "gguf>=0.17", "prometheus-client>=0.20"]
 MIN_PYTHON = (3, 11)
 MIN_FREE_BYTES = 512 * 1024 * 1024
 HEALTH_TIMEOUT_S = 30.0
+# After HELLO answered: how long the control API may take to answer /v1/status, and how often
+# it is asked meanwhile.
+CONTROL_HEALTH_TIMEOUT_S = 15.0
+CONTROL_HEALTH_RETRY_S = 0.25
 STEPS = ("check", "upload", "install", "configure", "start", "health")
 WHEEL_CACHE = Path.home() / ".cache" / "fleetd" / "wheels"
 
@@ -264,13 +269,20 @@ class Deployer:
         if not h["ok"]:
             log = " | ".join(h["log"][-2:])
             return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else "")
-        try:
-            status = node.status()
-        except Exception as exc:
-            return f"control API: {exc}"
-        if status.get("version") is None:
-            return "control API: status has no version"
-        return None
+        # The RPC port answering does not prove the control API is up yet (an older fleetd binds
+        # it after the RPC port; a restart races with it): retry until a deadline, keep the reason.
+        deadline = time.monotonic() + CONTROL_HEALTH_TIMEOUT_S
+        while True:
+            try:
+                status = node.status()
+                if status.get("version") is not None:
+                    return None
+                problem = "control API: status has no version"
+            except Exception as exc:
+                problem = f"control API: {exc}"
+            if time.monotonic() >= deadline:
+                return f"{problem} (gave up after {CONTROL_HEALTH_TIMEOUT_S:.0f}s)"
+            time.sleep(CONTROL_HEALTH_RETRY_S)
 
     def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str) -> str:
         b = self.build

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetd.errors import FleetError
+from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
 
 DEFAULT_SSH_PORT = 22
-DEFAULT_RPC_PORT = 50052  # as fleetd.server.config; repeated so parsing imports no server code
-DEFAULT_CONTROL_PORT = 50152
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 NODES_FILE_HELP = """\

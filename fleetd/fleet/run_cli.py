@@ -92,7 +92,7 @@ def local_fleet(count: int, workdir: Path):
             rpc, control = free_port(), free_port()
             log = open(workdir / f"node-{i}.log", "wb")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fleetd.cli", "--port", str(rpc), "--control-port", str(control),
+                [sys.executable, "-m", "fleetd.server", "--port", str(rpc), "--control-port", str(control),
                  "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             lines.append(f"localhost rpc_port={rpc} control_port={control} name=local-{i}")
         nodes_file = workdir / "nodes.txt"

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_RPC_PORT = 50052  # the stock ggml-rpc-server's default
-DEFAULT_CONTROL_PORT = 50152  # loopback only
+from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
 
 
 @dataclass

@@ -56,20 +56,26 @@ class Server:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.config.host, self.config.port))
-            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise TransportError(f"cannot listen on {self.config.host}:{self.config.port} for RPC: "
                                  f"{exc.strerror or exc}") from exc
         self._listener = sock
         self.address = sock.getsockname()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="fleetd-accept", daemon=True)
-        self._accept_thread.start()
+        # The control API is bound before the RPC port listens: whoever sees a HELLO answered
+        # (fleetctl deploy's health step) can ask /v1/status at once.
         if self.config.control_port is not None:
             from fleetd.server.control import ControlAPI
 
             self.control = ControlAPI(self, self.config.control_port)
-            self.control.start()
+            try:
+                self.control.start()
+            except BaseException:
+                sock.close()
+                raise
+        sock.listen(LISTEN_BACKLOG)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="fleetd-accept", daemon=True)
+        self._accept_thread.start()
         log.info(
             "fleetd %s serving RPC %d.%d.%d on %s:%d, devices: %s, cache: %s",
             __version__, *PROTOCOL_VERSION, *self.address,

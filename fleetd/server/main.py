@@ -1,4 +1,4 @@
-"""Entry points: `fleetd` (the daemon) and `fleetctl` (the operator's tool)."""
+"""The `fleetd` entry point: flags and config file into a ServerConfig, then serve."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from pathlib import Path
 
 from fleetd import __version__
 from fleetd.errors import FleetdError
+from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+from fleetd.server.config import ServerConfig
+from fleetd.server.daemon import serve_forever
 
 
 # Built-in defaults; a --config file overrides them and command-line flags override both.
 FLEETD_DEFAULTS = {
     "host": "127.0.0.1",
-    "port": 50052,
+    "port": DEFAULT_RPC_PORT,
     "devices": ["cpu"],
     "cache_dir": None,
     "threads": None,
-    "control_port": 50152,
+    "control_port": DEFAULT_CONTROL_PORT,
     "p2p": True,
     "peer_allow": None,
     "log_level": "info",
@@ -37,11 +40,11 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
     p.add_argument("-H", "--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("-p", "--port", type=int, help="RPC port (default 50052)")
+    p.add_argument("-p", "--port", type=int, help=f"RPC port (default {DEFAULT_RPC_PORT})")
     p.add_argument("-d", "--device", help="devices, comma separated: cpu, cuda (default cpu)")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
     p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
-    p.add_argument("--control-port", type=int, help="loopback control API port, 0 to disable (default 50152)")
+    p.add_argument("--control-port", type=int, help=f"loopback control API port, 0 to disable (default {DEFAULT_CONTROL_PORT})")
     p.add_argument("--no-p2p", action="store_true", default=None, help="start with peer copy switched off")
     p.add_argument(
         "--peer-allow",
@@ -99,9 +102,6 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         level=str(settings["log_level"]).upper(),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from fleetd.server.config import ServerConfig
-    from fleetd.server.daemon import serve_forever
-
     config = ServerConfig(
         host=settings["host"], port=int(settings["port"]), devices=list(settings["devices"]),
         cache_dir=Path(settings["cache_dir"]) if settings["cache_dir"] else None,
@@ -116,13 +116,4 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def fleetctl_main(argv: list[str] | None = None) -> int:
-    from fleetd.fleet.cli import main
-
-    return main(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(fleetd_main())
+main = fleetd_main
