@@ -12,6 +12,8 @@ command -v g++ >/dev/null || need+=(g++)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ip >/dev/null || need+=(iproute2)
 command -v pkill >/dev/null || need+=(procps)
+command -v groff >/dev/null || need+=(groff-base)
+command -v mandoc >/dev/null || need+=(mandoc)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}" >&2
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
