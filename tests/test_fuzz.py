@@ -1,0 +1,374 @@
+"""Property tests against a live fleetd: random and mutated command streams over real sockets.
+
+Written from the protocol document (shared/docs/ggml-rpc-protocol.md), not from fleetd's own
+encoders, so a mistake in fleetd.wire cannot hide itself here. Every case holds to:
+
+- the daemon never answers with a response of the wrong size, and never answers a command that
+  has no response: it answers correctly or closes that connection;
+- nothing hangs: every read is bounded, and a complete request is answered or the connection
+  closed within the bound;
+- a session opened before the case keeps working after it, and a new client is served;
+- no internal error (a logged traceback) for any input.
+
+CI runs a few hundred cases per property; `FLEETD_FUZZ_EXAMPLES=100000` (scripts/fuzz.sh) runs
+the full set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleetd.server import Server, ServerConfig
+
+EXAMPLES = int(os.environ.get("FLEETD_FUZZ_EXAMPLES", "150"))
+READ_BOUND_S = 10.0
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FLEETD_FUZZ_RANDOM"),
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# -- the wire, from the protocol document -------------------------------------------------------
+
+TENSOR = struct.Struct("<QIQ4I4II16iI10QQQQ64si")  # 296 bytes, section 5
+assert TENSOR.size == 296
+HELLO, DEVICE_COUNT = 14, 15
+ALLOC_BUFFER, GET_ALIGNMENT, GET_MAX_SIZE, BUFFER_GET_BASE, FREE_BUFFER, BUFFER_CLEAR = 0, 1, 2, 3, 4, 5
+SET_TENSOR, SET_TENSOR_HASH, GET_TENSOR, COPY_TENSOR, GRAPH_COMPUTE, GET_DEVICE_MEMORY = 6, 7, 8, 9, 10, 11
+INIT_TENSOR, GET_ALLOC_SIZE, GRAPH_RECOMPUTE, MEMSET_TENSOR = 12, 13, 16, 17
+COPY_TENSOR_TO, PEER_BARRIER = 0x40, 0x41
+
+# Response payload size per command (None: no response; "req": the requested size).
+RESPONSE_SIZE = {
+    ALLOC_BUFFER: 16, GET_ALIGNMENT: 8, GET_MAX_SIZE: 8, BUFFER_GET_BASE: 8, FREE_BUFFER: None,
+    BUFFER_CLEAR: None, SET_TENSOR: None, SET_TENSOR_HASH: 1, GET_TENSOR: "req", COPY_TENSOR: 1,
+    GRAPH_COMPUTE: None, GET_DEVICE_MEMORY: 16, INIT_TENSOR: None, GET_ALLOC_SIZE: 8, HELLO: 28,
+    DEVICE_COUNT: 4, GRAPH_RECOMPUTE: None, MEMSET_TENSOR: None, COPY_TENSOR_TO: 1, PEER_BARRIER: 1,
+}
+F32, F16, Q8_0 = 0, 1, 8
+U32, U64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def frame(cmd: int, payload: bytes, size: int | None = None) -> bytes:
+    return struct.pack("<BQ", cmd, len(payload) if size is None else size) + payload
+
+
+def tensor(id=1, type=F32, buffer=0, ne=(1, 1, 1, 1), nb=None, op=0, params=(0,) * 16, flags=0,
+           src=(0,) * 10, view_src=0, view_offs=0, data=0, name=b"t", use_count=0) -> bytes:
+    if nb is None:
+        nb = (4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2])
+    return TENSOR.pack(id, type, buffer, *ne, *nb, op, *params, flags, *src, view_src, view_offs,
+                       data, name, use_count)
+
+
+HELLO_FRAME = frame(HELLO, bytes(24))
+
+
+class Closed(Exception):
+    """The daemon closed the connection: an allowed outcome for any bad request."""
+
+
+class Conn:
+    """One raw client connection with bounded reads."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=READ_BOUND_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise Closed from exc
+
+    def recv_exact(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            try:
+                chunk = self.sock.recv(n - len(out))
+            except ConnectionResetError as exc:
+                raise Closed from exc
+            except socket.timeout:
+                raise AssertionError(f"no answer and no close within {READ_BOUND_S}s (a hang)")
+            if not chunk:
+                if out:
+                    raise AssertionError(f"connection closed inside a response ({len(out)} of {n} bytes)")
+                raise Closed
+            out += chunk
+        return bytes(out)
+
+    def call(self, cmd: int, payload: bytes, expect: int | None) -> bytes | None:
+        """Send one request; return its response payload (checked for size), None when the
+        command has no response. Raises Closed when the daemon closed the connection."""
+        self.send(frame(cmd, payload))
+        if expect is None:
+            return None
+        (size,) = struct.unpack("<Q", self.recv_exact(8))
+        assert size == expect, f"command {cmd}: response of {size} bytes, expected {expect}"
+        return self.recv_exact(size)
+
+    def no_response_then_probe(self) -> None:
+        """After a command without a response: the next answer must be the probe's (a stray
+        response would show up here as a wrong size)."""
+        answer = self.call(GET_ALIGNMENT, struct.pack("<I", 0), 8)
+        assert struct.unpack("<Q", answer)[0] == 32
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def hello(conn: Conn) -> None:
+    answer = conn.call(HELLO, bytes(24), 28)
+    assert answer[:3] == bytes([7, 0, 0])
+
+
+# -- the daemon under test -------------------------------------------------------------------------
+
+
+class InternalErrors(logging.Handler):
+    """Collects fleetd log records that carry a traceback: an internal error, never allowed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None))
+    srv.start()
+    errors = InternalErrors()
+    logging.getLogger("fleetd").addHandler(errors)
+    sentinel = Conn(srv.address[1])
+    hello(sentinel)
+    srv.fuzz_errors = errors
+    srv.fuzz_sentinel = sentinel
+    yield srv
+    logging.getLogger("fleetd").removeHandler(errors)
+    sentinel.close()
+    srv.stop()
+
+
+def still_healthy(srv: Server) -> None:
+    srv.fuzz_sentinel.no_response_then_probe()
+    fresh = Conn(srv.address[1])
+    try:
+        hello(fresh)
+        assert struct.unpack("<I", fresh.call(DEVICE_COUNT, b"", 4))[0] == 1
+    finally:
+        fresh.close()
+    tracebacks = [f"{r.name}: {r.getMessage()}" for r in srv.fuzz_errors.records]
+    srv.fuzz_errors.records.clear()
+    assert not tracebacks, "internal errors logged:\n" + "\n".join(tracebacks)
+
+
+def drain_until_closed(conn: Conn) -> None:
+    """After a blind stream and our half-close: read whatever comes until the daemon closes."""
+    try:
+        conn.sock.shutdown(socket.SHUT_WR)
+    except OSError:  # closed by the daemon already
+        return
+    conn.sock.settimeout(READ_BOUND_S)
+    total = 0
+    while True:
+        try:
+            chunk = conn.sock.recv(65536)
+        except ConnectionResetError:
+            return
+        except socket.timeout:
+            raise AssertionError(f"daemon neither answered nor closed within {READ_BOUND_S}s")
+        if not chunk:
+            return
+        total += len(chunk)
+        assert total < 64 << 20, "the daemon keeps sending"
+
+
+# -- strategies --------------------------------------------------------------------------------------
+
+edge_u64 = st.one_of(st.sampled_from([0, 1, 31, 32, 255, 256, 4096, U32, U32 + 1, 1 << 62, 1 << 63, U64]),
+                     st.integers(0, U64))
+edge_u32 = st.one_of(st.sampled_from([0, 1, 2, 4, 255, 65535, U32]), st.integers(0, U32))
+small_u32 = st.integers(0, 64)
+
+
+@st.composite
+def blind_frame(draw) -> bytes:
+    """A frame with any command byte, a size that may lie, and a payload that may be cut."""
+    cmd = draw(st.one_of(st.sampled_from(sorted(RESPONSE_SIZE)), st.integers(0, 255)))
+    payload = draw(st.binary(max_size=700))
+    size = draw(st.one_of(st.just(len(payload)), edge_u64))
+    return frame(cmd, payload, size)
+
+
+@st.composite
+def mutated_stream(draw) -> bytes:
+    """A valid-looking session with bytes flipped, cut or overwritten by edge values."""
+    t = tensor(buffer=draw(st.sampled_from([0, 0x100, 0x101, 0x200])), data=draw(edge_u64),
+               ne=(4, 1, 1, 1))
+    valid = b"".join([
+        HELLO_FRAME,
+        frame(ALLOC_BUFFER, struct.pack("<IQ", 0, draw(st.sampled_from([0, 64, 4096])))),
+        frame(BUFFER_GET_BASE, struct.pack("<Q", 0x100)),
+        frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
+        frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
+        frame(GRAPH_COMPUTE, struct.pack("<II", 0, 1) + struct.pack("<Q", 1) + struct.pack("<I", 1) + t),
+        frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+        frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
+    ])
+    data = bytearray(valid)
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
+        at = draw(st.integers(0, max(0, len(data) - 1)))
+        if kind == "flip":
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "u64":
+            data[at:at + 8] = struct.pack("<Q", draw(edge_u64))
+        elif kind == "cut":
+            del data[at:]
+        else:
+            data[at:at] = draw(st.binary(min_size=1, max_size=32))
+        if not data:
+            break
+    return bytes(data)
+
+
+# -- the properties ----------------------------------------------------------------------------------
+
+
+@FUZZ
+@given(frames=st.lists(blind_frame(), min_size=1, max_size=6), with_hello=st.booleans())
+def test_blind_frames(daemon, frames, with_hello):
+    conn = Conn(daemon.address[1])
+    try:
+        conn.send((HELLO_FRAME if with_hello else b"") + b"".join(frames))
+    except Closed:
+        pass
+    else:
+        drain_until_closed(conn)
+    finally:
+        conn.close()
+    still_healthy(daemon)
+
+
+@FUZZ
+@given(stream=mutated_stream())
+def test_mutated_streams(daemon, stream):
+    conn = Conn(daemon.address[1])
+    try:
+        conn.send(stream)
+    except Closed:
+        pass
+    else:
+        drain_until_closed(conn)
+    finally:
+        conn.close()
+    still_healthy(daemon)
+
+
+@st.composite
+def region_tensor(draw, buffer: int, base: int, size: int) -> tuple[bytes, int]:
+    """A tensor near (or outside) a real buffer: offsets at the edges, strides of 0, absurd
+    element counts, any type. Returns the tensor and its claimed byte size."""
+    type_ = draw(st.one_of(st.sampled_from([F32, F16, Q8_0]), st.integers(0, 50), edge_u32))
+    ne = tuple(draw(st.one_of(st.sampled_from([0, 1, 2, 4, 32]), edge_u32)) for _ in range(4))
+    stride0 = draw(st.booleans())
+    nb = tuple(0 for _ in range(4)) if stride0 else tuple(draw(st.one_of(st.sampled_from([0, 1, 4, 128]), edge_u32)) for _ in range(4))
+    if draw(st.booleans()):
+        ne, nb, type_ = (draw(st.integers(0, 16)), 1, 1, 1), (4, 64, 64, 64), F32
+    offset = draw(st.one_of(st.sampled_from([0, size - 4, size, size + 1]), st.integers(0, 2 * size)))
+    data = draw(st.one_of(st.just(base + offset), edge_u64)) if base else draw(edge_u64)
+    handle = draw(st.one_of(st.just(buffer), st.sampled_from([0, buffer + 1]), edge_u64))
+    t = tensor(id=draw(st.integers(1, 8)), type=type_, buffer=handle, ne=ne, nb=nb, data=data,
+               op=draw(st.one_of(st.just(0), st.integers(0, 120))), flags=draw(st.sampled_from([0, 16])),
+               src=tuple(draw(st.sampled_from([0, 0, 1, 2, 3])) for _ in range(10)),
+               view_src=draw(st.sampled_from([0, 0, 1, 2])), view_offs=draw(edge_u64),
+               name=draw(st.binary(max_size=64)))
+    return t, draw(st.one_of(st.sampled_from([0, 4, 16, size]), edge_u64))
+
+
+@st.composite
+def interactive_command(draw, buffer: int, base: int, size: int) -> tuple[int, bytes, object]:
+    t, n = draw(region_tensor(buffer, base, size))
+    t2, _ = draw(region_tensor(buffer, base, size))
+    cmd = draw(st.sampled_from([SET_TENSOR, GET_TENSOR, COPY_TENSOR, MEMSET_TENSOR, INIT_TENSOR,
+                                GET_ALLOC_SIZE, SET_TENSOR_HASH, BUFFER_CLEAR, BUFFER_GET_BASE,
+                                GRAPH_COMPUTE, GRAPH_RECOMPUTE, ALLOC_BUFFER, GET_DEVICE_MEMORY,
+                                COPY_TENSOR_TO, PEER_BARRIER]))
+    if cmd == SET_TENSOR:
+        data = bytes(min(n, 256))
+        return cmd, t + b"\x00" + struct.pack("<Q", draw(st.sampled_from([0, 4, size]))) + data, None
+    if cmd == GET_TENSOR:
+        off = draw(st.sampled_from([0, 4, size, U64]))
+        return cmd, t + struct.pack("<QQ", off, n), ("req", n)
+    if cmd == COPY_TENSOR:
+        return cmd, t + t2, 1
+    if cmd == MEMSET_TENSOR:
+        return cmd, t + struct.pack("<QQB", draw(st.sampled_from([0, 4, U64])), n, 0xAB), None
+    if cmd == INIT_TENSOR:
+        return cmd, t, None
+    if cmd == GET_ALLOC_SIZE:
+        srcs = t2 + bytes(296 * 9) if draw(st.booleans()) else bytes(296 * 10)
+        return cmd, struct.pack("<I", draw(st.sampled_from([0, 0, 1, U32]))) + t + srcs, 8
+    if cmd == SET_TENSOR_HASH:
+        return cmd, t + struct.pack("<QQ", 0, draw(edge_u64)), 1
+    if cmd == BUFFER_CLEAR:
+        return cmd, struct.pack("<QB", draw(st.sampled_from([buffer, 0, buffer + 1])), 7), None
+    if cmd == BUFFER_GET_BASE:
+        return cmd, struct.pack("<Q", draw(st.sampled_from([buffer, 0, buffer ^ 1]))), 8
+    if cmd == GRAPH_COMPUTE:
+        tensors = draw(st.lists(region_tensor(buffer, base, size), min_size=0, max_size=5))
+        nodes = draw(st.lists(st.integers(0, 9), min_size=0, max_size=5))
+        n_nodes = draw(st.one_of(st.just(len(nodes)), edge_u32))
+        n_tensors = draw(st.one_of(st.just(len(tensors)), edge_u32))
+        payload = (struct.pack("<II", 0, n_nodes) + b"".join(struct.pack("<Q", i) for i in nodes)
+                   + struct.pack("<I", n_tensors) + b"".join(x for x, _ in tensors))
+        return cmd, payload, None
+    if cmd == GRAPH_RECOMPUTE:
+        return cmd, struct.pack("<I", draw(st.sampled_from([0, 1]))), None
+    if cmd == ALLOC_BUFFER:
+        return cmd, struct.pack("<IQ", draw(st.sampled_from([0, 0, 1])), draw(st.sampled_from([0, 64, 1 << 40, U64]))), 16
+    if cmd == GET_DEVICE_MEMORY:
+        return cmd, struct.pack("<I", draw(st.sampled_from([0, 0, 1, U32]))), 16
+    if cmd == COPY_TENSOR_TO:
+        endpoint = draw(st.sampled_from([b"127.0.0.1:1", b"127.0.0.1:0", b":", b"x" * 300, b"[::1]:99999"]))
+        return cmd, t + t2 + struct.pack("<QI", n, len(endpoint)) + endpoint, 1
+    return PEER_BARRIER, b"", 1
+
+
+@FUZZ
+@given(data=st.data())
+def test_interactive_sessions(daemon, data):
+    conn = Conn(daemon.address[1])
+    try:
+        hello(conn)
+        size = data.draw(st.sampled_from([64, 256, 4096]), label="size")
+        handle, got = struct.unpack("<QQ", conn.call(ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        assert handle and got == size
+        (base,) = struct.unpack("<Q", conn.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
+        for _ in range(data.draw(st.integers(1, 6), label="commands")):
+            cmd, payload, expect = data.draw(interactive_command(handle, base, size), label="command")
+            if isinstance(expect, tuple):
+                expect = expect[1] if expect[1] <= 1 << 20 else None
+                if expect is None:
+                    conn.send(frame(cmd, payload))
+                    drain_until_closed(conn)
+                    break
+            try:
+                conn.call(cmd, payload, expect)
+                if expect is None:
+                    conn.no_response_then_probe()
+            except Closed:
+                break
+    except Closed:
+        pass
+    finally:
+        conn.close()
+    still_healthy(daemon)
