@@ -29,3 +29,17 @@ def have_tool(name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def p2p_tools_dir() -> Path:
+    """The patched client (scripts/build-llama-p2p.sh): tools that take the direct path."""
+    return tools_dir().parent / "p2p" / "bin"
+
+
+def find_p2p_tool(name: str) -> Path:
+    path = p2p_tools_dir() / name
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    raise FileNotFoundError(
+        f"{name} not found in {p2p_tools_dir()}: run scripts/build-llama-p2p.sh (10-20 min on 2 cores)"
+    )

@@ -277,15 +277,19 @@ def test_mutated_streams(daemon, stream):
 def region_tensor(draw, buffer: int, base: int, size: int) -> tuple[bytes, int]:
     """A tensor near (or outside) a real buffer: offsets at the edges, strides of 0, absurd
     element counts, any type. Returns the tensor and its claimed byte size."""
-    type_ = draw(st.one_of(st.sampled_from([F32, F16, Q8_0]), st.integers(0, 50), edge_u32))
+    type_ = draw(st.sampled_from([F32, F32, F16, Q8_0, 2, 12, 30, 39, 40, 41, 100, U32]))
     ne = tuple(draw(st.one_of(st.sampled_from([0, 1, 2, 4, 32]), edge_u32)) for _ in range(4))
     stride0 = draw(st.booleans())
     nb = tuple(0 for _ in range(4)) if stride0 else tuple(draw(st.one_of(st.sampled_from([0, 1, 4, 128]), edge_u32)) for _ in range(4))
-    if draw(st.booleans()):
+    shape = draw(st.sampled_from(["small", "small", "drawn", "huge"]))
+    if shape == "small":
         ne, nb, type_ = (draw(st.integers(0, 16)), 1, 1, 1), (4, 64, 64, 64), F32
+    elif shape == "huge":  # byte sizes at and past 2^64
+        ne = tuple(draw(st.sampled_from([U32, 1 << 31, 1])) for _ in range(4))
+        nb = tuple(draw(st.sampled_from([0, U32, 1 << 31, 4])) for _ in range(4))
     offset = draw(st.one_of(st.sampled_from([0, size - 4, size, size + 1]), st.integers(0, 2 * size)))
     data = draw(st.one_of(st.just(base + offset), edge_u64)) if base else draw(edge_u64)
-    handle = draw(st.one_of(st.just(buffer), st.sampled_from([0, buffer + 1]), edge_u64))
+    handle = draw(st.sampled_from([buffer, buffer, 0, buffer + 1, U64]))
     t = tensor(id=draw(st.integers(1, 8)), type=type_, buffer=handle, ne=ne, nb=nb, data=data,
                op=draw(st.one_of(st.just(0), st.integers(0, 120))), flags=draw(st.sampled_from([0, 16])),
                src=tuple(draw(st.sampled_from([0, 0, 1, 2, 3])) for _ in range(10)),

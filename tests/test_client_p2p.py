@@ -1,0 +1,247 @@
+"""The client half: the pinned llama.cpp tools with scripts/llama-extra/ggml-rpc-p2p.patch take
+the direct path over a fleet of fleetd, and nothing else changes.
+
+- `llama-completion -sm layer --rpc A,B[,C]`: the same greedy text with GGML_RPC_P2P=0 and 1;
+  with 1, one COPY_TENSOR_TO per RPC-to-RPC boundary per step (counted by the source nodes),
+  and as many GET_TENSOR and SET_TENSOR fewer at the coordinator's end (GGML_RPC_STATS=1).
+- A mixed fleet (a stock ggml-rpc-server as source or destination): same text, never a copy.
+- The runtime switch under a running `llama-server`: p2p off on the source -> fallbacks counted
+  by reason and the hub path; on again -> copies again within seconds; every answer identical.
+- Ordering: a destination whose coordinator connection is slowed on purpose (a delaying proxy)
+  still computes on the copied data, never on stale data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import endpoint
+
+from fleetd.models import generate
+from fleetd.tools import find_p2p_tool, find_tool
+from fleetd.transport import free_port
+
+try:
+    COMPLETION = find_p2p_tool("llama-completion")
+    SERVER = find_p2p_tool("llama-server")
+    STOCK_RPC = find_tool("ggml-rpc-server")
+except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(str(exc), allow_module_level=True)
+
+pytestmark = [pytest.mark.stock, pytest.mark.timeout(300)]
+
+PROMPT = "the time of their first new"
+STATS_LINE = re.compile(r"^(\w+)\s+(\d+)\s+(\d+)\s+(\d+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return generate("llama", "q8_0", tmp_path_factory.mktemp("models"))
+
+
+def control(srv, method: str = "GET", path: str = "/v1/stats", doc=None) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.control.port}{path}", method=method,
+                                 data=None if doc is None else json.dumps(doc).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)
+
+
+def counts(srv) -> dict[str, int]:
+    doc = control(srv)
+    out = {name: c["count"] for name, c in doc["total"]["commands"].items()}
+    out["copies_ok"] = doc["peer"]["copies_ok"]
+    out.update({f"fallback_{k}": v for k, v in doc["peer"]["fallbacks"].items()})
+    return out
+
+
+def client_stats(stderr: str) -> dict[str, int]:
+    """The patched client's GGML_RPC_STATS=1 table: command -> count."""
+    table = stderr[stderr.rindex("GGML_RPC_STATS client"):]
+    return {m.group(1): int(m.group(2)) for m in STATS_LINE.finditer(table)}
+
+
+def complete(model: Path, rpc: list[str], p2p: str, n: int = 64) -> tuple[str, dict[str, int]]:
+    args = [str(COMPLETION), "-m", str(model), "--rpc", ",".join(rpc), "-ngl", "99", "-sm", "layer",
+            "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", "-no-cnv", "--seed", "1"]
+    env = dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, client_stats(proc.stderr)
+
+
+def servers_with_control(fleetd_server, n: int):
+    return [fleetd_server(control_port=0) for _ in range(n)]
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_direct_path_same_text_fewer_coordinator_commands(fleetd_server, model, nodes):
+    servers = servers_with_control(fleetd_server, nodes)
+    eps = [endpoint(s) for s in servers]
+    hub_text, hub_client = complete(model, eps, "0")
+    hub_nodes = [counts(s) for s in servers]
+    direct_text, direct_client = complete(model, eps, "1")
+    direct_nodes = [{k: v - hub_nodes[i][k] for k, v in counts(s).items()} for i, s in enumerate(servers)]
+
+    assert direct_text == hub_text and len(hub_text) > len(PROMPT)
+    assert all(c["COPY_TENSOR_TO"] == 0 for c in hub_nodes)
+    # Every boundary RPCi -> RPCi+1 is pushed by node i, once per graph its successor computes.
+    for i in range(nodes - 1):
+        src, dst = direct_nodes[i], direct_nodes[i + 1]
+        steps = dst["GRAPH_COMPUTE"] + dst["GRAPH_RECOMPUTE"]
+        assert steps > 0
+        assert src["COPY_TENSOR_TO"] == steps, (i, src, dst)
+        assert src["copies_ok"] == steps
+    assert direct_nodes[-1]["COPY_TENSOR_TO"] == 0
+    copies = sum(c["COPY_TENSOR_TO"] for c in direct_nodes)
+    assert direct_client.get("COPY_TENSOR_TO", 0) == copies
+    assert hub_client["GET_TENSOR"] - direct_client["GET_TENSOR"] == copies
+    assert hub_client["SET_TENSOR"] - direct_client["SET_TENSOR"] == copies
+
+
+@pytest.mark.parametrize("stock_at", [0, 1], ids=["stock-source", "stock-destination"])
+def test_mixed_fleet_falls_back_and_matches(fleetd_server, stock_server, model, stock_at):
+    ours = fleetd_server(control_port=0)
+    eps = [endpoint(ours)]
+    eps.insert(stock_at, stock_server())
+    hub_text, _ = complete(model, eps, "0")
+    direct_text, client = complete(model, eps, "1")
+    assert direct_text == hub_text
+    assert client.get("COPY_TENSOR_TO", 0) == 0  # a stock server never advertises the feature
+    assert counts(ours)["COPY_TENSOR_TO"] == 0
+
+
+class SlowProxy:
+    """TCP proxy in front of a server: the FIRST connection (the coordinator's) gets its
+    client->server bytes delayed by `delay` seconds per chunk; later ones (peer links) pass at
+    once. Without a barrier, a peer write would overtake the coordinator's queued commands."""
+
+    def __init__(self, target: tuple[str, int], delay: float) -> None:
+        self.target, self.delay = target, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self.stopping = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            upstream = socket.create_connection(self.target)
+            slow = self.delay if self.accepted == 1 else 0.0
+            threading.Thread(target=self._pump, args=(conn, upstream, slow), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, conn, 0.0), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while not self.stopping.is_set():
+                r, _, _ = select.select([src], [], [], 0.2)
+                if not r:
+                    continue
+                data = src.recv(1 << 20)
+                if not data:
+                    break
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+
+
+def test_peer_write_never_overtakes_a_slow_destination(fleetd_server, model):
+    a, b = servers_with_control(fleetd_server, 2)
+    proxy = SlowProxy(b.address[:2], delay=0.02)
+    try:
+        eps = [endpoint(a), f"127.0.0.1:{proxy.port}"]
+        hub_text, _ = complete(model, eps, "0", n=24)
+        direct_text, client = complete(model, eps, "1", n=24)
+    finally:
+        proxy.close()
+    assert client.get("COPY_TENSOR_TO", 0) > 0  # the direct path did run, through the proxy
+    assert client.get("PEER_BARRIER", 0) > 0    # and the destination was fenced before each push
+    assert direct_text == hub_text
+
+
+def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
+    a, b = servers_with_control(fleetd_server, 2)
+    port = free_port()
+    log = open(tmp_path / "llama-server.log", "wb")
+    proc = subprocess.Popen(
+        [str(SERVER), "-m", str(model), "--rpc", f"{endpoint(a)},{endpoint(b)}", "-ngl", "99",
+         "-sm", "layer", "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, GGML_RPC_P2P="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "llama-server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "llama-server did not come up"
+            time.sleep(0.2)
+
+        def ask() -> str:
+            body = json.dumps({"prompt": PROMPT, "n_predict": 24, "temperature": 0, "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.load(r)["content"]
+
+        def until(cond, what: str, limit: int = 40) -> list[str]:
+            texts = []
+            for _ in range(limit):  # bounded: each answer takes well under a second
+                texts.append(ask())
+                if cond():
+                    return texts
+            raise AssertionError(f"{what}: not seen after {limit} requests: {counts(a)}")
+
+        first = until(lambda: counts(a)["copies_ok"] > 0, "direct copies")
+        control(a, "PUT", "/v1/p2p", {"enabled": False})
+        off = until(lambda: counts(a)["fallback_disabled"] > 0, "fallbacks while off")
+        hub_steps_before = counts(b)["SET_TENSOR"]
+        off += [ask(), ask()]
+        assert counts(b)["SET_TENSOR"] > hub_steps_before  # the hidden state came through the hub
+        control(a, "PUT", "/v1/p2p", {"enabled": True})
+        copies_at_on = counts(a)["copies_ok"]
+        t_on = time.monotonic()
+        on = until(lambda: counts(a)["copies_ok"] > copies_at_on, "copies after p2p on")
+        assert time.monotonic() - t_on < 30
+        texts = first + off + on
+        assert len(set(texts)) == 1 and texts[0], texts
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
