@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a fresh machine ready: system packages, the venv with fleetd and its test deps, the
-# pinned llama.cpp tools (cached in ~/.cache/fleetd, ~20 min the first time on 2 cores).
+# pinned llama.cpp tools, stock and with the client patch (cached in ~/.cache/fleetd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,3 +27,4 @@ fi
 .venv/bin/python -m pip install -q -e '.[test,ansible]' >&2
 
 bash scripts/build-llama.sh >/dev/null
+bash scripts/build-llama-p2p.sh >/dev/null
