@@ -15,11 +15,12 @@ import pytest
 
 import netns
 from fleetd.client import RpcClient
-from fleetd.fleet.cli import main as fleetctl
+from fleetd.ctl import main as fleetctl
 from fleetd.pipeline import Pipeline
+from fleetd.ports import DEFAULT_CONTROL_PORT as CONTROL_PORT
+from fleetd.ports import DEFAULT_RPC_PORT as RPC_PORT
 
 REPO = Path(__file__).resolve().parent.parent
-RPC_PORT, CONTROL_PORT = 50052, 50152
 
 why_not = netns.available()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")

@@ -20,10 +20,10 @@ from rich.console import Console
 from conftest import REPO, free_port
 from fleetd.client import RpcClient
 from fleetd.errors import FleetError
-from fleetd.fleet.cli import main
-from fleetd.fleet.commands import down_text, stats_table, status_table
+from fleetd.ctl import main
 from fleetd.fleet.node import Fleet, FleetFailed, Node
-from fleetd.fleet.nodes import NodeSpec, parse_nodes
+from fleetd.fleet.nodes_file import NodeSpec, parse_nodes
+from fleetd.fleet.render import down_text, stats_table, status_table
 from fleetd.fleet.ssh import SshOptions
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GgmlType, RpcTensor, contiguous_strides
@@ -135,20 +135,20 @@ def test_metrics_through_ssh_match_stats(fleet2, ssh_server):
         # Wait (bounded) until the closed session has been folded into the totals.
         for _ in range(200):
             stats = node.stats()
-            if not stats["sessions"]:
+            if not stats.sessions:
                 break
         text = node.metrics()
-        assert node.stats()["total"] == stats["total"]  # nothing moved in between
+        assert node.stats().total == stats.total  # nothing moved in between
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text) for s in fam.samples
     }
-    for cmd, v in stats["total"]["commands"].items():
-        assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v["count"]
-        assert samples[("fleetd_rpc_request_bytes_total", (("command", cmd),))] == v["request_bytes"]
-        assert samples[("fleetd_rpc_response_bytes_total", (("command", cmd),))] == v["response_bytes"]
-    assert stats["total"]["commands"]["SET_TENSOR"]["count"] == 1
-    for reason, n in stats["peer"]["fallbacks"].items():
+    for cmd, v in stats.total.commands.items():
+        assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v.count
+        assert samples[("fleetd_rpc_request_bytes_total", (("command", cmd),))] == v.request_bytes
+        assert samples[("fleetd_rpc_response_bytes_total", (("command", cmd),))] == v.response_bytes
+    assert stats.total.commands["SET_TENSOR"].count == 1
+    for reason, n in stats.peer.fallbacks.items():
         assert samples[("fleetd_peer_copy_fallbacks_total", (("reason", reason),))] == n
 
 
@@ -239,7 +239,7 @@ def test_local_node_without_ssh(fleetd_server, tmp_path, capsys):
     nodes.write_text(f"localhost rpc_port={a.address[1]} control_port={a.control.port}\n")
     node = Node(parse_nodes(nodes.read_text())[0])
     assert node.is_local
-    assert node.status()["rpc"]["port"] == a.address[1]
+    assert node.status().rpc_port == a.address[1]
     assert node._client is None  # no SSH was opened
     rc, doc = run_json(capsys, "p2p", "off", str(nodes))
     assert rc == 0 and doc["localhost"]["p2p"]["enabled"] is False and a.p2p_enabled is False
