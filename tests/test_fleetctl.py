@@ -21,10 +21,13 @@ from conftest import REPO, free_port
 from fleetd.client import RpcClient
 from fleetd.errors import FleetError
 from fleetd.ctl import main
+from fleetd.fleet.control_client import ControlError
+from fleetd.fleet.control_docs import NodeStats, NodeStatus
+from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.node import Fleet, FleetFailed, Node
 from fleetd.fleet.nodes_file import NodeSpec, parse_nodes
 from fleetd.fleet.render import down_text, stats_table, status_table
-from fleetd.fleet.ssh import SshOptions
+from fleetd.fleet.ssh import ControlUnreachable, SshOptions
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GgmlType, RpcTensor, contiguous_strides
 
@@ -326,3 +329,43 @@ def test_missing_or_empty_nodes_file(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     assert main(["stats", str(tmp_path / "empty.txt")]) == 1
     assert "no nodes in it" in capsys.readouterr().err
+
+
+# -- the control API client, the typed answers, the local launcher, the deploy probe -----------
+
+
+def test_an_answer_that_is_not_http_says_so(fleetd_server):
+    # A control_port that is really an RPC port: fleetd reads "GET ..." as a bad command and
+    # closes the connection, so http.client gets nothing back.
+    a = fleetd_server()
+    node = Node(NodeSpec("localhost", control_port=a.address[1], name="rpc-port"))
+    with pytest.raises(ControlUnreachable, match=r"^rpc-port: GET /v1/status: got nothing"):
+        node.status()
+
+
+def test_answers_of_another_shape_name_the_field():
+    good = {"version": "0.1.0", "rpc": {"host": "127.0.0.1", "port": 50052}}
+    assert NodeStatus.parse(good).rpc_port == 50052
+    with pytest.raises(ControlError, match=r"^n1: GET /v1/status: no rpc\.port$"):
+        NodeStatus.parse({"version": "0.1.0", "rpc": {}}, "n1: GET /v1/status")
+    with pytest.raises(ControlError, match=r"^/v1/stats: total\.commands\.HELLO\.count: expected int, got 'x'$"):
+        NodeStats.parse({"total": {"commands": {"HELLO": {"count": "x", "request_bytes": 0, "response_bytes": 0}}}})
+
+
+def test_local_fleet_reports_a_node_that_exits(tmp_path):
+    with pytest.raises(FleetError, match=r"local-0 \(127\.0\.0\.1:\d+\) exited with 2: .*unrecognized arguments"):
+        with LocalFleet(1, tmp_path, server_args=["--no-such-flag"]):
+            pass
+
+
+def test_probe_prints_hello_as_one_json_line(fleetd_server):
+    a = fleetd_server()
+    probe = [sys.executable, "-m", "fleetd.client.probe"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([*probe, ep(a), "--timeout", "5"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"version": "7.0.0", "features": int(Feature.PEER_COPY)}
+    p = subprocess.run([*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 1 and p.stdout.count("\n") == 1
+    assert json.loads(p.stdout)["error"].startswith("HELLO 127.0.0.1:")

@@ -13,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleetd import __version__
-from fleetd.ctl import ab_commands, control_commands, deploy_commands, tui_command
+from fleetd.ctl import ab_commands as ab
+from fleetd.ctl import control_commands as control
+from fleetd.ctl import deploy_commands as deploy
+from fleetd.ctl import tui_command
 from fleetd.errors import FleetdError
 from fleetd.fleet.nodes_file import NODES_FILE_HELP
 
@@ -27,26 +30,18 @@ class Subcommand:
 
 
 SUBCOMMANDS = (
-    Subcommand("status", control_commands.STATUS_HELP, control_commands.configure_status,
-               control_commands.cmd_status),
-    Subcommand("stats", control_commands.STATS_HELP, control_commands.configure_stats,
-               control_commands.cmd_stats),
-    Subcommand("p2p", control_commands.P2P_HELP, control_commands.configure_p2p, control_commands.cmd_p2p),
-    Subcommand("deploy", deploy_commands.DEPLOY_HELP, deploy_commands.configure_deploy,
-               deploy_commands.cmd_deploy),
-    Subcommand("start", deploy_commands.START_HELP, deploy_commands.configure_lifecycle,
-               deploy_commands.cmd_start),
-    Subcommand("stop", deploy_commands.STOP_HELP, deploy_commands.configure_lifecycle,
-               deploy_commands.cmd_stop),
-    Subcommand("restart", deploy_commands.RESTART_HELP, deploy_commands.configure_lifecycle,
-               deploy_commands.cmd_restart),
-    Subcommand("logs", deploy_commands.LOGS_HELP, deploy_commands.configure_logs, deploy_commands.cmd_logs),
-    Subcommand("uninstall", deploy_commands.UNINSTALL_HELP, deploy_commands.configure_lifecycle,
-               deploy_commands.cmd_uninstall),
-    Subcommand("inventory", deploy_commands.INVENTORY_HELP, deploy_commands.configure_inventory,
-               deploy_commands.cmd_inventory),
-    Subcommand("ab", ab_commands.AB_HELP, ab_commands.configure_ab, ab_commands.cmd_ab),
-    Subcommand("demo", ab_commands.DEMO_HELP, ab_commands.configure_demo, ab_commands.cmd_demo),
+    Subcommand("status", control.STATUS_HELP, control.configure_status, control.cmd_status),
+    Subcommand("stats", control.STATS_HELP, control.configure_stats, control.cmd_stats),
+    Subcommand("p2p", control.P2P_HELP, control.configure_p2p, control.cmd_p2p),
+    Subcommand("deploy", deploy.DEPLOY_HELP, deploy.configure_deploy, deploy.cmd_deploy),
+    Subcommand("start", deploy.START_HELP, deploy.configure_lifecycle, deploy.cmd_start),
+    Subcommand("stop", deploy.STOP_HELP, deploy.configure_lifecycle, deploy.cmd_stop),
+    Subcommand("restart", deploy.RESTART_HELP, deploy.configure_lifecycle, deploy.cmd_restart),
+    Subcommand("logs", deploy.LOGS_HELP, deploy.configure_logs, deploy.cmd_logs),
+    Subcommand("uninstall", deploy.UNINSTALL_HELP, deploy.configure_lifecycle, deploy.cmd_uninstall),
+    Subcommand("inventory", deploy.INVENTORY_HELP, deploy.configure_inventory, deploy.cmd_inventory),
+    Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
+    Subcommand("demo", ab.DEMO_HELP, ab.configure_demo, ab.cmd_demo),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}

@@ -23,19 +23,22 @@ from fleetd.fleet.control_client import ControlError
 class _Doc:
     """Typed reads of one JSON object, with the path of a bad field in the error."""
 
-    def __init__(self, doc: Any, where: str) -> None:
+    def __init__(self, doc: Any, where: str, path: str = "") -> None:
         if not isinstance(doc, Mapping):
-            raise ControlError(f"{where}: expected an object, got {type(doc).__name__}")
-        self.doc, self.where = doc, where
+            raise ControlError(f"{where}: {path or 'answer'}: expected an object, got {type(doc).__name__}")
+        self.doc, self.where, self.path = doc, where, path
+
+    def _field(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
 
     def _get(self, key: str, types: type | tuple[type, ...], default: Any = ...) -> Any:
         if key not in self.doc or self.doc[key] is None:
             if default is ...:
-                raise ControlError(f"{self.where}: no {key!r}")
+                raise ControlError(f"{self.where}: no {self._field(key)}")
             return default
         value = self.doc[key]
         if not isinstance(value, types) or isinstance(value, bool) and bool not in _tuple(types):
-            raise ControlError(f"{self.where}.{key}: expected {_names(types)}, got {value!r:.60}")
+            raise ControlError(f"{self.where}: {self._field(key)}: expected {_names(types)}, got {value!r:.60}")
         return value
 
     def text(self, key: str, default: Any = ...) -> str:
@@ -52,10 +55,10 @@ class _Doc:
 
     def obj(self, key: str, default: Any = ...) -> _Doc | None:
         value = self._get(key, Mapping, default)
-        return None if value is None else _Doc(value, f"{self.where}.{key}")
+        return None if value is None else _Doc(value, self.where, self._field(key))
 
     def objs(self, key: str, default: Any = ...) -> list[_Doc]:
-        return [_Doc(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self._get(key, list, default))]
+        return [_Doc(v, self.where, f"{self._field(key)}[{i}]") for i, v in enumerate(self._get(key, list, default))]
 
 
 def _tuple(types) -> tuple:
@@ -97,8 +100,8 @@ class P2pState:
     doc: Mapping = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def parse(cls, doc: Any, where: str = "p2p") -> P2pState:
-        d = _Doc(doc, where)
+    def parse(cls, doc: Any, where: str = "/v1/p2p", path: str = "") -> P2pState:
+        d = _Doc(doc, where, path)
         return cls(d.flag("enabled"), d.flag("served", True), d.flag("was", None), d.doc)
 
 
@@ -129,7 +132,7 @@ class NodeStatus:
             devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"))
                           for i, x in enumerate(d.objs("devices", []))),
             uptime_seconds=d.number("uptime_seconds", 0.0),
-            p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, f"{where}.p2p"),
+            p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),
             sessions=tuple(Session(s.whole("id"), s.text("peer"), s.number("age_seconds"), s.whole("commands"),
                                    s.whole("request_bytes"), s.whole("response_bytes"))
                            for s in d.objs("sessions", [])),
