@@ -94,8 +94,8 @@ class DashboardScreen(Screen):
             group=f"poll:{key}", exclusive=True, thread=True)
 
     def _poll_node(self, key: str, node: Node) -> None:
-        """Thread: ask the node; any failure (an answer of another shape included: the answers
-        are parsed here, in the thread) is the node's state, shown with its reason."""
+        """Thread: ask the node; any failure, an answer of another shape too, is the node's
+        state, shown with its reason."""
         worker = get_current_worker()
         try:
             status = node.status()
