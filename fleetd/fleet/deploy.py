@@ -83,6 +83,20 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env)
 
 
+# Build artefacts and local state that never go into the wheel: at the top of the tree, and anywhere.
+_TOP_LEFTOVERS = {".venv", ".git", "build", "dist", ".pytest_cache"}
+_LEFTOVERS = shutil.ignore_patterns("__pycache__", "*.egg-info")
+
+
+def _clean_copy(src: Path, dst: Path) -> Path:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        top = _TOP_LEFTOVERS & set(names) if Path(directory) == Path(src) else set()
+        return top | _LEFTOVERS(directory, names)
+
+    shutil.copytree(src, dst, ignore=ignore, symlinks=True)
+    return dst
+
+
 def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
     """Build fleetd's wheel from `source` (default: this checkout), or take the one in
     `wheel_dir`; gather the dependency wheels into a cache (offline first, then the index)."""
@@ -95,9 +109,15 @@ def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
     else:
         out = Path(tempfile.mkdtemp(prefix="fleetd-wheel-"))
         src = source or project_root()
-        r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src))
-        if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
-            r = _pip("wheel", "--no-deps", "-w", str(out), str(src))
+        # Built from a copy without build leftovers: setuptools ships whatever an earlier build
+        # left in build/lib, modules removed since included.
+        clean = _clean_copy(src, out / "src")
+        try:
+            r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(clean))
+            if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
+                r = _pip("wheel", "--no-deps", "-w", str(out), str(clean))
+        finally:
+            shutil.rmtree(clean, ignore_errors=True)
         if r.returncode != 0:
             raise FleetError(f"building the fleetd wheel from {src} failed: {r.stderr.strip().splitlines()[-1:]}")
         wheel = next(out.glob("fleetd-*.whl"))
