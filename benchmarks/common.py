@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: start fleetd and the stock server as processes, print, save JSON."""
+"""Shared benchmark plumbing: start fleetd (fleetd.fleet.local) and the stock server as processes,
+print, save JSON."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from fleetd.fleet.local import LocalFleet
 from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
@@ -36,15 +37,16 @@ def pin_client() -> None:
 
 @contextlib.contextmanager
 def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
-    """Yield the endpoint of a running 'fleetd' or 'stock' server process."""
+    """Yield the endpoint of a running 'fleetd' or 'stock' server process, pinned to SERVER_CPUS."""
+    if kind == "fleetd":  # the one fleetd launcher (fleetd.fleet.local); no control API needed
+        with LocalFleet(1, server_args=["--threads", str(threads), *(extra or [])], control=False,
+                        preexec_fn=_pin(SERVER_CPUS)) as local:
+            yield local.endpoints[0]
+        return
     port = free_port()
-    if kind == "fleetd":
-        args = [sys.executable, "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
-                "--threads", str(threads), "--log-level", "warning"]
-    else:
-        args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
+    args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_pin(SERVER_CPUS))
+                            preexec_fn=_pin(SERVER_CPUS))
     try:
         wait_listening(port)
         yield f"127.0.0.1:{port}"

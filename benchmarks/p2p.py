@@ -4,7 +4,7 @@ wall time, with the stock ggml-rpc-server's hub path side by side when it is bui
     .venv/bin/python benchmarks/p2p.py                       # seed shape: 3 stages, 32 x 5120
     .venv/bin/python benchmarks/p2p.py --rows 4 --n-embd 256 --steps 5 --json-out /tmp/p2p.json
 
-Servers run on loopback (fleetd in this process, stock as subprocesses), so wall times say
+Servers run on loopback (fleetd and stock alike as processes), so wall times say
 little about a real network; the command and byte columns are exact either way.
 """
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fleetd.pipeline import Pipeline, per_step, step_table
-from fleetd.pipeline.__main__ import start_local_servers
+from fleetd.fleet.local import LocalFleet
 from fleetd.tools import find_tool, have_tool
 from fleetd.transport import wait_listening
 
@@ -67,12 +67,8 @@ def main() -> int:
     args = ap.parse_args()
     remote = args.stages - int(args.local_last)
 
-    servers, eps = start_local_servers(remote)
-    try:
-        cols = {"hub": run(eps, args, False), "direct": run(eps, args, True)}
-    finally:
-        for s in servers:
-            s.stop()
+    with LocalFleet(remote, control=False) as local:
+        cols = {"hub": run(local.endpoints, args, False), "direct": run(local.endpoints, args, True)}
     if not args.no_stock and have_tool("ggml-rpc-server"):
         procs, stock_eps = start_stock(remote)
         try:

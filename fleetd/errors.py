@@ -11,12 +11,12 @@
     ├── ComputeError              a graph fleetd cannot compute: close that connection
     │   └── UnsupportedOp         names the op and the types
     └── FleetError                a fleet operation failed (fleetctl prints one line, exit 1)
-        ├── NodesFileError        a bad line in the nodes file, with its number   (fleet/nodes.py)
+        ├── NodesFileError        a bad line in the nodes file, with its number   (fleet/nodes_file.py)
         ├── FleetFailed           some nodes failed; carries the whole result     (fleet/node.py)
         └── NodeError             one node failed; `str()` is the reason shown    (fleet/ssh.py)
             ├── SshError          refused, unreachable, authentication, host key
             ├── ControlUnreachable the control port did not open through SSH
-            └── ControlError      the control API answered an error status       (fleet/node.py)
+            └── ControlError      the control API answered an error status       (fleet/control_client.py)
 """
 
 

@@ -9,24 +9,27 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 import netns
 from fleetd.client import RpcClient
-from fleetd.fleet.cli import main as fleetctl
+from fleetd.ctl import main as fleetctl
 from fleetd.pipeline import Pipeline
+from fleetd.ports import DEFAULT_CONTROL_PORT as CONTROL_PORT
+from fleetd.ports import DEFAULT_RPC_PORT as RPC_PORT
 
 REPO = Path(__file__).resolve().parent.parent
-RPC_PORT, CONTROL_PORT = 50052, 50152
 
 why_not = netns.available()
-pytestmark = pytest.mark.skipif(why_not is not None, reason=why_not or "")
 
 
 @pytest.fixture(scope="module")
 def hosts():
+    if why_not is not None:
+        pytest.skip(why_not)
     with netns.TestHosts(2) as hs:
         yield hs
 
@@ -167,3 +170,25 @@ def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
         assert hello(f"{host.address}:{port}")[0] == (7, 0, 0)
     finally:
         host.run("/bin/sh", "-c", "pkill -u $(id -u) -f fleetd.supervise; pkill -u $(id -u) -f bin/fleetd")
+
+
+def test_the_wheel_leaves_out_what_an_earlier_build_left(tmp_path):
+    # setuptools packs whatever build/lib holds: a module removed since an earlier build (here
+    # the old fleetd/fleet/cli.py) would ship to every node.
+    from fleetd.fleet.deploy import build, clean_build
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info",
+                                                             "__pycache__", "results"))
+    stale = src / "build" / "lib" / "fleetd" / "fleet" / "cli.py"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("raise SystemExit('stale')\n")
+    first, second = build(source=src), build(source=src)
+    try:
+        with zipfile.ZipFile(first.wheel) as whl:
+            names = whl.namelist()
+        assert "fleetd/fleet/node.py" in names and "fleetd/fleet/cli.py" not in names
+        assert first.sha == second.sha  # the same source gives the same release
+    finally:
+        clean_build(first)
+        clean_build(second)

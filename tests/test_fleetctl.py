@@ -20,11 +20,14 @@ from rich.console import Console
 from conftest import REPO, free_port
 from fleetd.client import RpcClient
 from fleetd.errors import FleetError
-from fleetd.fleet.cli import main
-from fleetd.fleet.commands import down_text, stats_table, status_table
+from fleetd.ctl import main
+from fleetd.fleet.control_client import ControlError
+from fleetd.fleet.control_docs import NodeStats, NodeStatus
+from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.node import Fleet, FleetFailed, Node
-from fleetd.fleet.nodes import NodeSpec, parse_nodes
-from fleetd.fleet.ssh import SshOptions
+from fleetd.fleet.nodes_file import NodeSpec, parse_nodes
+from fleetd.fleet.render import down_text, stats_table, status_table
+from fleetd.fleet.ssh import ControlUnreachable, SshOptions
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GgmlType, RpcTensor, contiguous_strides
 
@@ -135,20 +138,20 @@ def test_metrics_through_ssh_match_stats(fleet2, ssh_server):
         # Wait (bounded) until the closed session has been folded into the totals.
         for _ in range(200):
             stats = node.stats()
-            if not stats["sessions"]:
+            if not stats.sessions:
                 break
         text = node.metrics()
-        assert node.stats()["total"] == stats["total"]  # nothing moved in between
+        assert node.stats().total == stats.total  # nothing moved in between
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text) for s in fam.samples
     }
-    for cmd, v in stats["total"]["commands"].items():
-        assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v["count"]
-        assert samples[("fleetd_rpc_request_bytes_total", (("command", cmd),))] == v["request_bytes"]
-        assert samples[("fleetd_rpc_response_bytes_total", (("command", cmd),))] == v["response_bytes"]
-    assert stats["total"]["commands"]["SET_TENSOR"]["count"] == 1
-    for reason, n in stats["peer"]["fallbacks"].items():
+    for cmd, v in stats.total.commands.items():
+        assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v.count
+        assert samples[("fleetd_rpc_request_bytes_total", (("command", cmd),))] == v.request_bytes
+        assert samples[("fleetd_rpc_response_bytes_total", (("command", cmd),))] == v.response_bytes
+    assert stats.total.commands["SET_TENSOR"].count == 1
+    for reason, n in stats.peer.fallbacks.items():
         assert samples[("fleetd_peer_copy_fallbacks_total", (("reason", reason),))] == n
 
 
@@ -239,7 +242,7 @@ def test_local_node_without_ssh(fleetd_server, tmp_path, capsys):
     nodes.write_text(f"localhost rpc_port={a.address[1]} control_port={a.control.port}\n")
     node = Node(parse_nodes(nodes.read_text())[0])
     assert node.is_local
-    assert node.status()["rpc"]["port"] == a.address[1]
+    assert node.status().rpc_port == a.address[1]
     assert node._client is None  # no SSH was opened
     rc, doc = run_json(capsys, "p2p", "off", str(nodes))
     assert rc == 0 and doc["localhost"]["p2p"]["enabled"] is False and a.p2p_enabled is False
@@ -326,3 +329,43 @@ def test_missing_or_empty_nodes_file(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     assert main(["stats", str(tmp_path / "empty.txt")]) == 1
     assert "no nodes in it" in capsys.readouterr().err
+
+
+# -- the control API client, the typed answers, the local launcher, the deploy probe -----------
+
+
+def test_an_answer_that_is_not_http_says_so(fleetd_server):
+    # A control_port that is really an RPC port: fleetd reads "GET ..." as a bad command and
+    # closes the connection, so http.client gets nothing back.
+    a = fleetd_server()
+    node = Node(NodeSpec("localhost", control_port=a.address[1], name="rpc-port"))
+    with pytest.raises(ControlUnreachable, match=r"^rpc-port: GET /v1/status: got nothing"):
+        node.status()
+
+
+def test_answers_of_another_shape_name_the_field():
+    good = {"version": "0.1.0", "rpc": {"host": "127.0.0.1", "port": 50052}}
+    assert NodeStatus.parse(good).rpc_port == 50052
+    with pytest.raises(ControlError, match=r"^n1: GET /v1/status: no rpc\.port$"):
+        NodeStatus.parse({"version": "0.1.0", "rpc": {}}, "n1: GET /v1/status")
+    with pytest.raises(ControlError, match=r"^/v1/stats: total\.commands\.HELLO\.count: expected int, got 'x'$"):
+        NodeStats.parse({"total": {"commands": {"HELLO": {"count": "x", "request_bytes": 0, "response_bytes": 0}}}})
+
+
+def test_local_fleet_reports_a_node_that_exits(tmp_path):
+    with pytest.raises(FleetError, match=r"local-0 \(127\.0\.0\.1:\d+\) exited with 2: .*unrecognized arguments"):
+        with LocalFleet(1, tmp_path, server_args=["--no-such-flag"]):
+            pass
+
+
+def test_probe_prints_hello_as_one_json_line(fleetd_server):
+    a = fleetd_server()
+    probe = [sys.executable, "-m", "fleetd.client.probe"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([*probe, ep(a), "--timeout", "5"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"version": "7.0.0", "features": int(Feature.PEER_COPY)}
+    p = subprocess.run([*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 1 and p.stdout.count("\n") == 1
+    assert json.loads(p.stdout)["error"].startswith("HELLO 127.0.0.1:")

@@ -1,5 +1,5 @@
-"""fleetctl tui against a real local fleet (two fleetd processes on loopback, reached over plain
-HTTP) through a real Textual pilot.
+"""fleetctl tui against a real local fleet (two fleetd processes on loopback started by
+fleetd.fleet.local, reached over plain HTTP) through a real Textual pilot.
 
 pytest-asyncio is not a dependency, so each test runs its pilot scenario with asyncio.run.
 Every wait is bounded: `settle` pauses the pilot in short steps until a condition holds or a
@@ -16,9 +16,9 @@ import pytest
 
 from fleetd import __version__
 from fleetd.client import RpcClient
-from fleetd.fleet.cli import main
+from fleetd.ctl import main
+from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.node import Fleet
-from fleetd.fleet.run_cli import local_fleet
 from fleetd.transport import free_port
 from fleetd.transport.tcp import Timeout
 from tui.app import FleetApp
@@ -37,8 +37,8 @@ BOUNDED = Timeout(connect=5.0, read=10.0)
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Two fleetd processes for the whole module; tests leave P2P as they found it (on)."""
-    with local_fleet(2, tmp_path_factory.mktemp("tui-fleet")) as (fleet, _):
-        yield fleet
+    with LocalFleet(2, tmp_path_factory.mktemp("tui-fleet")) as local:
+        yield local.fleet
 
 
 async def settle(pilot, condition, timeout: float = WAIT_S) -> bool:
@@ -134,13 +134,13 @@ def test_p_switches_p2p_off_and_back_on_on_the_selected_node(fleet):
 
             await pilot.press("p")
             assert await settle(pilot, lambda: cell(table, "1", "p2p") == "off"), cell(table, "1", "p2p")
-            assert second.p2p()["enabled"] is False
-            assert first.p2p()["enabled"] is True  # only the selected node switched
+            assert second.p2p().enabled is False
+            assert first.p2p().enabled is True  # only the selected node switched
             assert toggle.enabled is False and not toggle.pending
 
             await pilot.press("p")
             assert await settle(pilot, lambda: cell(table, "1", "p2p") == "on"), cell(table, "1", "p2p")
-            assert second.p2p()["enabled"] is True
+            assert second.p2p().enabled is True
 
     try:
         asyncio.run(scenario())
@@ -169,7 +169,7 @@ def test_r_resets_the_counters_on_every_node(fleet):
 
     asyncio.run(scenario())
     for node in fleet:  # the daemons agree: the polls themselves are control API, not RPC
-        assert sum(c["count"] for c in node.stats()["total"]["commands"].values()) == 0
+        assert node.stats().total.command_count == 0
 
 
 def test_a_node_that_does_not_answer_shows_down_with_its_reason(fleet, tmp_path):

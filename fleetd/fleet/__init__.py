@@ -1,1 +1,13 @@
-"""Fleets of fleetd nodes: nodes files, SSH (paramiko) control and deploy, A/B runs."""
+"""Fleets of fleetd nodes, as a library (fleetctl in fleetd/ctl and the TUI in tui/ sit on it;
+it imports neither):
+
+    nodes_file.py      the nodes file: NodeSpec, parse_nodes, load_nodes
+    ssh.py             paramiko connect and direct-tcpip channels, errors translated once
+    control_client.py  http.client over that channel (or loopback TCP) to the control API
+    control_docs.py    NodeStatus, NodeStats, P2pState: the control API's answers, typed
+    node.py            Node (one host: SSH, control API) and Fleet (all of them, in parallel)
+    remote.py, agent.py, deploy.py   run things on nodes; deploy, health check, roll back
+    ab.py              the A/B runner: hub vs direct over the fleet (fleetd.pipeline)
+    local.py           LocalFleet: fleetd processes on loopback (demo, benchmarks, tests)
+    render.py          pure renderers: rich tables and text for all of the above
+"""

@@ -33,9 +33,8 @@ def _peer_totals(fleet: Fleet) -> tuple[int, int]:
     for value in fleet.map(lambda n: n.stats()).values():
         if isinstance(value, Exception):
             continue
-        peer = value.get("peer") or {}
-        copies += int(peer.get("copies_ok", 0))
-        fallbacks += sum(int(v) for v in (peer.get("fallbacks") or {}).values())
+        copies += value.peer.copies_ok
+        fallbacks += value.peer.fallback_count
     return copies, fallbacks
 
 

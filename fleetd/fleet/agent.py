@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -213,29 +212,39 @@ def op_start(p):
     return {"pid": proc.pid, "manager": "supervisor"}
 
 
-def _hello(port, timeout):
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
-        data = b""
-        while len(data) < 36:
-            chunk = s.recv(36 - len(data))
-            if not chunk:
-                raise ConnectionError("closed during HELLO")
-            data += chunk
-    size, major, minor, patch, features = struct.unpack("<QBBBB", data[:12])
-    if size != 28:
-        raise ConnectionError(f"HELLO response size {size}")
-    return [major, minor, patch], features
+# One probe: short, since op_health retries it until its deadline.
+PROBE_TIMEOUT_S = 2.0
+
+
+def _probe(venv, port):
+    """HELLO on 127.0.0.1:port with the release's own interpreter and fleetd.client.probe, so a
+    pass also proves the installed fleetd imports. (version, features), or OSError with why."""
+    args = [os.path.join(venv, "bin", "python"), "-m", "fleetd.client.probe", f"127.0.0.1:{port}",
+            "--timeout", str(PROBE_TIMEOUT_S)]
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"fleetd.client.probe: no answer within {PROBE_TIMEOUT_S + 30:g}s") from None
+    try:
+        answer = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):  # no JSON line: it did not even start (a broken install)
+        raise OSError("fleetd.client.probe: exit %d: %s" % (
+            r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1])) from None
+    if r.returncode != 0 or "error" in answer:
+        raise OSError(answer.get("error") or f"fleetd.client.probe: exit {r.returncode}")
+    return answer["version"], answer["features"]
 
 
 def op_health(p):
-    """HELLO on the RPC port, retried until `timeout`; on failure, the log's tail."""
+    """HELLO on the RPC port through the release's fleetd.client.probe, retried until `timeout`;
+    on failure, the last reason and the log's tail."""
     root = _root(p)
+    venv = os.path.join(root, "releases", p["release"])
     deadline = time.monotonic() + p.get("timeout", 30)
     last = "no attempt"
     while time.monotonic() < deadline:
         try:
-            version, features = _hello(p["port"], 2.0)
+            version, features = _probe(venv, p["port"])
             return {"ok": True, "version": version, "features": features}
         except OSError as exc:
             last = str(exc)

@@ -8,7 +8,8 @@ build changes nothing and says so:
     install    a venv per release (<version>-<wheel sha>) from those wheels, --no-index
     configure  fleetd.toml: ports, devices, peer allow-list = the fleet's own endpoints
     start      systemd where it runs, else a supervised background process + pid file
-    health     HELLO on the RPC port, then /v1/status through the control API
+    health     HELLO on the RPC port with the release's own python -m fleetd.client.probe
+               (so the installed fleetd imports), then /v1/status through the control API
 
 A failed health check rolls the node back to the release and config it had before (or removes
 the new one if it had none) and reports why.
@@ -82,6 +83,20 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env)
 
 
+# Build artefacts and local state that never go into the wheel: at the top of the tree, and anywhere.
+_TOP_LEFTOVERS = {".venv", ".git", "build", "dist", ".pytest_cache"}
+_LEFTOVERS = shutil.ignore_patterns("__pycache__", "*.egg-info")
+
+
+def _clean_copy(src: Path, dst: Path) -> Path:
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        top = _TOP_LEFTOVERS & set(names) if Path(directory) == Path(src) else set()
+        return top | _LEFTOVERS(directory, names)
+
+    shutil.copytree(src, dst, ignore=ignore, symlinks=True)
+    return dst
+
+
 def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
     """Build fleetd's wheel from `source` (default: this checkout), or take the one in
     `wheel_dir`; gather the dependency wheels into a cache (offline first, then the index)."""
@@ -94,9 +109,15 @@ def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
     else:
         out = Path(tempfile.mkdtemp(prefix="fleetd-wheel-"))
         src = source or project_root()
-        r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src))
-        if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
-            r = _pip("wheel", "--no-deps", "-w", str(out), str(src))
+        # Built from a copy without build leftovers: setuptools ships whatever an earlier build
+        # left in build/lib, modules removed since included.
+        clean = _clean_copy(src, out / "src")
+        try:
+            r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(clean))
+            if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
+                r = _pip("wheel", "--no-deps", "-w", str(out), str(clean))
+        finally:
+            shutil.rmtree(clean, ignore_errors=True)
         if r.returncode != 0:
             raise FleetError(f"building the fleetd wheel from {src} failed: {r.stderr.strip().splitlines()[-1:]}")
         wheel = next(out.glob("fleetd-*.whl"))
@@ -236,7 +257,7 @@ class Deployer:
         if (running and running["release"] == b.release and state["current"] == b.release
                 and state["config"] == config):
             self.progress(node, "health")
-            health = ag("health", port=node.spec.rpc_port, timeout=5)
+            health = ag("health", release=b.release, port=node.spec.rpc_port, timeout=5)
             if health["ok"]:
                 outcome.status = "unchanged"
                 outcome.detail = f"{b.release} already running"
@@ -254,7 +275,7 @@ class Deployer:
         outcome.steps["start"] = "restarted" if running else "started"
 
         self.progress(node, "health")
-        problem = self._health(node, ag)
+        problem = self._health(node, ag, b.release)
         if problem is None:
             outcome.steps["health"] = "ok"
             return outcome
@@ -263,9 +284,10 @@ class Deployer:
         outcome.status = "rolled-back" if state["current"] else "failed"
         return outcome
 
-    def _health(self, node: Node, ag: Agent) -> str | None:
-        """None when healthy, else the reason."""
-        h = ag("health", port=node.spec.rpc_port, timeout=HEALTH_TIMEOUT_S, _timeout=HEALTH_TIMEOUT_S + 30)
+    def _health(self, node: Node, ag: Agent, release: str) -> str | None:
+        """None when `release` (the one started) is healthy, else the reason."""
+        h = ag("health", release=release, port=node.spec.rpc_port, timeout=HEALTH_TIMEOUT_S,
+               _timeout=HEALTH_TIMEOUT_S + 60)
         if not h["ok"]:
             log = " | ".join(h["log"][-2:])
             return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else "")
@@ -274,10 +296,8 @@ class Deployer:
         deadline = time.monotonic() + CONTROL_HEALTH_TIMEOUT_S
         while True:
             try:
-                status = node.status()
-                if status.get("version") is not None:
-                    return None
-                problem = "control API: status has no version"
+                node.status()  # parsed: an answer without a version raises, with that reason
+                return None
             except Exception as exc:
                 problem = f"control API: {exc}"
             if time.monotonic() >= deadline:
@@ -295,7 +315,7 @@ class Deployer:
         ag("link", release=before["current"])
         if before["running"]:
             ag("start", release=before["current"], systemd=self.systemd)
-            if self._health(node, ag) is not None:
+            if self._health(node, ag, before["current"]) is not None:
                 return f"health check failed ({why}); previous release {before['current']} did not come back"
         if b.release != before["current"]:
             ag("remove_release", release=b.release)
@@ -315,7 +335,7 @@ class Deployer:
         if ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)["running"]:
             return {"status": "already running", "release": release}
         ag("start", release=release, systemd=self.systemd)
-        problem = self._health(node, ag)
+        problem = self._health(node, ag, release)
         if problem:
             raise NodeError(problem)
         return {"status": "started", "release": release}

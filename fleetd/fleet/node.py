@@ -9,14 +9,13 @@ fabric's shapes: `Group(list)` / `GroupResult(dict)` / `GroupException`. One nod
 stops the others; per-node outcomes are data and the CLI or TUI renders them.
 
 The control API is reached through an SSH direct-tcpip channel to 127.0.0.1:<control_port>;
-a local node (localhost without a user) is reached over plain loopback TCP. Either way one small
-HTTP/1.1 exchange runs over the stream (`Connection: close`, read to EOF, bounded).
+a local node (localhost without a user) is reached over plain loopback TCP. Either way the
+standard library's HTTP client runs over that stream (fleetd/fleet/control_client.py), and the
+answers come back typed (fleetd/fleet/control_docs.py).
 """
 
 from __future__ import annotations
 
-import http.client
-import io
 import json
 import socket
 import threading
@@ -25,72 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fleetd import __version__
-from fleetd.errors import ConnectTimeout, FleetError, ReadTimeout
-from fleetd.fleet.nodes import NodeSpec, load_nodes
-from fleetd.fleet.ssh import ControlUnreachable, NodeError, SshOptions, open_ssh, open_tunnel
+from fleetd.errors import ConnectTimeout, FleetError
+from fleetd.fleet.control_client import ControlConnection, ControlError, exchange, json_answer
+from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
+from fleetd.fleet.nodes_file import NodeSpec, load_nodes
+from fleetd.fleet.ssh import ControlUnreachable, SshOptions, open_ssh, open_tunnel
 
 # Parallel SSH sessions at once: enough for a rack, few enough not to trip sshd's MaxStartups
 # (default 10:30:100 drops unauthenticated connections beyond 10).
 MAX_WORKERS = 8
-# Largest control API answer we read: /v1/stats of a daemon with thousands of sessions is ~1 MiB.
-MAX_RESPONSE = 16 << 20
-
-
-class ControlError(NodeError):
-    """The control API answered with an error status."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _Replay:
-    """A socket stand-in that lets http.client parse a response we already read whole."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def makefile(self, mode: str) -> io.BytesIO:
-        return io.BytesIO(self._data)
-
-
-def http_exchange(stream, method: str, path: str, body: bytes | None, port: int, timeout: float,
-                  what: str) -> tuple[int, str, bytes]:
-    """One request over a connected stream (socket or paramiko Channel): (status, type, body)."""
-    head = [
-        f"{method} {path} HTTP/1.1",
-        f"Host: 127.0.0.1:{port}",
-        f"User-Agent: fleetctl/{__version__}",
-        "Accept: application/json",
-        "Connection: close",
-    ]
-    if body is not None:
-        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    stream.settimeout(timeout)
-    chunks, total = [], 0
-    try:
-        stream.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
-        while True:  # bounded: MAX_RESPONSE bytes, each recv bounded by the timeout
-            data = stream.recv(65536)
-            if not data:
-                break
-            total += len(data)
-            if total > MAX_RESPONSE:
-                raise ControlError(f"{what}: {method} {path}: answer over {MAX_RESPONSE >> 20} MiB")
-            chunks.append(data)
-    except TimeoutError as exc:
-        raise ReadTimeout(f"{what}: {method} {path}: no answer within {timeout:g}s") from exc
-    except OSError as exc:
-        raise ControlUnreachable(f"{what}: {method} {path}: {exc}") from exc
-    resp = http.client.HTTPResponse(_Replay(b"".join(chunks)), method=method)
-    try:
-        resp.begin()
-        data = resp.read()
-    except (http.client.HTTPException, ValueError) as exc:
-        got = "nothing" if not total else f"{total} bytes that are not HTTP"
-        raise ControlUnreachable(f"{what}: {method} {path}: got {got} ({type(exc).__name__})") from exc
-    return resp.status, resp.getheader("Content-Type", ""), data
 
 
 class Node:
@@ -159,42 +101,31 @@ class Node:
     # -- the control API --------------------------------------------------------------------
 
     def request(self, method: str, path: str, doc: Any = None) -> tuple[int, str, bytes]:
+        """One control API exchange: (status, content type, body)."""
         body = None if doc is None else json.dumps(doc).encode()
-        stream = self._open_control()
-        try:
-            return http_exchange(stream, method, path, body, self.spec.control_port,
-                                 self.ssh_options.timeout, self.name)
-        finally:
-            stream.close()
+        conn = ControlConnection(self.spec.control_port, self._open_control, self.ssh_options.timeout)
+        return exchange(conn, method, path, body, self.name)
 
     def call(self, method: str, path: str, doc: Any = None) -> dict:
         """A JSON request; an error status raises ControlError with the daemon's message."""
-        status, ctype, data = self.request(method, path, doc)
-        try:
-            answer = json.loads(data) if "json" in ctype else None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ControlError(f"{self.name}: {method} {path}: answer is not JSON: {exc}", status) from exc
-        if status >= 400:
-            msg = answer.get("error") if isinstance(answer, dict) else None
-            raise ControlError(f"{self.name}: {method} {path}: HTTP {status}: {msg or data[:200]!r}", status)
-        if not isinstance(answer, dict):
-            raise ControlError(f"{self.name}: {method} {path}: expected a JSON object, got {ctype or 'no type'}", status)
-        return answer
+        return json_answer(*self.request(method, path, doc), f"{self.name}: {method} {path}")
 
-    def status(self) -> dict:
-        return self.call("GET", "/v1/status")
+    def status(self) -> NodeStatus:
+        return NodeStatus.parse(self.call("GET", "/v1/status"), f"{self.name}: GET /v1/status")
 
-    def stats(self) -> dict:
-        return self.call("GET", "/v1/stats")
+    def stats(self) -> NodeStats:
+        return NodeStats.parse(self.call("GET", "/v1/stats"), f"{self.name}: GET /v1/stats")
 
     def reset_stats(self) -> dict:
         return self.call("POST", "/v1/stats/reset")
 
-    def p2p(self) -> dict:
-        return self.call("GET", "/v1/p2p")
+    def p2p(self) -> P2pState:
+        return P2pState.parse(self.call("GET", "/v1/p2p"), f"{self.name}: GET /v1/p2p")
 
-    def set_p2p(self, enabled: bool) -> dict:
-        return self.call("PUT", "/v1/p2p", {"enabled": bool(enabled)})
+    def set_p2p(self, enabled: bool) -> P2pState:
+        """Switch peer copy; the answer says what it was (`was`)."""
+        return P2pState.parse(self.call("PUT", "/v1/p2p", {"enabled": bool(enabled)}),
+                              f"{self.name}: PUT /v1/p2p")
 
     def metrics(self) -> str:
         status, _, data = self.request("GET", "/metrics")

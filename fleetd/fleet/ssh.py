@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 
 from fleetd.errors import ConnectTimeout, FleetError
-from fleetd.fleet.nodes import NodeSpec
+from fleetd.fleet.nodes_file import NodeSpec
 
 # paramiko logs transport failures (with tracebacks) at ERROR: without a handler of its own, the
 # logging module's last-resort handler would print them to stderr. Our errors say it in one line;

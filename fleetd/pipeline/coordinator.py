@@ -19,13 +19,12 @@ per step and the per-step table when the pipeline closes.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
-from dataclasses import dataclass
 
 from fleetd.client.stats import ClientCounters
 from fleetd.pipeline.report import per_step, step_line, step_table
+from fleetd.pipeline.results import StepResult
 from fleetd.pipeline.stages import LocalStage, RemoteStage
 from fleetd.pipeline.synthetic import StageGraph, Workload, build_stage, layout_stage
 from fleetd.transport.tcp import Timeout
@@ -39,19 +38,6 @@ def p2p_from_env() -> bool:
 
 def stats_from_env() -> bool:
     return os.environ.get("GGML_RPC_STATS", "0") not in ("", "0")
-
-
-@dataclass
-class StepResult:
-    step: int
-    output: bytes
-    counters: ClientCounters  # this step's commands and bytes at the coordinator
-    direct: int               # boundaries moved by COPY_TENSOR_TO
-    fallbacks: int            # COPY_TENSOR_TO answered 0, moved through the hub instead
-
-    @property
-    def md5(self) -> str:
-        return hashlib.md5(self.output).hexdigest()
 
 
 class Pipeline:

@@ -5,12 +5,8 @@ Formatters only: they return strings and dicts, the CLI and the pipeline decide 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from fleetd.pipeline.results import StepResult
 from fleetd.wire import Cmd
-
-if TYPE_CHECKING:
-    from fleetd.pipeline.coordinator import StepResult
 
 # Row order of the tables: the data movers first, as in the seed's PR description.
 ROW_ORDER = (Cmd.GET_TENSOR, Cmd.SET_TENSOR, Cmd.COPY_TENSOR_TO, Cmd.GRAPH_COMPUTE,

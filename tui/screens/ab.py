@@ -1,5 +1,5 @@
 """AbScreen: run fleetd.fleet.ab.compare (hub vs direct, ABBA order) in a thread worker and show
-both arms side by side, with fleetctl ab's own tables."""
+both arms side by side, with the renderers fleetctl ab prints (fleetd.fleet.render)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from textual.widgets import Button, Footer, Header, Input, Label, Static
 from textual.worker import get_current_worker
 
 from fleetd.fleet.ab import compare
-from fleetd.fleet.commands import reason
 from fleetd.fleet.node import Fleet
-from fleetd.fleet.run_cli import ab_table
-from fleetd.pipeline import step_table
+from fleetd.fleet.render import ab_steps_text, ab_table, ab_verdict, reason
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,5 @@ class AbScreen(Screen):
         self.result = outcome
         state.update(Text(f"done: {outcome['stages']} stages, {outcome['layers']} layers"))
         self.query_one("#ab-table", Static).update(ab_table(outcome))
-        self.query_one("#ab-steps", Static).update(
-            Text(step_table({arm: a["per_step"] for arm, a in outcome["arms"].items()})))
-        self.query_one("#ab-verdict", Static).update(
-            Text("outputs of all runs: identical", style="bold green") if outcome["outputs_identical"]
-            else Text("outputs of all runs: DIFFERENT", style="bold red"))
+        self.query_one("#ab-steps", Static).update(Text(ab_steps_text(outcome)))
+        self.query_one("#ab-verdict", Static).update(ab_verdict(outcome))

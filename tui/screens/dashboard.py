@@ -21,20 +21,21 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 from textual.worker import Worker, get_current_worker
 
-from fleetd.fleet.commands import down_text, reason
+from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.node import Fleet, Node
+from fleetd.fleet.render import down_text, reason
 from tui.widgets import Counters, NodeRow, NodeTable, PeerToggle, Rates, rates_between
-from tui.widgets.counters import CounterSample, totals
+from tui.widgets.counters import CounterSample
 
 
 @dataclass(frozen=True)
 class Sample:
     """One node's latest poll, and what the rates need from the poll before it."""
 
-    status: dict | BaseException
-    stats: dict | None
+    status: NodeStatus | BaseException
+    stats: NodeStats | None
     at: float  # time.monotonic() when the answer arrived
-    previous: dict | None = None
+    previous: NodeStats | None = None
     seconds: float | None = None
     rates: Rates | None = None
 
@@ -93,19 +94,19 @@ class DashboardScreen(Screen):
             group=f"poll:{key}", exclusive=True, thread=True)
 
     def _poll_node(self, key: str, node: Node) -> None:
-        """Thread: ask the node; any failure is the node's state, shown with its reason."""
+        """Thread: ask the node; any failure, an answer of another shape too, is the node's
+        state, shown with its reason."""
         worker = get_current_worker()
         try:
             status = node.status()
             stats = node.stats()
-            totals(stats)  # an answer of another shape: down with the reason, not a crash later
         except Exception as exc:
             status, stats = exc, None
         at = time.monotonic()
         if not worker.is_cancelled:
             self.app.call_from_thread(self._polled, key, status, stats, at)
 
-    def _polled(self, key: str, status: dict | BaseException, stats: dict | None, at: float) -> None:
+    def _polled(self, key: str, status: NodeStatus | BaseException, stats: NodeStats | None, at: float) -> None:
         before = self.samples.get(key)
         sample = Sample(status, stats, at)
         if before is not None and before.stats is not None and stats is not None:
@@ -138,10 +139,10 @@ class DashboardScreen(Screen):
             return
         name, sample = self.nodes[key].name, self.samples.get(key)
         status = sample.status if sample is not None else None
-        p2p = status.get("p2p", {}) if isinstance(status, dict) else {}
+        p2p = status.p2p if isinstance(status, NodeStatus) else None
         toggle.node_key, toggle.node_name = key, name
         counters.border_title = f"{name}: commands since the last reset"
-        toggle.enabled = bool(p2p["enabled"]) if "enabled" in p2p and p2p.get("served", True) else None
+        toggle.enabled = p2p.enabled if p2p is not None and p2p.served else None
         toggle.pending = key in self.p2p_pending
         counters.sample = (CounterSample(name, sample.stats, sample.previous, sample.seconds)
                            if sample is not None else CounterSample(name, None))
@@ -171,17 +172,17 @@ class DashboardScreen(Screen):
         if not worker.is_cancelled:
             self.app.call_from_thread(self._p2p_switched, key, answer)
 
-    def _p2p_switched(self, key: str, answer: dict | BaseException) -> None:
+    def _p2p_switched(self, key: str, answer: P2pState | BaseException) -> None:
         self.p2p_pending.discard(key)
         name = self.nodes[key].name
         if isinstance(answer, BaseException):
             self.notify(f"{name}: P2P not switched: {reason(answer)}", severity="error")
         else:
             sample = self.samples.get(key)
-            if sample is not None and isinstance(sample.status, dict):  # show the answer now
-                p2p = {"enabled": answer.get("enabled"), "served": answer.get("served", True)}
-                self.samples[key] = replace(sample, status={**sample.status, "p2p": p2p})
-            self.notify(f"{name}: P2P {'on' if answer.get('enabled') else 'off'}")
+            if sample is not None and isinstance(sample.status, NodeStatus):  # show the answer now
+                p2p = P2pState(answer.enabled, answer.served)
+                self.samples[key] = replace(sample, status=replace(sample.status, p2p=p2p))
+            self.notify(f"{name}: P2P {'on' if answer.enabled else 'off'}")
         self._show(key)
         self.poll(key)
 

@@ -1,6 +1,7 @@
 """Counters: the selected node's commands since the last reset, with per-second rates, and its
 graph computes, peer copies and fallbacks. `rates_between` turns two /v1/stats answers into
-commands/s and bytes/s for the node table."""
+commands/s and bytes/s for the node table. The tables are fleetd.fleet.render's, the same
+ones fleetctl stats prints."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from fleetd.fleet.commands import activity_table, stats_table
+from fleetd.fleet.control_docs import NodeStats
+from fleetd.fleet.render import activity_table, stats_table
 
 
 @dataclass(frozen=True)
@@ -20,22 +22,13 @@ class Rates:
     bytes_per_s: float  # request and response bytes together
 
 
-def totals(stats: dict) -> tuple[int, int]:
-    cmds = stats["total"]["commands"].values()
-    return (sum(c["count"] for c in cmds),
-            sum(c["request_bytes"] + c["response_bytes"] for c in cmds))
-
-
-def command_count(stats: dict) -> int:
-    return totals(stats)[0]
-
-
-def rates_between(before: dict, after: dict, seconds: float) -> Rates | None:
+def rates_between(before: NodeStats, after: NodeStats, seconds: float) -> Rates | None:
     """Rates over two successive /v1/stats answers `seconds` apart; None when the counters were
     reset in between (a new `since`, or totals that went down), since no rate is known then."""
-    if seconds <= 0 or before.get("since") != after.get("since"):
+    if seconds <= 0 or before.since != after.since:
         return None
-    (c0, b0), (c1, b1) = totals(before), totals(after)
+    c0, b0 = before.total.command_count, before.total.bytes_moved
+    c1, b1 = after.total.command_count, after.total.bytes_moved
     if c1 < c0 or b1 < b0:
         return None
     return Rates((c1 - c0) / seconds, (b1 - b0) / seconds)
@@ -46,13 +39,13 @@ class CounterSample:
     """What the screen hands down: one node's latest stats and the sample before it."""
 
     node: str
-    stats: dict | None  # None: the node is down or not polled yet
-    previous: dict | None = None
+    stats: NodeStats | None  # None: the node is down or not polled yet
+    previous: NodeStats | None = None
     seconds: float | None = None
 
 
 class Counters(Static):
-    """Per-command table of one node, reusing fleetctl stats' formatters."""
+    """Per-command table of one node, with the renderers fleetctl stats uses."""
 
     # always_update: two samples of an idle node compare equal but still deserve a redraw
     # (the Count/s column goes back to 0).

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.widgets import DataTable
 
-from fleetd.fleet.commands import p2p_text, fmt_bytes, fmt_duration
-from tui.widgets.counters import Rates, command_count
+from fleetd.fleet.control_docs import NodeStats, NodeStatus
+from fleetd.fleet.render import fmt_bytes, fmt_duration, p2p_text
+from tui.widgets.counters import Rates
 
 # (column key, label); the keys are what tests and update_cell use.
 COLUMNS = (
@@ -22,8 +23,8 @@ COLUMNS = (
 @dataclass(frozen=True)
 class NodeRow:
     name: str
-    status: dict | BaseException | None = None  # None: no answer yet
-    stats: dict | None = None
+    status: NodeStatus | BaseException | None = None  # None: no answer yet
+    stats: NodeStats | None = None
     rates: Rates | None = None
     p2p_pending: bool = False
 
@@ -35,22 +36,21 @@ def row_cells(row: NodeRow) -> list:
     if isinstance(row.status, BaseException):  # the reason goes under the table: too long here
         return [row.name, Text("down", style="bold red"), *blank]
     st = row.status
-    p2p = Text("switching…", style="italic") if row.p2p_pending else p2p_text(st.get("p2p", {}))
+    p2p = Text("switching…", style="italic") if row.p2p_pending else p2p_text(st.p2p)
     cells = [
-        row.name, Text("up", style="bold green"), st.get("version", "?"),
-        f":{st.get('rpc', {}).get('port', '?')}", p2p, str(len(st.get("sessions", []))),
-        fmt_duration(st.get("uptime_seconds", 0)),
+        row.name, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p,
+        str(len(st.sessions)), fmt_duration(st.uptime_seconds),
     ]
     if row.stats is None:
         return cells + [""] * 5
-    peer = row.stats.get("peer") or {}
+    peer = row.stats.peer
     rates = row.rates
     return cells + [
-        f"{command_count(row.stats):,}",
+        f"{row.stats.total.command_count:,}",
         f"{rates.commands_per_s:,.1f}" if rates else "",
         f"{fmt_bytes(rates.bytes_per_s)}/s" if rates else "",
-        f"{peer.get('copies_ok', 0):,}",
-        f"{sum((peer.get('fallbacks') or {}).values()):,}",
+        f"{peer.copies_ok:,}",
+        f"{peer.fallback_count:,}",
     ]
 
 

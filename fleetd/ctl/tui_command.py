@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from fleetd.ctl.options import fleet_args, open_fleet
 from fleetd.errors import FleetError
-from fleetd.fleet.cli import command
-from fleetd.fleet.commands import arguments, fleet_args, open_fleet
+
+TUI_HELP = "live dashboard: nodes, command and byte rates, P2P switch, A/B runs"
 
 
-def _tui_configure(p):
+def configure_tui(p) -> None:
     fleet_args(p)
     p.add_argument("--interval", type=float, default=1.0, metavar="S",
                    help="seconds between polls of every node (default 1)")
@@ -19,8 +20,6 @@ def _tui_configure(p):
                    help="A/B screen: no coordinator stage, every stage is a node")
 
 
-@command("tui", "live dashboard: nodes, command and byte rates, P2P switch, A/B runs")
-@arguments(_tui_configure)
 def cmd_tui(args) -> int:
     if args.json:
         raise FleetError("tui: --json does not apply here (try fleetctl status --json)")

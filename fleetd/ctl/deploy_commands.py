@@ -5,20 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
-from rich.table import Table
 
-from fleetd.fleet.cli import command
-from fleetd.fleet.commands import fleet_args, open_fleet
+from fleetd.ctl.options import fleet_args, open_fleet
 from fleetd.fleet.deploy import STEPS, Deployer, NodeOutcome, build, clean_build, inventory
 from fleetd.fleet.node import Fleet
-from fleetd.fleet.nodes import NODES_FILE_HELP
-
-STATUS_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
-                "rolled-back": "yellow", "failed": "red"}
+from fleetd.fleet.nodes_file import NODES_FILE_HELP
+from fleetd.fleet.render import lifecycle_table, outcome_table
 
 
 def _deploy_args(p: argparse.ArgumentParser) -> None:
@@ -34,20 +31,20 @@ def _load(args) -> Fleet:
     return fleet.select(args.node) if args.node else fleet
 
 
-def outcome_table(outcomes: list[NodeOutcome]) -> Table:
-    table = Table(title="fleetctl deploy")
-    for col in ("node", "status", "release", "previous", "steps"):
-        table.add_column(col, overflow="fold")
-    for o in outcomes:
-        style = STATUS_STYLE.get(o.status, "")
-        steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
-        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
-                      "\n".join(x for x in (steps, o.detail) if x))
-    return table
-
-
 def _failed(node, exc: Exception) -> NodeOutcome:
     return NodeOutcome(node.name, "failed", detail=f"{type(exc).__name__}: {exc}")
+
+
+# -- deploy ------------------------------------------------------------------------------------
+
+DEPLOY_HELP = "install, configure, start and health-check fleetd on every node over SSH"
+
+
+def configure_deploy(p) -> None:
+    _deploy_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
+    p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
 
 
 def cmd_deploy(args) -> int:
@@ -81,18 +78,27 @@ def cmd_deploy(args) -> int:
     return 0 if all(o.status in ("deployed", "unchanged", "planned") for o in outcomes) else 1
 
 
-def _configure_deploy(p):
+# -- start | stop | restart | logs | uninstall: one Deployer method per node -------------------
+
+START_HELP = "start the deployed fleetd on nodes"
+STOP_HELP = "stop fleetd on nodes"
+RESTART_HELP = "restart fleetd on nodes"
+LOGS_HELP = "show the tail of fleetd's log on nodes"
+UNINSTALL_HELP = "stop fleetd and remove its install directory on nodes"
+
+
+def configure_lifecycle(p) -> None:
     _deploy_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
-    p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
 
 
-cmd_deploy.configure = _configure_deploy
-command("deploy", "install, configure, start and health-check fleetd on every node over SSH")(cmd_deploy)
+def configure_logs(p) -> None:
+    _deploy_args(p)
+    p.add_argument("-n", "--lines", type=int, default=50, help="lines per node")
 
 
-def _lifecycle(name: str, help_: str, action, extra=None):
+def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:
+    """cmd_<action>(args): Deployer.<action> on every node, a table or --json of the outcomes."""
+
     def run(args) -> int:
         with _load(args) as fleet:
             deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd)
@@ -107,41 +113,31 @@ def _lifecycle(name: str, help_: str, action, extra=None):
                 print(f"==> {node} <==")
                 print("\n".join(v.get("lines", [])) or v.get("error", ""))
         else:
-            table = Table(title=f"fleetctl {name}")
-            table.add_column("node")
-            table.add_column("result")
-            for node, v in rows.items():
-                table.add_row(node, v.get("error") and f"[red]{v['error']}[/]" or v.get("status", ""))
-            Console().print(table)
+            Console().print(lifecycle_table(action, rows))
         return 0 if result.ok else 1
 
-    def configure(p):
-        _deploy_args(p)
-        if extra:
-            extra(p)
-
-    run.configure = configure
-    command(name, help_)(run)
+    run.__name__ = run.__qualname__ = f"cmd_{action}"
+    return run
 
 
-_lifecycle("start", "start the deployed fleetd on nodes", "start")
-_lifecycle("stop", "stop fleetd on nodes", "stop")
-_lifecycle("restart", "restart fleetd on nodes", "restart")
-_lifecycle("logs", "show the tail of fleetd's log on nodes", "logs",
-           lambda p: p.add_argument("-n", "--lines", type=int, default=50, help="lines per node"))
-_lifecycle("uninstall", "stop fleetd and remove its install directory on nodes", "uninstall")
+cmd_start = lifecycle_command("start")
+cmd_stop = lifecycle_command("stop")
+cmd_restart = lifecycle_command("restart")
+cmd_logs = lifecycle_command("logs")
+cmd_uninstall = lifecycle_command("uninstall")
 
 
-def cmd_inventory(args) -> int:
-    sys.stdout.write(inventory(Fleet.load(args.nodes)))
-    return 0
+# -- inventory ---------------------------------------------------------------------------------
+
+INVENTORY_HELP = "print an Ansible inventory (YAML) for ansible/deploy.yml"
 
 
-def _configure_inventory(p):
+def configure_inventory(p) -> None:
     p.add_argument("nodes", type=Path, help="nodes file")
     p.epilog = NODES_FILE_HELP
     p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
-cmd_inventory.configure = _configure_inventory
-command("inventory", "print an Ansible inventory (YAML) for ansible/deploy.yml")(cmd_inventory)
+def cmd_inventory(args) -> int:
+    sys.stdout.write(inventory(Fleet.load(args.nodes)))
+    return 0

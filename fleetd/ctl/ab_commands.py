@@ -2,59 +2,35 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
+from fleetd.ctl.options import by_name, fleet_args, open_fleet
 from fleetd.errors import FleetError
 from fleetd.fleet.ab import compare
-from fleetd.fleet.cli import command
-from fleetd.fleet.commands import arguments, fleet_args, open_fleet, stats_table, status_table
+from fleetd.fleet.local import START_TIMEOUT_S, LocalFleet
 from fleetd.fleet.node import Fleet
-from fleetd.pipeline import step_table
+from fleetd.fleet.render import ab_steps_text, ab_table, ab_verdict, stats_table, status_table
 from fleetd.transport import free_port, wait_listening
-
-START_TIMEOUT_S = 30.0
-
-
-def ab_table(doc: dict) -> Table:
-    arms = doc["arms"]
-    table = Table(title=f"hub vs direct: {doc['stages']} stages, {doc['layers']} layers, "
-                        f"{doc['rows']} x {doc['n_embd']} f32")
-    table.add_column("")
-    for arm in arms:
-        table.add_column(arm, justify="right")
-    rows = [
-        ("COPY_TENSOR_TO per step", lambda a: f"{a['per_step']['commands'].get('COPY_TENSOR_TO', 0):.2f}"),
-        ("GET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('GET_TENSOR', 0):.2f}"),
-        ("SET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('SET_TENSOR', 0):.2f}"),
-        ("coordinator bytes per step", lambda a: f"{a['per_step']['request_bytes'] + a['per_step']['response_bytes']:,.0f}"),
-        ("peer copies counted by nodes", lambda a: str(a["node_peer_copies"])),
-        ("fallbacks counted by nodes", lambda a: str(a["node_fallbacks"])),
-        ("seconds per step (median)", lambda a: f"{a['seconds_per_step']:.4f}"),
-        ("output md5", lambda a: a["md5"][:12]),
-    ]
-    for label, fn in rows:
-        table.add_row(label, *(fn(a) for a in arms.values()))
-    return table
 
 
 def _print_ab(doc: dict) -> None:
     console = Console()
     console.print(ab_table(doc))
-    console.print(step_table({arm: a["per_step"] for arm, a in doc["arms"].items()}))
-    same = "[green]identical[/]" if doc["outputs_identical"] else "[red]DIFFERENT[/]"
-    console.print(f"outputs of all runs: {same}")
+    console.print(ab_steps_text(doc))
+    console.print(ab_verdict(doc))
 
 
-def _ab_configure(p):
+# -- ab ----------------------------------------------------------------------------------------
+
+AB_HELP = "A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO)"
+
+
+def configure_ab(p) -> None:
     fleet_args(p)
     p.add_argument("--rows", type=int, default=32, help="hidden state rows (default 32, as the seed)")
     p.add_argument("--n-embd", type=int, default=5120, help="hidden size (default 5120, as the seed)")
@@ -65,8 +41,6 @@ def _ab_configure(p):
                         "numpy device is the last stage, like RPC0,RPC1,CUDA0)")
 
 
-@command("ab", "A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO)")
-@arguments(_ab_configure)
 def cmd_ab(args) -> int:
     if args.steps < 2:
         raise FleetError("--steps must be at least 2 (the first step is a full GRAPH_COMPUTE)")
@@ -79,46 +53,7 @@ def cmd_ab(args) -> int:
     return 0 if doc["outputs_identical"] else 1
 
 
-
-# -- demo: a local fleet on loopback ---------------------------------------------------------
-
-
-@contextlib.contextmanager
-def local_fleet(count: int, workdir: Path):
-    """`count` fleetd processes on loopback and a nodes file naming them; stopped on exit."""
-    procs, lines = [], []
-    try:
-        for i in range(count):
-            rpc, control = free_port(), free_port()
-            log = open(workdir / f"node-{i}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fleetd.server", "--port", str(rpc), "--control-port", str(control),
-                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            lines.append(f"localhost rpc_port={rpc} control_port={control} name=local-{i}")
-        nodes_file = workdir / "nodes.txt"
-        nodes_file.write_text("# a local fleet started by fleetctl demo\n" + "\n".join(lines) + "\n")
-        fleet = Fleet.load(nodes_file)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for node, proc in zip(fleet, procs):
-            while True:
-                if proc.poll() is not None:
-                    raise FleetError(f"{node.name} exited with {proc.returncode}: see {workdir}")
-                try:
-                    node.status()
-                    break
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise FleetError(f"{node.name} did not answer within {START_TIMEOUT_S:.0f}s") from None
-                    time.sleep(0.1)
-        yield fleet, nodes_file
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+# -- demo: a local fleet on loopback -----------------------------------------------------------
 
 
 def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
@@ -165,7 +100,10 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
     return {"model": str(model), "command": " ".join(args), "output": ours, "same_as_stock": ours == theirs}
 
 
-def _demo_configure(p):
+DEMO_HELP = "start a local fleet on loopback, run llama.cpp and an A/B through it, show stats"
+
+
+def configure_demo(p) -> None:
     p.add_argument("--nodes", type=int, default=2, help="fleetd processes to start (default 2)")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--n-embd", type=int, default=1024, help="hidden size of the A/B (default 1024)")
@@ -174,30 +112,27 @@ def _demo_configure(p):
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-@command("demo", "start a local fleet on loopback, run llama.cpp and an A/B through it, show stats")
-@arguments(_demo_configure)
 def cmd_demo(args) -> int:
     console = Console(stderr=args.json)
     report: dict = {}
     console.print(f"starting {args.nodes} fleetd nodes on loopback")
-    with tempfile.TemporaryDirectory(prefix="fleetd-demo-") as tmp, \
-            local_fleet(args.nodes, Path(tmp)) as (fleet, nodes_file):
-        workdir = Path(tmp)
-        console.print(f"local fleet: {', '.join(n.spec.rpc_endpoint for n in fleet)} (nodes file {nodes_file})")
-        console.print(status_table({n.name: v for n, v in fleet.map(lambda n: n.status()).items()}))
+    with tempfile.TemporaryDirectory(prefix="fleetd-demo-") as tmp, LocalFleet(args.nodes, tmp) as local:
+        fleet, workdir = local.fleet, Path(tmp)
+        console.print(f"local fleet: {', '.join(local.endpoints)} (nodes file {local.nodes_file})")
+        console.print(status_table(by_name(fleet.map(lambda n: n.status()))))
         if not args.no_llama:
             with console.status("llama-completion on a generated model through the fleet"):
                 report["llama"] = _llama_run(fleet, workdir, console)
             if report["llama"]:
-                console.print(f"[bold]llama-completion --rpc {','.join(n.spec.rpc_endpoint for n in fleet)}[/]")
+                console.print(f"[bold]llama-completion --rpc {','.join(local.endpoints)}[/]")
                 console.print(report["llama"]["output"].strip())
                 same = report["llama"]["same_as_stock"]
                 console.print("(random weights, so the text is noise) same output as the stock "
                               f"ggml-rpc-server: {'[green]yes[/]' if same else '[red]NO[/]'}")
         with console.status("A/B: hub path vs direct path"):
             report["ab"] = compare(fleet, None, args.rows, args.n_embd, args.steps, True)
-        stats = {n.name: v for n, v in fleet.map(lambda n: n.stats()).items()}
-        report["stats"] = {k: (v if not isinstance(v, Exception) else str(v)) for k, v in stats.items()}
+        stats = by_name(fleet.map(lambda n: n.stats()))
+        report["stats"] = {k: (v.doc if not isinstance(v, Exception) else str(v)) for k, v in stats.items()}
         if not args.json:
             _print_ab(report["ab"])
             console.print(stats_table(stats))
@@ -205,4 +140,3 @@ def cmd_demo(args) -> int:
         print(json.dumps(report, indent=2, default=str))
     llama_ok = report.get("llama") is None or report["llama"]["same_as_stock"]
     return 0 if report["ab"]["outputs_identical"] and llama_ok else 1
-

@@ -1,0 +1,133 @@
+"""fleetctl status | stats | p2p: the control API of every node, side by side.
+
+Each `cmd_*` fetches, prints (fleetd.fleet.render's tables, or --json) and raises FleetFailed at
+the edge when a node failed (exit 1, one line on stderr after the table, which already shows each
+down node and its reason).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+
+from fleetd.errors import FleetError
+from fleetd.fleet.node import Fleet, FleetResult
+from fleetd.fleet.render import activity_table, down_text, p2p_table, sessions_table, stats_table, status_table
+from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
+
+# -- status ------------------------------------------------------------------------------------
+
+STATUS_HELP = "version, devices, uptime, sessions and P2P state of every node"
+
+
+def configure_status(p) -> None:
+    fleet_args(p)
+
+
+def cmd_status(args) -> int:
+    with open_fleet(args) as fleet:
+        result = fleet.map(lambda n: n.status())
+    if args.json:
+        print_json(json_doc(result, "status"))
+    else:
+        answers = by_name(result)
+        print_renderables(status_table(answers), sessions_table(answers), down_text(answers))
+    result.raise_on_failure()
+    return 0
+
+
+# -- stats -------------------------------------------------------------------------------------
+
+STATS_HELP = "per-command counts and bytes, graph computes, peer copies and fallbacks"
+
+
+def configure_stats(p) -> None:
+    fleet_args(p)
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count samples)")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between samples (default 2)")
+    p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N samples")
+    p.add_argument("--reset", action="store_true", help="zero the counters on every node first")
+
+
+def _stats_view(answers, previous, interval: float | None) -> Group:
+    parts = [stats_table(answers, previous, interval), activity_table(answers), down_text(answers)]
+    return Group(*[p for p in parts if p is not None])
+
+
+def cmd_stats(args) -> int:
+    if args.interval <= 0:
+        raise FleetError(f"--interval {args.interval:g}: must be above 0")
+    if args.count is not None and args.count < 1:
+        raise FleetError(f"--count {args.count}: must be 1 or more")
+    samples = (args.count or sys.maxsize) if args.watch else 1
+    with open_fleet(args) as fleet:
+        if args.reset:
+            fleet.map(lambda n: n.reset_stats()).raise_on_failure()
+        if not args.watch:
+            result = fleet.map(lambda n: n.stats())
+            if args.json:
+                print_json(json_doc(result, "stats"))
+            else:
+                print_renderables(_stats_view(by_name(result), None, None))
+            result.raise_on_failure()
+            return 0
+        return _watch(fleet, args, samples)
+
+
+def _watch(fleet: Fleet, args, samples: int) -> int:
+    previous, result = None, FleetResult()
+    live = None if args.json else Live(console=Console(), auto_refresh=False, transient=False)
+    try:
+        if live is not None:
+            live.start()
+        for i in range(samples):  # bounded by --count, else until Ctrl-C
+            if i:
+                time.sleep(args.interval)
+            result = fleet.map(lambda n: n.stats())
+            if args.json:  # one JSON object per line per sample
+                sys.stdout.write(json.dumps({"time": time.time(), "nodes": json_doc(result, "stats")}) + "\n")
+                sys.stdout.flush()
+            else:
+                answers = by_name(result)
+                live.update(_stats_view(answers, previous, args.interval), refresh=True)
+                previous = answers
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    return 0 if result.ok else 1
+
+
+# -- p2p ---------------------------------------------------------------------------------------
+
+P2P_HELP = "switch direct server-to-server copy on or off at runtime, or show it"
+
+
+def configure_p2p(p) -> None:
+    p.add_argument("action", choices=["on", "off", "status"], help="switch peer copy on or off, or show it")
+    fleet_args(p)
+    p.add_argument("--node", action="append", default=[], metavar="NAME",
+                   help="only this node (its name, host or [user@]host[:port]; repeatable)")
+
+
+def cmd_p2p(args) -> int:
+    with open_fleet(args) as fleet:
+        if args.node:
+            fleet = fleet.select(args.node)
+        if args.action == "status":
+            result = fleet.map(lambda n: n.p2p())
+        else:
+            enabled = args.action == "on"
+            result = fleet.map(lambda n: n.set_p2p(enabled))
+    if args.json:
+        print_json(json_doc(result, "p2p"))
+    else:
+        answers = by_name(result)
+        print_renderables(p2p_table(answers), down_text(answers))
+    result.raise_on_failure()
+    return 0

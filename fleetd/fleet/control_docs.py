@@ -1,0 +1,232 @@
+"""The control API's documents, parsed once into typed values (see fleetd/server/control.py).
+
+    NodeStatus.parse(doc)   GET /v1/status: version, protocol, features, RPC address, devices,
+                            uptime, sessions, P2P
+    NodeStats.parse(doc)    GET /v1/stats: per command count and bytes, graph computes, peer
+                            copies and fallbacks; in total and per session
+    P2pState.parse(doc)     GET|PUT /v1/p2p
+
+Renderers, the TUI and the A/B runner read the fields; `doc` keeps the answer as it came, for
+`--json`. An answer of another shape raises ControlError naming the missing or bad field, so a
+node that speaks something else shows down with that reason instead of crashing a renderer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetd.fleet.control_client import ControlError
+
+
+class _Doc:
+    """Typed reads of one JSON object, with the path of a bad field in the error."""
+
+    def __init__(self, doc: Any, where: str, path: str = "") -> None:
+        if not isinstance(doc, Mapping):
+            raise ControlError(f"{where}: {path or 'answer'}: expected an object, got {type(doc).__name__}")
+        self.doc, self.where, self.path = doc, where, path
+
+    def _field(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def _get(self, key: str, types: type | tuple[type, ...], default: Any = ...) -> Any:
+        if key not in self.doc or self.doc[key] is None:
+            if default is ...:
+                raise ControlError(f"{self.where}: no {self._field(key)}")
+            return default
+        value = self.doc[key]
+        if not isinstance(value, types) or isinstance(value, bool) and bool not in _tuple(types):
+            raise ControlError(f"{self.where}: {self._field(key)}: expected {_names(types)}, got {value!r:.60}")
+        return value
+
+    def text(self, key: str, default: Any = ...) -> str:
+        return self._get(key, str, default)
+
+    def whole(self, key: str, default: Any = ...) -> int:
+        return self._get(key, int, default)
+
+    def number(self, key: str, default: Any = ...) -> float:
+        return float(self._get(key, (int, float), default))
+
+    def flag(self, key: str, default: Any = ...) -> bool:
+        return self._get(key, bool, default)
+
+    def obj(self, key: str, default: Any = ...) -> _Doc | None:
+        value = self._get(key, Mapping, default)
+        return None if value is None else _Doc(value, self.where, self._field(key))
+
+    def objs(self, key: str, default: Any = ...) -> list[_Doc]:
+        return [_Doc(v, self.where, f"{self._field(key)}[{i}]") for i, v in enumerate(self._get(key, list, default))]
+
+
+def _tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _names(types) -> str:
+    return " or ".join(t.__name__ for t in _tuple(types))
+
+
+# -- /v1/status --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    free: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """One open RPC connection as /v1/status lists it."""
+
+    id: int
+    peer: str
+    age_seconds: float
+    commands: int
+    request_bytes: int
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class P2pState:
+    enabled: bool
+    served: bool = True  # False: this daemon does not serve COPY_TENSOR_TO at all
+    was: bool | None = None  # PUT /v1/p2p only: the state before the switch
+    doc: Mapping = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, doc: Any, where: str = "/v1/p2p", path: str = "") -> P2pState:
+        d = _Doc(doc, where, path)
+        return cls(d.flag("enabled"), d.flag("served", True), d.flag("was", None), d.doc)
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    version: str
+    protocol: str
+    features: int
+    rpc_host: str
+    rpc_port: int
+    devices: tuple[Device, ...]
+    uptime_seconds: float
+    p2p: P2pState
+    sessions: tuple[Session, ...]
+    doc: Mapping = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, doc: Any, where: str = "/v1/status") -> NodeStatus:
+        d = _Doc(doc, where)
+        rpc = d.obj("rpc")
+        features = d.obj("features", None)
+        return cls(
+            version=d.text("version"),
+            protocol=d.text("protocol", "?"),
+            features=features.whole("bits", 0) if features is not None else 0,
+            rpc_host=rpc.text("host", "?"),
+            rpc_port=rpc.whole("port"),
+            devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"))
+                          for i, x in enumerate(d.objs("devices", []))),
+            uptime_seconds=d.number("uptime_seconds", 0.0),
+            p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),
+            sessions=tuple(Session(s.whole("id"), s.text("peer"), s.number("age_seconds"), s.whole("commands"),
+                                   s.whole("request_bytes"), s.whole("response_bytes"))
+                           for s in d.objs("sessions", [])),
+            doc=d.doc,
+        )
+
+
+# -- /v1/stats ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommandCount:
+    count: int
+    request_bytes: int
+    response_bytes: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Per command (upstream names: "SET_TENSOR") and graph computes, in total or per session."""
+
+    commands: Mapping[str, CommandCount]
+    graph_computes: int
+    compute_seconds: float
+
+    @classmethod
+    def parse(cls, d: _Doc) -> Counters:
+        cmds = d.obj("commands")
+        commands = {}
+        for name in cmds.doc:
+            c = cmds.obj(name)
+            commands[name] = CommandCount(c.whole("count"), c.whole("request_bytes"), c.whole("response_bytes"))
+        return cls(commands, d.whole("graph_computes", 0), d.number("compute_seconds", 0.0))
+
+    @property
+    def command_count(self) -> int:
+        return sum(c.count for c in self.commands.values())
+
+    @property
+    def bytes_moved(self) -> int:
+        """Request and response bytes of every command, together."""
+        return sum(c.request_bytes + c.response_bytes for c in self.commands.values())
+
+    def used(self) -> dict[str, CommandCount]:
+        """The commands that were served at least once, in the daemon's order."""
+        return {name: c for name, c in self.commands.items() if c.count}
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """COPY_TENSOR_TO as the source counted it: pushes confirmed, bytes, fallbacks by reason."""
+
+    copies_ok: int = 0
+    bytes_pushed: int = 0
+    bytes_confirmed: int = 0
+    links_opened: int = 0
+    fallbacks: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, d: _Doc | None) -> PeerStats:
+        if d is None:  # a daemon without the peer extension
+            return cls()
+        fb = d.obj("fallbacks", None)
+        return cls(d.whole("copies_ok", 0), d.whole("bytes_pushed", 0), d.whole("bytes_confirmed", 0),
+                   d.whole("links_opened", 0), {r: fb.whole(r) for r in fb.doc} if fb is not None else {})
+
+    @property
+    def fallback_count(self) -> int:
+        return sum(self.fallbacks.values())
+
+
+@dataclass(frozen=True)
+class SessionCounters:
+    id: int
+    peer: str
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    since: float  # when the counters were last reset (the daemon's clock)
+    total: Counters
+    peer: PeerStats
+    sessions: tuple[SessionCounters, ...]
+    doc: Mapping = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, doc: Any, where: str = "/v1/stats") -> NodeStats:
+        d = _Doc(doc, where)
+        return cls(
+            since=d.number("since", 0.0),
+            total=Counters.parse(d.obj("total")),
+            peer=PeerStats.parse(d.obj("peer", None)),
+            sessions=tuple(SessionCounters(s.whole("id"), s.text("peer"), Counters.parse(s))
+                           for s in d.objs("sessions", [])),
+            doc=d.doc,
+        )

@@ -1,0 +1,248 @@
+"""Pure renderers: fleet data in, rich renderables or text out; nothing printed, nothing asked.
+
+fleetctl prints them and the TUI's widgets show them, so both say the same thing the same way.
+The tables over many nodes take `{node name: answer or the exception its call raised}`: a down
+node gets a "down" row, and `down_text` lists the reasons under the table (too long for a cell).
+
+    status_table, sessions_table   NodeStatus answers (fleetctl status, fleetctl demo)
+    stats_table, activity_table    NodeStats answers (fleetctl stats, the TUI's counters)
+    p2p_table, p2p_text            P2pState answers (fleetctl p2p, the TUI's node table)
+    ab_table, ab_steps_text, ab_verdict   fleetd.fleet.ab.compare's document
+    outcome_table, lifecycle_table        fleetctl deploy and start/stop/restart/uninstall
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rich.table import Table
+from rich.text import Text
+
+from fleetd.fleet.control_docs import Device, NodeStats, NodeStatus, P2pState
+from fleetd.fleet.deploy import STEPS, NodeOutcome
+from fleetd.pipeline.report import step_table
+
+Answers = Mapping[str, "NodeStatus | NodeStats | P2pState | BaseException"]
+
+# -- small formatters --------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_duration(s: float) -> str:
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def reason(exc: BaseException) -> str:
+    """An exception as one line: its class and message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def down_text(answers: Answers) -> Text | None:
+    """Down nodes and their reasons, one line each, printed under a table (too long for a cell)."""
+    down = [f"{name}: down: {reason(v)}" for name, v in answers.items() if isinstance(v, BaseException)]
+    return Text("\n".join(down), style="red") if down else None
+
+
+def p2p_text(p2p: P2pState) -> Text:
+    if not p2p.served:
+        return Text("n/a", style="dim")
+    return Text("on", style="green") if p2p.enabled else Text("off", style="yellow")
+
+
+def _on_off(enabled: bool) -> Text:
+    return Text("on", style="green") if enabled else Text("off", style="yellow")
+
+
+def _down_row(t: Table, name: str) -> None:
+    t.add_row(name, Text("down", style="bold red"), *[""] * (len(t.columns) - 2))
+
+
+def _device_text(d: Device) -> str:
+    if d.free == d.total:
+        return f"{d.name} {fmt_bytes(d.total)}"
+    return f"{d.name} {fmt_bytes(d.free)} free of {fmt_bytes(d.total)}"
+
+
+# -- the control API's answers -----------------------------------------------------------------
+
+
+def status_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table:
+    """One row per node from GET /v1/status; a down node's row says down, its reason goes below."""
+    t = Table(title="fleetd nodes", title_justify="left")
+    for col in ("Node", "State", "Version", "RPC", "P2P", "Devices", "Uptime", "Sessions"):
+        t.add_column(col, justify="right" if col in ("Uptime", "Sessions") else "left",
+                     style="bold" if col == "Node" else None, no_wrap=col != "Devices")
+    for name, st in answers.items():
+        if isinstance(st, BaseException):
+            _down_row(t, name)
+            continue
+        t.add_row(
+            name, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
+            ", ".join(_device_text(d) for d in st.devices), fmt_duration(st.uptime_seconds),
+            str(len(st.sessions)),
+        )
+    return t
+
+
+def sessions_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table | None:
+    """Open RPC sessions of every node that answered; None when there are none."""
+    rows = [(name, s) for name, st in answers.items() if isinstance(st, NodeStatus) for s in st.sessions]
+    if not rows:
+        return None
+    t = Table(title="sessions", title_justify="left")
+    for col in ("Node", "Session", "Peer", "Age", "Commands", "Received", "Sent"):
+        t.add_column(col, justify="left" if col in ("Node", "Peer") else "right")
+    for name, s in rows:
+        t.add_row(name, str(s.id), s.peer, fmt_duration(s.age_seconds), f"{s.commands:,}",
+                  fmt_bytes(s.request_bytes), fmt_bytes(s.response_bytes))
+    return t
+
+
+def stats_table(answers: Mapping[str, NodeStats | BaseException],
+                previous: Mapping[str, NodeStats | BaseException | None] | None = None,
+                interval: float | None = None) -> Table:
+    """Per node, the commands used since the last reset (count, request and response bytes) and
+    a total row; with `previous` (the sample `interval` seconds earlier) also commands per second."""
+    rate = bool(previous is not None and interval)
+    t = Table(title="RPC commands", title_justify="left")
+    t.add_column("Node", style="bold")
+    t.add_column("Command")
+    t.add_column("Count", justify="right")
+    if rate:
+        t.add_column("Count/s", justify="right")
+    t.add_column("Request", justify="right")
+    t.add_column("Response", justify="right")
+    for name, st in answers.items():
+        if isinstance(st, BaseException):
+            _down_row(t, name)
+            continue
+        before = previous.get(name) if rate else None
+        before = before.total if isinstance(before, NodeStats) else None
+        used = list(st.total.used().items())
+        total = (sum(c.count for _, c in used), sum(c.request_bytes for _, c in used),
+                 sum(c.response_bytes for _, c in used))
+        rows = [(c, v.count, v.request_bytes, v.response_bytes) for c, v in used] + [("all", *total)]
+        for i, (c, count, req, resp) in enumerate(rows):
+            row = [name if i == 0 else "", Text(c, style="bold") if c == "all" else c, f"{count:,}"]
+            if rate:
+                if before is None:
+                    row.append("")
+                else:
+                    prev = before.command_count if c == "all" else getattr(before.commands.get(c), "count", 0)
+                    row.append(f"{max(0, count - prev) / interval:,.1f}")
+            row += [fmt_bytes(req), fmt_bytes(resp)]
+            t.add_row(*row, end_section=(c == "all"))
+    return t
+
+
+def activity_table(answers: Mapping[str, NodeStats | BaseException]) -> Table:
+    """Per node: graph computes and compute time; peer copies, bytes pushed, fallbacks by reason."""
+    t = Table(title="graph computes and peer copies (COPY_TENSOR_TO)", title_justify="left")
+    for col in ("Node", "Graphs", "Compute", "Copies", "Pushed", "Confirmed", "Fallbacks"):
+        t.add_column(col, justify="left" if col in ("Node", "Fallbacks") else "right")
+    for name, st in answers.items():
+        if isinstance(st, BaseException):
+            _down_row(t, name)
+            continue
+        peer = st.peer
+        fallbacks = ", ".join(f"{r} {n:,}" for r, n in peer.fallbacks.items() if n) or "-"
+        t.add_row(
+            name, f"{st.total.graph_computes:,}", f"{st.total.compute_seconds:.3f}s",
+            f"{peer.copies_ok:,}", fmt_bytes(peer.bytes_pushed), fmt_bytes(peer.bytes_confirmed), fallbacks,
+        )
+    return t
+
+
+def p2p_table(answers: Mapping[str, P2pState | BaseException]) -> Table:
+    """One row per node: peer copy on/off (and what it was, after a switch), or down."""
+    t = Table(title="peer copy (P2P)", title_justify="left")
+    t.add_column("Node", style="bold")
+    t.add_column("P2P")
+    t.add_column("Was")
+    for name, p in answers.items():
+        if isinstance(p, BaseException):
+            _down_row(t, name)
+            continue
+        t.add_row(name, p2p_text(p), "" if p.was is None else _on_off(p.was))
+    return t
+
+
+# -- A/B ---------------------------------------------------------------------------------------
+
+
+def ab_table(doc: dict) -> Table:
+    """Both arms of fleetd.fleet.ab.compare side by side: commands and bytes per step, what the
+    nodes counted, time per step, output md5."""
+    arms = doc["arms"]
+    table = Table(title=f"hub vs direct: {doc['stages']} stages, {doc['layers']} layers, "
+                        f"{doc['rows']} x {doc['n_embd']} f32")
+    table.add_column("")
+    for arm in arms:
+        table.add_column(arm, justify="right")
+    rows = [
+        ("COPY_TENSOR_TO per step", lambda a: f"{a['per_step']['commands'].get('COPY_TENSOR_TO', 0):.2f}"),
+        ("GET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('GET_TENSOR', 0):.2f}"),
+        ("SET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('SET_TENSOR', 0):.2f}"),
+        ("coordinator bytes per step", lambda a: f"{a['per_step']['request_bytes'] + a['per_step']['response_bytes']:,.0f}"),
+        ("peer copies counted by nodes", lambda a: str(a["node_peer_copies"])),
+        ("fallbacks counted by nodes", lambda a: str(a["node_fallbacks"])),
+        ("seconds per step (median)", lambda a: f"{a['seconds_per_step']:.4f}"),
+        ("output md5", lambda a: a["md5"][:12]),
+    ]
+    for label, fn in rows:
+        table.add_row(label, *(fn(a) for a in arms.values()))
+    return table
+
+
+def ab_steps_text(doc: dict) -> str:
+    """The seed's per-step table (fleetd.pipeline.report.step_table), one column per arm."""
+    return step_table({arm: a["per_step"] for arm, a in doc["arms"].items()})
+
+
+def ab_verdict(doc: dict) -> Text:
+    if doc["outputs_identical"]:
+        return Text("outputs of all runs: identical", style="bold green")
+    return Text("outputs of all runs: DIFFERENT", style="bold red")
+
+
+# -- deploy and the lifecycle commands ---------------------------------------------------------
+
+OUTCOME_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
+                 "rolled-back": "yellow", "failed": "red"}
+
+
+def outcome_table(outcomes: list[NodeOutcome]) -> Table:
+    table = Table(title="fleetctl deploy")
+    for col in ("node", "status", "release", "previous", "steps"):
+        table.add_column(col, overflow="fold")
+    for o in outcomes:
+        style = OUTCOME_STYLE.get(o.status, "")
+        steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
+        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
+                      "\n".join(x for x in (steps, o.detail) if x))
+    return table
+
+
+def lifecycle_table(command: str, rows: Mapping[str, dict]) -> Table:
+    """One row per node: its status, or its error in red (fleetctl start/stop/restart/uninstall)."""
+    table = Table(title=f"fleetctl {command}")
+    table.add_column("node")
+    table.add_column("result")
+    for node, v in rows.items():
+        table.add_row(node, v.get("error") and f"[red]{v['error']}[/]" or v.get("status", ""))
+    return table
