@@ -394,9 +394,9 @@ def test_session_frees_its_buffers_on_disconnect(fleetd_server):
         with RpcClient(ep) as c:
             c.sync()  # sessions are torn down by their own threads; one more round trip
         deadline = 50
-        while len(srv.registry) != 1 and deadline:
+        while len(srv.state.registry) != 1 and deadline:
             import time
 
             time.sleep(0.05)
             deadline -= 1
-        assert len(srv.registry) == 1
+        assert len(srv.state.registry) == 1
