@@ -400,3 +400,25 @@ def test_session_frees_its_buffers_on_disconnect(fleetd_server):
             time.sleep(0.05)
             deadline -= 1
         assert len(srv.state.registry) == 1
+
+
+def _probe(ep: str) -> tuple[int, dict]:
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "fleetd.client.probe", ep, "--timeout", "5"],
+                       capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1, p.stdout + p.stderr
+    return p.returncode, json.loads(lines[0])
+
+
+def test_probe_prints_hello_of_stock_and_fleetd_and_fails_on_a_closed_port(stock_server, fleetd_server):
+    from fleetd.transport import free_port
+
+    assert _probe(stock_server()) == (0, {"version": "7.0.0", "features": 0})
+    assert _probe(endpoint(fleetd_server())) == (0, {"version": "7.0.0", "features": 1})
+    assert _probe(endpoint(fleetd_server(p2p=False))) == (0, {"version": "7.0.0", "features": 0})
+    rc, doc = _probe(f"127.0.0.1:{free_port()}")
+    assert rc == 1 and set(doc) == {"error"} and "refused" in doc["error"]

@@ -164,7 +164,9 @@ class Session:
         return regions.region(self.state.registry, t, offset, size, what)
 
     def local_addr(self) -> str | None:
-        """The address the client reached this daemon on."""
+        """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair)."""
+        if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
         try:
             return self.sock.getsockname()[0]
         except OSError:
