@@ -8,8 +8,11 @@ every scenario closes its connection before the next one starts.
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from conftest import connection_closed, endpoint, frame
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.tools import find_tool
+from fleetd.transport import free_port
 from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64
 
 try:
@@ -403,10 +407,6 @@ def test_session_frees_its_buffers_on_disconnect(fleetd_server):
 
 
 def _probe(ep: str) -> tuple[int, dict]:
-    import json
-    import subprocess
-    import sys
-
     p = subprocess.run([sys.executable, "-m", "fleetd.client.probe", ep, "--timeout", "5"],
                        capture_output=True, text=True, timeout=60)
     lines = p.stdout.splitlines()
@@ -415,8 +415,6 @@ def _probe(ep: str) -> tuple[int, dict]:
 
 
 def test_probe_prints_hello_of_stock_and_fleetd_and_fails_on_a_closed_port(stock_server, fleetd_server):
-    from fleetd.transport import free_port
-
     assert _probe(stock_server()) == (0, {"version": "7.0.0", "features": 0})
     assert _probe(endpoint(fleetd_server())) == (0, {"version": "7.0.0", "features": 1})
     assert _probe(endpoint(fleetd_server(p2p=False))) == (0, {"version": "7.0.0", "features": 0})

@@ -20,7 +20,7 @@ import collections
 import struct
 
 from fleetd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from fleetd.wire.commands import COMMANDS, PROTOCOL_VERSION, Cmd, Feature, Request, cmd_name
+from fleetd.wire.commands import COMMANDS, PROTOCOL_VERSION, Feature, Request, cmd_name
 from fleetd.wire.replies import DataReply, HelloReply, Reply
 from fleetd.wire.state import HelloGate, State
 
