@@ -52,33 +52,12 @@ def size_rule_error(cmd: int, size: int) -> str | None:
     return None
 
 
-class _Buffer:
-    """Received bytes and a read position. Consumed bytes are dropped on the next append, so
-    what is held stays bounded by one unread request plus one received chunk whatever the chunk
-    boundaries (deleting a bytearray's front only moves its start: no copy)."""
-
-    __slots__ = ("data", "pos")
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.pos = 0
-
-    def append(self, chunk) -> None:
-        if self.pos:
-            del self.data[: self.pos]
-            self.pos = 0
-        self.data += chunk
-
-    @property
-    def unread(self) -> int:
-        return len(self.data) - self.pos
-
-
 class ServerConnection:
     """The server's view of one RPC connection: bytes in, request events out, replies to bytes."""
 
     def __init__(self) -> None:
-        self._in = _Buffer()
+        self._buf = bytearray()
+        self._pos = 0  # read position in _buf
         self._gate = HelloGate()
         self.body_remaining = 0
         self._gate_passed = False  # the command byte at the read position was already let through
@@ -89,61 +68,63 @@ class ServerConnection:
         return self._gate.state
 
     def receive_data(self, data) -> None:
-        self._in.append(data)
+        # Consumed bytes go first, so what is held stays bounded by one unread request plus one
+        # chunk whatever the chunk boundaries (deleting a bytearray's front moves no bytes).
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
 
     @property
     def buffered(self) -> int:
         """Received bytes not yet consumed."""
-        return self._in.unread
+        return len(self._buf) - self._pos
 
     @property
     def held(self) -> int:
         """Bytes this connection keeps in memory, consumed ones included (bounded)."""
-        return len(self._in.data)
+        return len(self._buf)
 
     def next_event(self):
         if self.body_remaining:
-            raise LocalProtocolError("next_event() while a SET_TENSOR body is pending")
-        buf = self._in
-        if buf.unread < 1:
+            raise LocalProtocolError("next_event() while a streamed request body is pending")
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if avail < 1:
             return NEED_DATA
-        cmd = buf.data[buf.pos]
+        cmd = buf[pos]
         try:
-            return self._next_request(cmd)
+            if not self._gate_passed:
+                self._gate.check(cmd)
+                self._gate_passed = True
+            if avail < 9:
+                return NEED_DATA
+            _, size = _HEADER.unpack_from(buf, pos)
+            spec = COMMANDS[cmd]
+            if size != spec.size:
+                reason = size_rule_error(cmd, size)
+                if reason is not None:
+                    raise RemoteProtocolError(reason)
+            # A streamed body: only the header is buffered and decoded; the data is left in place.
+            decoded = spec.min_size if spec.streamed_body else size
+            if avail < 9 + decoded:
+                return NEED_DATA
+            start = pos + 9
+            payload = memoryview(buf)[start : start + decoded]
+            try:
+                if spec.streamed_body:
+                    event = spec.request.decode_header(payload, size - decoded)
+                else:
+                    event = spec.request.decode(payload)
+            finally:
+                payload.release()
         except RemoteProtocolError:
             self._gate.fail()
             raise
         except Exception as exc:  # a decoder's struct.error, ValueError, ...: the peer's bytes
             self._gate.fail()
             raise RemoteProtocolError(f"{cmd_name(cmd)}: malformed payload: {exc}") from exc
-
-    def _next_request(self, cmd: int):
-        buf = self._in
-        if not self._gate_passed:
-            self._gate.check(cmd)
-            self._gate_passed = True
-        avail = buf.unread
-        if avail < 9:
-            return NEED_DATA
-        _, size = _HEADER.unpack_from(buf.data, buf.pos)
-        reason = size_rule_error(cmd, size)
-        if reason is not None:
-            raise RemoteProtocolError(reason)
-        spec = COMMANDS[cmd]
-        # A streamed body: only the header is buffered and decoded; the data is left in place.
-        decoded = spec.min_size if spec.streamed_body else size
-        if avail < 9 + decoded:
-            return NEED_DATA
-        start = buf.pos + 9
-        payload = memoryview(buf.data)[start : start + decoded]
-        try:
-            if spec.streamed_body:
-                event = spec.request.decode_header(payload, size - decoded)
-            else:
-                event = spec.request.decode(payload)
-        finally:
-            payload.release()
-        buf.pos = start + decoded
+        self._pos = start + decoded
         self._gate_passed = False
         self.body_remaining = size - decoded
         self.request_bytes = 9 + size
@@ -151,11 +132,10 @@ class ServerConnection:
 
     def read_body_into(self, dst: memoryview) -> int:
         """Move already-buffered body bytes into `dst`; return how many."""
-        buf = self._in
-        n = min(len(dst), self.body_remaining, buf.unread)
+        n = min(len(dst), self.body_remaining, len(self._buf) - self._pos)
         if n:
-            dst[:n] = buf.data[buf.pos : buf.pos + n]
-            buf.pos += n
+            dst[:n] = self._buf[self._pos : self._pos + n]
+            self._pos += n
             self.body_remaining -= n
         return n
 
@@ -202,7 +182,8 @@ class ClientConnection:
 
     def __init__(self) -> None:
         self._gate = HelloGate()
-        self._in = _Buffer()
+        self._buf = bytearray()
+        self._pos = 0
         self._awaiting: collections.deque[tuple[Request, memoryview | None]] = collections.deque()
         self._body: memoryview | None = None  # a DataReply's destination while it fills
         self._body_target = None
@@ -248,11 +229,14 @@ class ClientConnection:
         return _HEADER.pack(request.cmd, size) + payload
 
     def receive_data(self, data) -> None:
-        self._in.append(data)
+        if self._pos:  # consumed bytes go first (see ServerConnection.receive_data)
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
 
     @property
     def buffered(self) -> int:
-        return self._in.unread
+        return len(self._buf) - self._pos
 
     def next_event(self):
         try:
@@ -268,22 +252,22 @@ class ClientConnection:
     def _next_reply(self):
         if self._body is not None:
             return self._fill_body()
-        buf = self._in
-        avail = buf.unread
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
         if not self._awaiting:
             if avail:
                 raise RemoteProtocolError(f"{avail} bytes received with no request awaiting a reply")
             return NEED_DATA
         if avail < 8:
             return NEED_DATA
-        (size,) = _SIZE.unpack_from(buf.data, buf.pos)
+        (size,) = _SIZE.unpack_from(buf, pos)
         request, into = self._awaiting[0]
         reply = COMMANDS[request.cmd].response
         expected = request.size if reply.streamed else reply.layout.size
         if size != expected:
             raise RemoteProtocolError(f"{request.cmd.name}: response of {size} bytes, expected {expected}")
         if reply.streamed:
-            buf.pos += 8
+            self._pos = pos + 8
             if into is None:
                 target = bytearray(size)
                 into = (target, memoryview(target))
@@ -292,38 +276,38 @@ class ClientConnection:
             return self._fill_body()
         if avail < 8 + size:
             return NEED_DATA
-        start = buf.pos + 8
-        payload = memoryview(buf.data)[start : start + size]
+        start = pos + 8
+        payload = memoryview(buf)[start : start + size]
         try:
             event = reply.decode(payload)
         finally:
             payload.release()
-        buf.pos = start + size
+        self._pos = start + size
         self._awaiting.popleft()
         self.response_bytes = 8 + size
-        if isinstance(event, HelloReply):
+        if reply is HelloReply:
             self._gate.negotiate(event.version, event.features)
         return event
 
     def _fill_body(self):
-        buf, body = self._in, self._body
-        n = min(len(body) - self._body_got, buf.unread)
+        body, got = self._body, self._body_got
+        n = min(len(body) - got, len(self._buf) - self._pos)
         if n:
-            body[self._body_got : self._body_got + n] = buf.data[buf.pos : buf.pos + n]
-            buf.pos += n
-            self._body_got += n
-        if self._body_got < len(body):
+            body[got : got + n] = self._buf[self._pos : self._pos + n]
+            self._pos += n
+            self._body_got = got = got + n
+        if got < len(body):
             return NEED_DATA
         event = DataReply(self._body_target)
         self._body = self._body_target = None
         self._awaiting.popleft()
-        self.response_bytes = 8 + self._body_got
+        self.response_bytes = 8 + got
         return event
 
     def body_buffer(self) -> memoryview | None:
         """While a streamed reply fills and nothing of it is buffered: the part of its
         destination still to come, for the shell to `recv_into` directly (then `body_received`)."""
-        if self._body is None or self._in.unread:
+        if self._body is None or self._pos < len(self._buf):
             return None
         return self._body[self._body_got :]
 
