@@ -110,15 +110,18 @@ class RpcClient:
         self._send(request, into=into)
         conn, sock = self.conn, self.sock
         what = f"{request.cmd.name} response from {self.endpoint}"
+        # A large GET_TENSOR reply: read its 8-byte size prefix alone, then all of the data
+        # straight into its destination; anything else fits one read.
+        read = 8 if isinstance(request, GetTensor) and request.size > RECV_CHUNK - 8 else RECV_CHUNK
         with mapped_errors(what):
             while (event := conn.next_event()) is NEED_DATA:
                 body = conn.body_buffer()
-                if body is not None:  # GET_TENSOR data: straight into its destination
+                if body is not None:
                     n = sock.recv_into(body)
                     if n:
                         conn.body_received(n)
                 else:
-                    n = sock.recv_into(self._scratch)
+                    n = sock.recv_into(self._scratch, read)
                     if n:
                         conn.receive_data(self._scratch_view[:n])
                 if n == 0:

@@ -72,6 +72,7 @@ log = logging.getLogger("fleetd.peer")
 # Replies on a link are HELLO's (32 bytes) and PEER_BARRIER's (9): one small read each.
 REPLY_READ = 256
 
+
 class PeerFailure(Exception):
     """A recoverable peer-copy failure: the answer is 0 and `reason` is counted."""
 

@@ -1,8 +1,9 @@
 """One session per connection: the wsproto-style blocking loop over a ServerConnection.
 
-recv_into -> receive_data -> next_event -> HANDLERS[type(event)]. A peer's protocol error closes
-this socket with one log line; our own bug logs a traceback and closes this socket; the daemon
-and every other session carry on.
+recv_into -> receive_data -> next_event -> HANDLERS[type(event)] -> a reply event sent through the
+connection. A session reads and writes the daemon's ServerState (never the daemon) and owns its
+peer links. A peer's protocol error closes this socket with one log line; our own bug logs a
+traceback and closes this socket; the daemon and every other session carry on.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class Session:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    # The state under its old name, for the build_plan line in on_graph_compute (compute's).
+    # The state under its old name, only for the build_plan / plan.run lines of on_graph_compute
+    # and _run, which the compute branch rewrites; to go once both branches are merged.
     server = property(lambda self: self.state)
 
     def respond(self, reply: Reply) -> int:
@@ -305,7 +307,7 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
 
 def _run(s: Session, plan: Plan, dev) -> None:
     t0 = time.perf_counter()
-    with s.state.exec_lock:
+    with s.server.exec_lock:
         plan.run(dev.xp)
     s.counters.graph_computes += 1
     s.counters.compute_seconds += time.perf_counter() - t0
