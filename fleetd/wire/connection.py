@@ -184,7 +184,8 @@ class ClientConnection:
         self._gate = HelloGate()
         self._buf = bytearray()
         self._pos = 0
-        self._awaiting: collections.deque[tuple[Request, memoryview | None]] = collections.deque()
+        # (request, its `into` as (object, byte view) or None), in the order replies will come
+        self._awaiting: collections.deque[tuple[Request, tuple | None]] = collections.deque()
         self._body: memoryview | None = None  # a DataReply's destination while it fills
         self._body_target = None
         self._body_got = 0
