@@ -8,8 +8,11 @@ every scenario closes its connection before the next one starts.
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from conftest import connection_closed, endpoint, frame
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.tools import find_tool
+from fleetd.transport import free_port
 from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64
 
 try:
@@ -394,9 +398,25 @@ def test_session_frees_its_buffers_on_disconnect(fleetd_server):
         with RpcClient(ep) as c:
             c.sync()  # sessions are torn down by their own threads; one more round trip
         deadline = 50
-        while len(srv.registry) != 1 and deadline:
+        while len(srv.state.registry) != 1 and deadline:
             import time
 
             time.sleep(0.05)
             deadline -= 1
-        assert len(srv.registry) == 1
+        assert len(srv.state.registry) == 1
+
+
+def _probe(ep: str) -> tuple[int, dict]:
+    p = subprocess.run([sys.executable, "-m", "fleetd.client.probe", ep, "--timeout", "5"],
+                       capture_output=True, text=True, timeout=60)
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1, p.stdout + p.stderr
+    return p.returncode, json.loads(lines[0])
+
+
+def test_probe_prints_hello_of_stock_and_fleetd_and_fails_on_a_closed_port(stock_server, fleetd_server):
+    assert _probe(stock_server()) == (0, {"version": "7.0.0", "features": 0})
+    assert _probe(endpoint(fleetd_server())) == (0, {"version": "7.0.0", "features": 1})
+    assert _probe(endpoint(fleetd_server(p2p=False))) == (0, {"version": "7.0.0", "features": 0})
+    rc, doc = _probe(f"127.0.0.1:{free_port()}")
+    assert rc == 1 and set(doc) == {"error"} and "refused" in doc["error"]

@@ -59,8 +59,8 @@ def traffic(srv, nbytes: int = 4096) -> None:
 
 def wait_sessions(srv, n: int) -> None:
     deadline = time.monotonic() + 10
-    while len(srv.sessions()) != n:
-        assert time.monotonic() < deadline, f"{len(srv.sessions())} sessions, expected {n}"
+    while len(srv.state.live_sessions()) != n:
+        assert time.monotonic() < deadline, f"{len(srv.state.live_sessions())} sessions, expected {n}"
         time.sleep(0.01)
 
 
@@ -84,9 +84,9 @@ def test_status_lists_devices_sessions_and_p2p(fleetd_server):
         local = "{}:{}".format(*c.sock.getsockname()[:2])
     assert st["protocol"] == "7.0.0"
     assert st["rpc"]["port"] == srv.address[1]
-    assert st["features"] == {"bits": srv.features(), "peer_copy": bool(srv.features() & Feature.PEER_COPY)}
+    assert st["features"] == {"bits": srv.state.features(), "peer_copy": bool(srv.state.features() & Feature.PEER_COPY)}
     assert st["p2p"]["enabled"] is True
-    assert [d["name"] for d in st["devices"]] == [d.name for d in srv.devices]
+    assert [d["name"] for d in st["devices"]] == [d.name for d in srv.state.devices]
     assert all(0 < d["free"] <= d["total"] for d in st["devices"])
     assert st["uptime_seconds"] >= 0
     [session] = st["sessions"]
@@ -138,13 +138,13 @@ def test_put_p2p_switches_the_daemon(fleetd_server):
     srv = fleetd_server(control_port=0)
     status, _, data = api(srv, "PUT", "/v1/p2p", b'{"enabled": false}', {"Content-Type": "application/json"})
     assert status == 200 and json.loads(data) == {"enabled": False, "served": True, "was": True}
-    assert srv.p2p_enabled is False
+    assert srv.state.p2p_enabled is False
     assert get_json(srv, "/v1/p2p")["enabled"] is False
     assert metrics(srv)[("fleetd_p2p_enabled", ())] == 0
     with RpcClient(f"127.0.0.1:{srv.address[1]}", BOUNDED) as c:  # new connections lose the bit
         assert not c.features & Feature.PEER_COPY
     status, _, data = api(srv, "PUT", "/v1/p2p", b'{"enabled": true}')
-    assert status == 200 and json.loads(data)["was"] is False and srv.p2p_enabled is True
+    assert status == 200 and json.loads(data)["was"] is False and srv.state.p2p_enabled is True
 
 
 @pytest.mark.parametrize(
@@ -169,7 +169,7 @@ def test_bad_requests_get_json_errors(fleetd_server, method, path, body, headers
     assert ctype == "application/json"
     err = json.loads(data)["error"]
     assert "Traceback" not in err and "\n" not in err
-    assert srv.p2p_enabled is True  # nothing switched by a refused request
+    assert srv.state.p2p_enabled is True  # nothing switched by a refused request
     assert get_json(srv, "/v1/status")["protocol"] == "7.0.0"  # still serving
 
 

@@ -109,7 +109,7 @@ def test_per_step_accounting_hub_vs_direct(fleetd_server, remote, local_last):
 
     # Server side: each source confirmed its pushes, each destination saw the barriers.
     for src in servers[:-1]:
-        stats = src.peer_stats.as_dict()
+        stats = src.state.peer_stats.as_dict()
         assert stats["copies_ok"] == len(direct)
         assert stats["bytes_confirmed"] == len(direct) * H
         assert not any(stats["fallbacks"].values())
@@ -143,7 +143,7 @@ def test_env_forces_hub_and_prints_stats(fleetd_server, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "rpc stats: step 1: " in err
     assert "request bytes from the coordinator" in err
-    assert a.peer_stats.as_dict()["copies_ok"] == 0
+    assert a.state.peer_stats.as_dict()["copies_ok"] == 0
 
 
 # -- no deadlock in a ring -------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_ring_under_concurrent_coordinators(fleetd_server):
     for k, res in results.items():
         assert md5s(res) == reference
         assert [r.direct for r in res] == [3] * 4
-    assert sum(s.peer_stats.as_dict()["copies_ok"] for s in servers) == 4 * 4 * 3
+    assert sum(s.state.peer_stats.as_dict()["copies_ok"] for s in servers) == 4 * 4 * 3
 
 
 # -- fallbacks ---------------------------------------------------------------------------------------
@@ -201,10 +201,10 @@ def test_fallback_answers_0_with_identical_outputs(fleetd_server, case):
         first = p.step()
         if case == "p2p_off_dst":
             assert (first.direct, first.fallbacks) == (1, 0)  # a cached link exists now
-            dst.set_p2p(False)
+            dst.state.set_p2p(False)
         elif case == "p2p_off_src":
             assert (first.direct, first.fallbacks) == (1, 0)
-            src.set_p2p(False)
+            src.state.set_p2p(False)
         results = [first] + p.run(2)
     assert md5s(results) == reference
     failed = results if case in ("dst_down", "not_allowed") else results[1:]
@@ -212,7 +212,7 @@ def test_fallback_answers_0_with_identical_outputs(fleetd_server, case):
     assert all(r.counters.count[Cmd.COPY_TENSOR_TO] == 1 for r in failed)
     reason = {"dst_down": "unreachable", "p2p_off_dst": "refused", "p2p_off_src": "disabled",
               "not_allowed": "not_allowed"}[case]
-    fallbacks = src.peer_stats.as_dict()["fallbacks"]
+    fallbacks = src.state.peer_stats.as_dict()["fallbacks"]
     assert fallbacks == {r: len(failed) if r == reason else 0 for r in FALLBACK_REASONS}
     if case == "p2p_off_dst":  # new connections no longer see the bit
         with RpcClient(ep(dst), BOUNDED) as c:
@@ -233,14 +233,14 @@ def test_fallback_destination_bounds_violated(fleetd_server):
         # 1024 bytes at offset 512 of a 1024-byte buffer: the destination's own check refuses.
         bad = f32_tensor(pd, base_d, 256, offset=512)
         assert cs.copy_tensor_to(ts, bad, 1024, ep(dst)) is False
-        assert src.peer_stats.as_dict()["fallbacks"]["write_rejected"] == 1
+        assert src.state.peer_stats.as_dict()["fallbacks"]["write_rejected"] == 1
         # The destination closed only the source's link: the coordinator's session is intact.
         assert cd.get_tensor(td) == bytes(1024)
         cd.set_tensor(td, cs.get_tensor(ts))  # the hub path
         assert hashlib.md5(cd.get_tensor(td)).digest() == hashlib.md5(data).digest()
         assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True  # a fresh link works again
-    src.peer_stats.reset()  # the control API's stats reset
-    assert src.peer_stats.as_dict() == {
+    src.state.peer_stats.reset()  # the control API's stats reset
+    assert src.state.peer_stats.as_dict() == {
         "copies_ok": 0, "bytes_pushed": 0, "bytes_confirmed": 0, "links_opened": 0,
         "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0),
     }
@@ -268,7 +268,7 @@ def test_fallback_stock_destination(fleetd_server, stock_server):
             assert cs.copy_tensor_to(ts, td, 1024, stock) is False  # busy: HELLO timeout
             busy.set_tensor(td, cs.get_tensor(ts))  # the hub path
             assert busy.get_tensor(td) == data
-    assert src.peer_stats.as_dict()["fallbacks"] == {
+    assert src.state.peer_stats.as_dict()["fallbacks"] == {
         r: 1 if r in ("refused", "timeout") else 0 for r in FALLBACK_REASONS
     }
 
@@ -306,7 +306,7 @@ def test_malformed_copy_closes_only_that_connection(fleetd_server, case):
         assert bystander.buffer_get_base(pb) > 0
         with RpcClient(ep(src), BOUNDED) as again:
             assert again.features & Feature.PEER_COPY
-    assert src.peer_stats.as_dict()["copies_ok"] == 0
+    assert src.state.peer_stats.as_dict()["copies_ok"] == 0
 
 
 # -- resources ------------------------------------------------------------------------------------
@@ -342,15 +342,15 @@ def test_peer_links_close_with_their_session(fleetd_server):
         pd, _ = cd.alloc_buffer(1024)
         td = f32_tensor(pd, cd.buffer_get_base(pd), 256)
         cycle(cd, td)  # warm-up: lazily created module state is not a leak
-        _settle(lambda: len(src.sessions()) + len(dst.sessions()), 1)
+        _settle(lambda: len(src.state.live_sessions()) + len(dst.state.live_sessions()), 1)
         fds, threads = _open_fds(), threading.active_count()
         for _ in range(100):
             cycle(cd, td)
-        assert _settle(lambda: len(src.sessions()) + len(dst.sessions()), 1) == 1
+        assert _settle(lambda: len(src.state.live_sessions()) + len(dst.state.live_sessions()), 1) == 1
         assert _settle(_open_fds, fds) <= fds
         assert _settle(threading.active_count, threads) <= threads
         assert cd.get_tensor(td) == data
-    stats = src.peer_stats.as_dict()
+    stats = src.state.peer_stats.as_dict()
     assert stats["copies_ok"] == 101 and stats["links_opened"] == 101
 
 
@@ -376,11 +376,11 @@ def test_peer_allow_default_and_explicit():
 def test_runtime_toggle_clears_bit_for_new_connections(fleetd_server):
     srv = fleetd_server()
     with RpcClient(ep(srv), BOUNDED) as before:
-        srv.set_p2p(False)
+        srv.state.set_p2p(False)
         with RpcClient(ep(srv), BOUNDED) as off:
             assert not off.features & Feature.PEER_COPY
         assert before.features & Feature.PEER_COPY  # negotiated at its own HELLO
-        srv.set_p2p(True)
+        srv.state.set_p2p(True)
         with RpcClient(ep(srv), BOUNDED) as on:
             assert on.features & Feature.PEER_COPY
-    assert set(srv.peer_stats.as_dict()["fallbacks"]) == set(FALLBACK_REASONS)
+    assert set(srv.state.peer_stats.as_dict()["fallbacks"]) == set(FALLBACK_REASONS)

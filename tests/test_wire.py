@@ -1,4 +1,4 @@
-"""Sans-IO wire core: byte literals in, events out; size rules; the HELLO gate."""
+"""Sans-IO wire core: byte literals in, events out, for both roles; size rules; the HELLO gate."""
 
 from __future__ import annotations
 
@@ -8,24 +8,36 @@ import numpy as np
 import pytest
 
 from conftest import frame
-from fleetd.errors import RemoteProtocolError
+from fleetd.errors import LocalProtocolError, RemoteProtocolError
 from fleetd.wire import (
     COMMANDS,
     NEED_DATA,
+    PROTOCOL_VERSION,
     RPC_TENSOR,
     AllocBuffer,
+    AllocBufferReply,
     ClientConnection,
     Cmd,
     CopyTensorTo,
+    DataReply,
+    DeviceCount,
+    DeviceCountReply,
+    FreeBuffer,
+    GetAlignment,
+    GetAlignmentReply,
     GetTensor,
     GgmlType,
     GraphCompute,
     Hello,
+    HelloReply,
+    PeerBarrier,
+    PeerBarrierReply,
     RpcTensor,
     ServerConnection,
     SetTensor,
     State,
     contiguous_strides,
+    encode_response,
     fnv1a_64,
     hello_response,
     nbytes,
@@ -143,7 +155,7 @@ def test_set_tensor_body_is_left_for_the_shell():
     data = np.arange(4, dtype="<f4").tobytes()
     req = SetTensor(t(), 0, len(data))
     wire = ClientConnection()
-    wire._hello_done = True
+    wire.send(Hello())
     conn.receive_data(wire.send(req) + data[:6])
     ev = conn.next_event()
     assert ev.size == 16 and ev.tensor == t()
@@ -181,18 +193,125 @@ def test_copy_tensor_to_endpoint_length_must_match():
         CopyTensorTo.decode(memoryview(bytes(bad)))
 
 
-def test_client_checks_version_and_reads_feature_bit():
+def test_pipelined_requests_split_mid_request_keep_the_buffer_bounded():
+    # Every write ends in the middle of a request, so a read never ends on a request boundary:
+    # consumed bytes must still be dropped, or the buffer grows with everything ever received.
+    request = frame(Cmd.GET_ALIGNMENT, struct.pack("<I", 0))
+    stream = HELLO + request * 20_000
+    conn = ServerConnection()
+    chunk = 4096 + 5  # not a multiple of the 13-byte request
+    events, most_held = 0, 0
+    for i in range(0, len(stream), chunk):
+        conn.receive_data(stream[i : i + chunk])
+        while conn.next_event() is not NEED_DATA:
+            events += 1
+        most_held = max(most_held, conn.held)
+    assert events == 20_001
+    assert most_held <= chunk + len(request)
+
+
+def server_reply(request, reply) -> ClientConnection:
+    """A client that sent HELLO and `request`, with the HELLO reply already taken."""
     c = ClientConnection()
-    c.decode_response(Hello(), hello_response(1)[8:])
+    c.send(Hello())
+    c.receive_data(hello_response(1))
+    assert c.next_event() == HelloReply(PROTOCOL_VERSION, 1)
+    c.send(request)
+    c.receive_data(reply)
+    return c
+
+
+@pytest.mark.parametrize("request_, reply", [
+    (AllocBuffer(0, 1000), AllocBufferReply(0x100, 1024)),
+    (GetAlignment(0), GetAlignmentReply(32)),
+    (DeviceCount(), DeviceCountReply(1)),
+    (PeerBarrier(), PeerBarrierReply(1)),
+])
+def test_client_turns_reply_bytes_into_the_reply_event(request_, reply):
+    wire = reply.frame()
+    assert wire == encode_response(request_.cmd, *[getattr(reply, f) for f in reply.__slots__])
+    for split in (len(wire), 1):  # whole, then byte by byte
+        c = ClientConnection()
+        c.send(Hello())
+        c.receive_data(hello_response(0))
+        assert isinstance(c.next_event(), HelloReply)
+        c.send(request_)
+        events = []
+        for i in range(0, len(wire), split):
+            c.receive_data(wire[i : i + split])
+            while (ev := c.next_event()) is not NEED_DATA:
+                events.append(ev)
+        assert events == [reply] and c.awaiting == 0 and c.response_bytes == len(wire)
+
+
+def test_client_checks_version_and_reads_feature_bit():
+    c = server_reply(DeviceCount(), b"")
     assert c.version == (7, 0, 0) and c.features == 1
     c2 = ClientConnection()
+    c2.send(Hello())
+    c2.receive_data(struct.pack("<Q", 28) + bytes([7, 1, 0, 0]) + bytes(24))
     with pytest.raises(RemoteProtocolError, match="unsupported"):
-        c2.decode_response(Hello(), bytes([7, 1, 0, 0]) + bytes(24))
+        c2.next_event()
+    assert c2.state is State.ERROR
 
 
-def test_client_response_size_rule():
-    with pytest.raises(RemoteProtocolError, match="expected 16"):
-        ClientConnection.check_response_size(GetTensor(t(), 0, 16), 8)
+def test_client_hello_first_once_and_replies_in_request_order():
+    c = ClientConnection()
+    with pytest.raises(LocalProtocolError, match="HELLO first"):
+        c.send(DeviceCount())
+    c.send(Hello())
+    with pytest.raises(LocalProtocolError, match="second HELLO"):
+        c.send(Hello())
+    c.send(FreeBuffer(0x100))  # no reply: nothing awaited
+    c.send(GetAlignment(0))
+    assert c.awaiting == 2
+    c.receive_data(hello_response(0) + GetAlignmentReply(64).frame())
+    assert isinstance(c.next_event(), HelloReply)
+    assert c.next_event() == GetAlignmentReply(64)
+    assert c.next_event() is NEED_DATA
+
+
+@pytest.mark.parametrize("reply, reason", [
+    (struct.pack("<Q", 8), "response of 8 bytes, expected 16"),  # GET_TENSOR of 16 bytes
+    (DataReply.header(16) + bytes(16) + b"\x00", "1 bytes received with no request"),
+])
+def test_client_refuses_replies_that_do_not_fit(reply, reason):
+    c = server_reply(GetTensor(t(), 0, 16), reply)
+    with pytest.raises(RemoteProtocolError, match=reason):
+        while c.next_event() is NEED_DATA:
+            pass
+        c.next_event()
+    assert c.state is State.ERROR
+
+
+def test_get_tensor_data_streams_into_the_callers_buffer():
+    data = np.arange(1024, dtype="<f4")
+    out = np.zeros_like(data)
+    c = ClientConnection()
+    c.send(Hello())
+    c.receive_data(hello_response(0))
+    c.next_event()
+    c.send(GetTensor(t(ne=(1024, 1, 1, 1)), 0, data.nbytes), into=out)
+    c.receive_data(DataReply.header(data.nbytes) + data.tobytes()[:100])  # one read: header + some
+    assert c.next_event() is NEED_DATA and c.buffered == 0
+    rest = c.body_buffer()  # the shell recv_into()s this: no copy through the buffer
+    assert rest.nbytes == data.nbytes - 100
+    rest[:] = data.tobytes()[100:]
+    c.body_received(rest.nbytes)
+    reply = c.next_event()
+    assert isinstance(reply, DataReply) and reply.data is out
+    assert np.array_equal(out, data) and c.response_bytes == 8 + data.nbytes
+    with pytest.raises(LocalProtocolError, match="does not fit"):
+        c.send(GetTensor(t(), 0, 16), into=bytearray(8))
+
+
+def test_every_command_with_a_response_has_a_reply_event():
+    for cmd, spec in COMMANDS.items():
+        if spec.response is not None:
+            assert spec.response.streamed or spec.response.layout is not None, cmd
+    assert COMMANDS[Cmd.GET_TENSOR].response is DataReply
+    assert [c for c, s in COMMANDS.items() if s.handshake] == [Cmd.HELLO]
+    assert [c for c, s in COMMANDS.items() if s.streamed_body] == [Cmd.SET_TENSOR]
 
 
 def test_nbytes_matches_protocol_examples():

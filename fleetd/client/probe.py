@@ -1,10 +1,10 @@
-"""`python -m fleetd.client.probe HOST:PORT [--timeout S]`: one HELLO, one JSON line.
+"""Is a ggml RPC server answering? One HELLO, one JSON line.
 
-    {"version": "7.0.0", "features": 1}     exit 0: the server answered HELLO
-    {"error": "..."}                        exit 1: it did not (refused, timed out, not RPC)
+    python -m fleetd.client.probe HOST:PORT [--timeout S]
 
-fleetctl deploy's health check runs it with the installed release's interpreter, so a pass
-also proves that release's fleetd imports.
+prints {"version": "7.0.0", "features": 1} and exits 0 when the server answered HELLO within
+the timeout (`features`: the bits of fleetd.wire.Feature it advertised), else prints
+{"error": "..."} and exits 1. Deploy health checks call it on the node.
 """
 
 from __future__ import annotations
@@ -17,25 +17,30 @@ from fleetd.client.rpc import RpcClient
 from fleetd.errors import FleetdError
 from fleetd.transport.tcp import Timeout
 
+DEFAULT_TIMEOUT = 2.0
 
-def probe(endpoint: str, timeout: float) -> dict:
-    with RpcClient(endpoint, Timeout(connect=timeout, read=timeout)) as client:
-        return {"version": ".".join(map(str, client.version)), "features": int(client.features)}
+
+def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """{"version": "M.m.p", "features": int} or {"error": "..."}; never raises for a down server."""
+    try:
+        with RpcClient(endpoint, Timeout(connect=timeout, read=timeout)) as client:
+            return {"version": ".".join(map(str, client.version)), "features": int(client.features)}
+    except (FleetdError, ValueError, OSError) as exc:
+        return {"error": str(exc)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fleetd.client.probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("endpoint", metavar="HOST:PORT")
-    ap.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                    help="seconds for the connect and for the answer (default 5)")
-    args = ap.parse_args(argv)
-    try:
-        answer = probe(args.endpoint, args.timeout)
-    except (FleetdError, ValueError, OSError) as exc:
-        print(json.dumps({"error": f"HELLO {args.endpoint}: {exc}"}))
+    p = argparse.ArgumentParser(prog="python -m fleetd.client.probe", description=__doc__.splitlines()[0])
+    p.add_argument("endpoint", metavar="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"bound on the connect and on the HELLO answer, in seconds (default {DEFAULT_TIMEOUT:g})")
+    args = p.parse_args(argv)
+    if not args.timeout > 0:
+        print(json.dumps({"error": f"--timeout {args.timeout:g}: must be above 0"}))
         return 1
+    answer = probe(args.endpoint, args.timeout)
     print(json.dumps(answer))
-    return 0
+    return 1 if "error" in answer else 0
 
 
 if __name__ == "__main__":

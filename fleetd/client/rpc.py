@@ -12,12 +12,11 @@ or COPY_TENSOR(_TO) result 0) comes back as a value; protocol and transport fail
 
 from __future__ import annotations
 
-import struct
-
-
 from fleetd.client.stats import ClientCounters
-from fleetd.transport.tcp import Timeout, connect, mapped_errors, recv_exact
+from fleetd.errors import PeerClosed
+from fleetd.transport.tcp import Timeout, connect, mapped_errors
 from fleetd.wire import (
+    NEED_DATA,
     AllocBuffer,
     BufferClear,
     BufferGetBase,
@@ -38,15 +37,18 @@ from fleetd.wire import (
     InitTensor,
     MemsetTensor,
     PeerBarrier,
+    Reply,
     Request,
     RpcTensor,
     SetTensor,
     SetTensorHash,
 )
 
-_SIZE = struct.Struct("<Q")
 # SET_TENSOR data up to this size is joined with its header into one send.
 SMALL_WRITE = 64 * 1024
+# One read of a reply: every fixed-size reply and a small GET_TENSOR fit; a larger GET_TENSOR's
+# data goes with recv_into straight into its destination.
+RECV_CHUNK = 64 * 1024
 
 
 class RpcClient:
@@ -56,6 +58,8 @@ class RpcClient:
         self.counters = counters if counters is not None else ClientCounters()
         self.sock = None
         self.conn = ClientConnection()
+        self._scratch = bytearray(RECV_CHUNK)
+        self._scratch_view = memoryview(self._scratch)
 
     def __repr__(self) -> str:
         return f"<RpcClient endpoint={self.endpoint}>"
@@ -89,10 +93,10 @@ class RpcClient:
     def features(self) -> Feature:
         return self.conn.features
 
-    # -- framing ----------------------------------------------------------------------------
+    # -- framing: every byte goes through the sans-IO ClientConnection -------------------
 
-    def _send(self, request: Request, data=None) -> None:
-        head = self.conn.send(request)
+    def _send(self, request: Request, data=None, into=None) -> None:
+        head = self.conn.send(request, into)
         with mapped_errors(f"{request.cmd.name} to {self.endpoint}"):
             if data is None or len(data) <= SMALL_WRITE:
                 self.sock.sendall(head if data is None else head + bytes(data))
@@ -101,22 +105,29 @@ class RpcClient:
                 self.sock.sendall(data)
         self.counters.sent(request.cmd, len(head) + (len(data) if data is not None else 0))
 
-    def _call(self, request: Request) -> tuple:
-        """Send a request that has a fixed-size response and decode it."""
-        self._send(request)
-        payload = self._recv_response(request)
-        return self.conn.decode_response(request, payload)
-
-    def _recv_response(self, request: Request, out: memoryview | None = None):
-        header = bytearray(8)
-        with mapped_errors(f"{request.cmd.name} response from {self.endpoint}"):
-            recv_exact(self.sock, memoryview(header))
-            (size,) = _SIZE.unpack(header)
-            self.conn.check_response_size(request, size)
-            payload = out if out is not None else memoryview(bytearray(size))
-            recv_exact(self.sock, payload)
-        self.counters.received(request.cmd, 8 + size)
-        return payload
+    def _call(self, request: Request, into=None) -> Reply:
+        """Send a request that has a reply and wait for its reply event."""
+        self._send(request, into=into)
+        conn, sock = self.conn, self.sock
+        what = f"{request.cmd.name} response from {self.endpoint}"
+        # A large GET_TENSOR reply: read its 8-byte size prefix alone, then all of the data
+        # straight into its destination; anything else fits one read.
+        read = 8 if isinstance(request, GetTensor) and request.size > RECV_CHUNK - 8 else RECV_CHUNK
+        with mapped_errors(what):
+            while (event := conn.next_event()) is NEED_DATA:
+                body = conn.body_buffer()
+                if body is not None:
+                    n = sock.recv_into(body)
+                    if n:
+                        conn.body_received(n)
+                else:
+                    n = sock.recv_into(self._scratch, read)
+                    if n:
+                        conn.receive_data(self._scratch_view[:n])
+                if n == 0:
+                    raise PeerClosed(f"{what}: server closed the connection")
+        self.counters.received(request.cmd, conn.response_bytes)
+        return event
 
     def send_raw(self, data: bytes) -> None:
         """Write bytes as they are (tests of malformed input)."""
@@ -125,24 +136,26 @@ class RpcClient:
     # -- commands ---------------------------------------------------------------------------
 
     def device_count(self) -> int:
-        return self._call(DeviceCount())[0]
+        return self._call(DeviceCount()).count
 
     def alloc_buffer(self, size: int, device: int = 0) -> tuple[int, int]:
         """(remote_ptr, remote_size); remote_ptr 0 means the server could not allocate."""
-        return self._call(AllocBuffer(device, size))
+        reply = self._call(AllocBuffer(device, size))
+        return reply.remote_ptr, reply.remote_size
 
     def get_alignment(self, device: int = 0) -> int:
-        return self._call(GetAlignment(device))[0]
+        return self._call(GetAlignment(device)).alignment
 
     def get_max_size(self, device: int = 0) -> int:
-        return self._call(GetMaxSize(device))[0]
+        return self._call(GetMaxSize(device)).max_size
 
     def get_device_memory(self, device: int = 0) -> tuple[int, int]:
         """(free, total) bytes."""
-        return self._call(GetDeviceMemory(device))
+        reply = self._call(GetDeviceMemory(device))
+        return reply.free, reply.total
 
     def buffer_get_base(self, remote_ptr: int) -> int:
-        return self._call(BufferGetBase(remote_ptr))[0]
+        return self._call(BufferGetBase(remote_ptr)).base
 
     def free_buffer(self, remote_ptr: int) -> None:
         self._send(FreeBuffer(remote_ptr))
@@ -155,23 +168,19 @@ class RpcClient:
         self._send(SetTensor(tensor, offset, len(view), int(cache)), view)
 
     def set_tensor_hash(self, tensor: RpcTensor, hash_: int, offset: int = 0) -> bool:
-        return bool(self._call(SetTensorHash(tensor, offset, hash_))[0])
+        return bool(self._call(SetTensorHash(tensor, offset, hash_)).found)
 
     def get_tensor(self, tensor: RpcTensor, offset: int = 0, size: int | None = None, out=None):
         """The bytes of a region; read straight into `out` (any writable buffer) when given."""
         size = tensor.nbytes - offset if size is None else size
-        request = GetTensor(tensor, offset, size)
-        self._send(request)
         if out is not None:
-            view = memoryview(out).cast("B")
-            if len(view) != size:
-                raise ValueError(f"GET_TENSOR: out has {len(view)} bytes, need {size}")
-            self._recv_response(request, view)
-            return out
-        return self._recv_response(request).obj
+            n = memoryview(out).nbytes
+            if n != size:
+                raise ValueError(f"GET_TENSOR: out has {n} bytes, need {size}")
+        return self._call(GetTensor(tensor, offset, size), into=out).data
 
     def copy_tensor(self, src: RpcTensor, dst: RpcTensor) -> bool:
-        return bool(self._call(CopyTensor(src, dst))[0])
+        return bool(self._call(CopyTensor(src, dst)).copied)
 
     def graph_compute(self, graph: GraphCompute) -> None:
         self._send(graph)
@@ -183,20 +192,18 @@ class RpcClient:
         self._send(InitTensor(tensor))
 
     def get_alloc_size(self, tensor: RpcTensor, srcs=(), device: int = 0) -> int:
-        return self._call(GetAllocSize(device, tensor, tuple(srcs)))[0]
+        return self._call(GetAllocSize(device, tensor, tuple(srcs))).size
 
     def memset_tensor(self, tensor: RpcTensor, offset: int, size: int, value: int) -> None:
         self._send(MemsetTensor(tensor, offset, size, value))
 
     def copy_tensor_to(self, src: RpcTensor, dst: RpcTensor, size: int, endpoint: str) -> bool:
         """Ask this server to push `src` into `dst` on the peer at `endpoint` (extension)."""
-        return bool(self._call(CopyTensorTo(src, dst, size, endpoint))[0])
+        return bool(self._call(CopyTensorTo(src, dst, size, endpoint)).landed)
 
     def peer_barrier(self) -> bool:
-        return bool(self._call(PeerBarrier())[0])
+        return bool(self._call(PeerBarrier()).landed)
 
     def sync(self) -> None:
         """Wait until every pipelined command so far has been executed (a cheap round trip)."""
         self.get_alignment(0)
-
-

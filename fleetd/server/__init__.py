@@ -1,6 +1,7 @@
-"""The RPC server: listener, one session per connection, shared registry, execution lock."""
+"""The RPC server: the daemon (listener, one session per connection) over one ServerState."""
 
 from fleetd.server.config import ServerConfig
 from fleetd.server.daemon import Server
+from fleetd.server.state import ServerState
 
-__all__ = ["Server", "ServerConfig"]
+__all__ = ["Server", "ServerConfig", "ServerState"]

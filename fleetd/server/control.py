@@ -42,7 +42,7 @@ from fleetd.server.stats import COMMAND_BYTES, CommandCounters
 from fleetd.wire import PROTOCOL_VERSION, Feature, cmd_name
 
 if TYPE_CHECKING:
-    from fleetd.server.daemon import Server
+    from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.control")
 
@@ -68,17 +68,11 @@ def _bytes_moved(c: CommandCounters) -> tuple[int, int]:
     return sum(c.request_bytes.values()), sum(c.response_bytes.values())
 
 
-def _peer_stats(server: Server) -> dict | None:
-    # The peer-copy extension adds server.peer_stats (copies, bytes, fallbacks by reason).
-    ps = getattr(server, "peer_stats", None)
-    return ps.as_dict() if ps is not None else None
-
-
-def status_doc(server: Server) -> dict:
+def status_doc(state: ServerState) -> dict:
     now = time.time()
-    features = server.features()
+    features = state.features()
     sessions = []
-    for s in sorted(server.sessions(), key=lambda s: s.id):
+    for s in sorted(state.live_sessions(), key=lambda s: s.id):
         rx, tx = _bytes_moved(s.counters)
         sessions.append({
             "id": s.id,
@@ -89,7 +83,7 @@ def status_doc(server: Server) -> dict:
             "request_bytes": rx,
             "response_bytes": tx,
         })
-    host, port = getattr(server, "address", (server.config.host, server.config.port))[:2]
+    host, port = state.address[:2]
     return {
         "version": __version__,
         "protocol": ".".join(map(str, PROTOCOL_VERSION)),
@@ -97,30 +91,32 @@ def status_doc(server: Server) -> dict:
         "rpc": {"host": host, "port": port},
         "devices": [
             {"index": i, "name": d.name, "free": free, "total": total}
-            for i, d in enumerate(server.devices)
+            for i, d in enumerate(state.devices)
             for free, total in [d.memory()]
         ],
-        "started": server.started,
-        "uptime_seconds": round(now - server.started, 3),
-        "p2p": p2p_doc(server),
+        "started": state.started,
+        "uptime_seconds": round(now - state.started, 3),
+        "p2p": p2p_doc(state),
         "sessions": sessions,
     }
 
 
-def stats_doc(server: Server, reset_at: float) -> dict:
+def stats_doc(state: ServerState, reset_at: float) -> dict:
     sessions = []
-    for s in sorted(server.sessions(), key=lambda s: s.id):
+    for s in sorted(state.live_sessions(), key=lambda s: s.id):
         sessions.append({"id": s.id, "peer": s.peer, "started": s.started, **s.counters.as_dict()})
     return {
         "since": reset_at,
-        "total": server.total_counters().as_dict(),
-        "peer": _peer_stats(server),
+        "total": state.total_counters().as_dict(),
+        "peer": state.peer_stats.as_dict(),
         "sessions": sessions,
     }
 
 
-def p2p_doc(server: Server) -> dict:
-    return {"enabled": bool(server.p2p_enabled), "served": bool(server.peer_copy_served)}
+def p2p_doc(state: ServerState) -> dict:
+    # "served": COPY_TENSOR_TO / PEER_BARRIER are in the command table (every fleetd serves
+    # them); "enabled" is the runtime switch. Clients read both.
+    return {"enabled": bool(state.p2p_enabled), "served": True}
 
 
 # -- /metrics ----------------------------------------------------------------------------------
@@ -132,15 +128,15 @@ class FleetdCollector:
     Label values come from closed sets only: command names and fallback reasons.
     """
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
 
     def describe(self) -> list[Metric]:
-        return []  # families depend on what the daemon serves; no describe-time checks
+        return []  # no describe-time checks: the values are read at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        server = self.server
-        total = server.total_counters()
+        state = self.state
+        total = state.total_counters()
         families = (
             ("fleetd_rpc_commands", "RPC commands served", total.count),
             ("fleetd_rpc_request_bytes", "RPC request bytes received, framing included", total.request_bytes),
@@ -155,31 +151,31 @@ class FleetdCollector:
         yield CounterMetricFamily(
             "fleetd_graph_compute_seconds", "seconds spent computing graphs", value=total.compute_seconds
         )
-        # server.peer_stats (fleetd.server.peer.PeerStats): totals, fallbacks by closed reason set
-        peer = _peer_stats(server) or {}
+        # PeerStats totals; fallbacks by the closed reason set (FALLBACK_REASONS)
+        peer = state.peer_stats.as_dict()
         yield CounterMetricFamily(
-            "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer.get("copies_ok", 0)
+            "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer["copies_ok"]
         )
         yield CounterMetricFamily(
             "fleetd_peer_pushed_bytes", "bytes pushed to peers by COPY_TENSOR_TO, landed or not",
-            value=peer.get("bytes_pushed", 0),
+            value=peer["bytes_pushed"],
         )
         yield CounterMetricFamily(
             "fleetd_peer_confirmed_bytes", "bytes pushed to peers whose PEER_BARRIER answered 1",
-            value=peer.get("bytes_confirmed", 0),
+            value=peer["bytes_confirmed"],
         )
-        yield CounterMetricFamily("fleetd_peer_links_opened", "connections opened to peers", value=peer.get("links_opened", 0))
+        yield CounterMetricFamily("fleetd_peer_links_opened", "connections opened to peers", value=peer["links_opened"])
         fam = CounterMetricFamily(
             "fleetd_peer_copy_fallbacks", "COPY_TENSOR_TO answered 0 (the client falls back), by reason",
             labels=["reason"],
         )
-        for reason, n in (peer.get("fallbacks") or {}).items():
-            fam.add_metric([str(reason)], n)
+        for reason, n in peer["fallbacks"].items():
+            fam.add_metric([reason], n)
         yield fam
-        yield GaugeMetricFamily("fleetd_sessions", "RPC connections open now", value=len(server.sessions()))
-        yield GaugeMetricFamily("fleetd_p2p_enabled", "1 when peer copy is switched on", value=int(server.p2p_enabled))
+        yield GaugeMetricFamily("fleetd_sessions", "RPC connections open now", value=len(state.live_sessions()))
+        yield GaugeMetricFamily("fleetd_p2p_enabled", "1 when peer copy is switched on", value=int(state.p2p_enabled))
         yield GaugeMetricFamily(
-            "fleetd_uptime_seconds", "seconds since the daemon started", value=time.time() - server.started
+            "fleetd_uptime_seconds", "seconds since the daemon started", value=time.time() - state.started
         )
 
 
@@ -190,11 +186,11 @@ Route = Callable[["ControlAPI", "_Handler"], tuple[HTTPStatus, dict]]
 
 
 def _get_status(api: ControlAPI, req: _Handler):
-    return HTTPStatus.OK, status_doc(api.server)
+    return HTTPStatus.OK, status_doc(api.state)
 
 
 def _get_stats(api: ControlAPI, req: _Handler):
-    return HTTPStatus.OK, stats_doc(api.server, api.reset_at)
+    return HTTPStatus.OK, stats_doc(api.state, api.reset_at)
 
 
 def _post_stats_reset(api: ControlAPI, req: _Handler):
@@ -204,7 +200,7 @@ def _post_stats_reset(api: ControlAPI, req: _Handler):
 
 
 def _get_p2p(api: ControlAPI, req: _Handler):
-    return HTTPStatus.OK, p2p_doc(api.server)
+    return HTTPStatus.OK, p2p_doc(api.state)
 
 
 def _put_p2p(api: ControlAPI, req: _Handler):
@@ -212,11 +208,11 @@ def _put_p2p(api: ControlAPI, req: _Handler):
     enabled = body.get("enabled") if isinstance(body, dict) else None
     if not isinstance(enabled, bool) or set(body) != {"enabled"}:
         raise HttpError(HTTPStatus.BAD_REQUEST, 'PUT /v1/p2p: expected {"enabled": true|false}')
-    was = bool(api.server.p2p_enabled)
-    api.server.set_p2p(enabled)
+    was = bool(api.state.p2p_enabled)
+    api.state.set_p2p(enabled)
     if was != enabled:
         log.info("control: P2P switched %s", "on" if enabled else "off")
-    return HTTPStatus.OK, {**p2p_doc(api.server), "was": was}
+    return HTTPStatus.OK, {**p2p_doc(api.state), "was": was}
 
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -336,18 +332,18 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class ControlAPI:
-    """The HTTP server over one daemon. `port=0` picks a free port, read back from `.port`."""
+    """The HTTP server over one daemon's state. `port=0` picks a free port, read back from `.port`."""
 
-    def __init__(self, server: Server, port: int) -> None:
+    def __init__(self, state: ServerState, port: int) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"control API: port {port} outside 0..65535")
-        self.server = server
+        self.state = state
         self.host = CONTROL_HOST  # never configurable: the API is reached through SSH
         self.requested_port = port
         self.port: int | None = None
         self.reset_at = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(FleetdCollector(server))
+        self.registry.register(FleetdCollector(state))
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -380,11 +376,5 @@ class ControlAPI:
         self._httpd = None
 
     def reset_stats(self) -> None:
-        self.server.stats.reset([s.counters for s in self.server.sessions()])
-        ps = getattr(self.server, "peer_stats", None)
-        if ps is not None:
-            if hasattr(ps, "reset"):
-                ps.reset()
-            else:  # PeerStats without reset(): start it afresh (a racing update may be lost)
-                ps.__init__()
+        self.state.reset_stats()
         self.reset_at = time.time()

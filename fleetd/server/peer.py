@@ -18,8 +18,8 @@ Rules, in the order `serve_copy` applies them:
   a busy one accepts the TCP connect from its backlog but never answers HELLO, hence the bounded
   HELLO timeout. Links to such destinations are closed at once, never cached, so a stock server
   is not held away from its real client.
-- Links are cached per client session and destination endpoint (`session.peer_links`) and
-  closed when that session ends. A link that failed in any way is dropped, never reused.
+- Links are cached per client session and destination endpoint (the PeerLinks a Session owns)
+  and closed when that session ends. A link that failed in any way is dropped, never reused.
 
 Which destinations are allowed (`--peer-allow`, ServerConfig.peer_allow): a list of IP
 addresses, CIDRs or host names (resolved once, at start). The default (None) is loopback
@@ -32,12 +32,8 @@ connection goes to the address that was checked (no second lookup between check 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
-import struct
-import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fleetd.errors import (
@@ -47,83 +43,34 @@ from fleetd.errors import (
     RemoteProtocolError,
     TransportError,
 )
-from fleetd.transport.tcp import mapped_errors, parse_endpoint, recv_exact
-from fleetd.wire import ClientConnection, CopyTensorTo, Feature, Hello, PeerBarrier, SetTensor
+from fleetd.server.peer_policy import (  # noqa: F401  (re-exported: the peer-copy vocabulary)
+    FALLBACK_REASONS,
+    PeerPolicy,
+    PeerStats,
+    PeerTimeouts,
+    parse_allow,
+)
+from fleetd.server.regions import region
+from fleetd.transport.tcp import mapped_errors, parse_endpoint
+from fleetd.wire import (
+    NEED_DATA,
+    ClientConnection,
+    CopyTensorTo,
+    Feature,
+    Hello,
+    PeerBarrier,
+    Reply,
+    Request,
+    SetTensor,
+)
 
 if TYPE_CHECKING:
-    from fleetd.server.daemon import Server
-    from fleetd.server.session import Session
+    from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.peer")
 
-_SIZE = struct.Struct("<Q")
-
-# Closed set of fallback reasons (Prometheus label values, /v1/stats keys).
-FALLBACK_REASONS = (
-    "disabled",        # P2P switched off on this (source) daemon
-    "not_allowed",     # destination outside --peer-allow
-    "unreachable",     # resolve or connect failed
-    "refused",         # destination answered HELLO without Feature.PEER_COPY, or too old/new,
-                       # or (a fleetd) answered PEER_BARRIER 0 because its P2P is off now
-    "write_rejected",  # destination closed the link on our SET_TENSOR (e.g. its bounds check)
-    "timeout",         # connect, HELLO, push or barrier did not finish in time
-)
-
-
-@dataclass(frozen=True)
-class PeerTimeouts:
-    """Bounds on peer I/O. HELLO is short because a busy stock server accepts the connect from
-    its listen backlog and then never answers; the transfer bound only guards against a hung peer."""
-
-    connect: float = 2.0
-    hello: float = 2.0
-    transfer: float = 60.0
-
-
-class PeerStats:
-    """Peer-copy counters of one daemon, totals across sessions; read by the control API."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._zero()
-
-    def _zero(self) -> None:
-        self.copies_ok = 0
-        self.bytes_pushed = 0      # SET_TENSOR data written to destinations, landed or not
-        self.bytes_confirmed = 0   # data whose PEER_BARRIER answered 1
-        self.links_opened = 0
-        self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._zero()
-
-    def ok(self, nbytes: int) -> None:
-        with self._lock:
-            self.copies_ok += 1
-            self.bytes_confirmed += nbytes
-
-    def pushed(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_pushed += nbytes
-
-    def link_opened(self) -> None:
-        with self._lock:
-            self.links_opened += 1
-
-    def fallback(self, reason: str) -> None:
-        with self._lock:
-            self.fallbacks[reason] += 1
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return {
-                "copies_ok": self.copies_ok,
-                "bytes_pushed": self.bytes_pushed,
-                "bytes_confirmed": self.bytes_confirmed,
-                "links_opened": self.links_opened,
-                "fallbacks": dict(self.fallbacks),
-            }
+# Replies on a link are HELLO's (32 bytes) and PEER_BARRIER's (9): one small read each.
+REPLY_READ = 256
 
 
 class PeerFailure(Exception):
@@ -132,70 +79,6 @@ class PeerFailure(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
-
-
-# -- allow list ---------------------------------------------------------------------------------
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
-
-
-def _neighbourhood(addr: str) -> Network | None:
-    ip = ipaddress.ip_address(addr)
-    if ip.is_unspecified:
-        return None
-    return ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False)
-
-
-def _listen_network(host: str) -> Network | None:
-    try:
-        return _neighbourhood(socket.gethostbyname(host)) if host else None
-    except OSError:
-        return None  # an unresolvable listen host fails at bind(), not here
-
-
-def parse_allow(entries: list[str]) -> list[Network]:
-    """IPs, CIDRs or host names (resolved now) as networks; a bad entry raises ValueError."""
-    nets: list[Network] = []
-    for entry in entries:
-        entry = entry.strip()
-        if not entry:
-            continue
-        try:
-            nets.append(ipaddress.ip_network(entry, strict=False))
-            continue
-        except ValueError:
-            pass
-        try:
-            infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise ValueError(f"--peer-allow: cannot resolve {entry!r}: {exc}") from exc
-        nets.extend(ipaddress.ip_network(info[4][0]) for info in infos)
-    return nets
-
-
-class PeerPolicy:
-    """Which destinations this daemon may push to (see the module docstring for the default)."""
-
-    def __init__(self, allow: list[str] | None, listen_host: str) -> None:
-        self.default = allow is None
-        if allow is None:
-            self.networks = list(LOOPBACK)
-            own = _listen_network(listen_host)
-            if own is not None:
-                self.networks.append(own)
-        else:
-            self.networks = parse_allow(allow)
-
-    def allows(self, ip: str, local_addr: str | None = None) -> bool:
-        addr = ipaddress.ip_address(ip)
-        if any(addr in net for net in self.networks):
-            return True
-        # Default policy on a wildcard bind: the subnet of the interface the client came in on.
-        if self.default and local_addr:
-            own = _neighbourhood(local_addr)
-            return own is not None and addr in own
-        return False
 
 
 def resolve(host: str, port: int) -> tuple[str, int]:
@@ -218,6 +101,8 @@ class PeerLink:
         self.endpoint = endpoint
         self.timeouts = timeouts
         self.conn = ClientConnection()
+        self._scratch = bytearray(REPLY_READ)
+        self._scratch_view = memoryview(self._scratch)
         self.sock = self._connect(addr)
         try:
             self._hello()
@@ -240,22 +125,22 @@ class PeerLink:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _call(self, request, timeout: float) -> tuple:
-        """Send a request with a fixed-size response and decode the answer."""
+    def _request(self, request: Request, timeout: float) -> Reply:
+        """Send a request that has a reply and wait for it, framed by the ClientConnection."""
         self.sock.settimeout(timeout)
-        with mapped_errors(f"{request.cmd.name} to peer {self.endpoint}"):
+        what = f"{request.cmd.name} to peer {self.endpoint}"
+        with mapped_errors(what):
             self.sock.sendall(self.conn.send(request))
-            header = bytearray(8)
-            recv_exact(self.sock, memoryview(header))
-            (size,) = _SIZE.unpack(header)
-            self.conn.check_response_size(request, size)
-            payload = bytearray(size)
-            recv_exact(self.sock, memoryview(payload))
-        return self.conn.decode_response(request, payload)
+            while (event := self.conn.next_event()) is NEED_DATA:
+                n = self.sock.recv_into(self._scratch)
+                if n == 0:
+                    raise PeerClosed(f"{what}: peer closed the connection")
+                self.conn.receive_data(self._scratch_view[:n])
+        return event
 
     def _hello(self) -> None:
         try:
-            self._call(Hello(), self.timeouts.hello)
+            self._request(Hello(), self.timeouts.hello)
         except ReadTimeout as exc:
             raise PeerFailure("timeout", f"HELLO not answered within {self.timeouts.hello}s "
                               "(a stock server busy with another client?)") from exc
@@ -285,12 +170,12 @@ class PeerLink:
                 self.sock.sendall(self.conn.send(request))
                 self.sock.sendall(data)
             stats.pushed(len(data))
-            (ok,) = self._call(PeerBarrier(), self.timeouts.transfer)
+            landed = self._request(PeerBarrier(), self.timeouts.transfer).landed
         except ReadTimeout as exc:
             raise PeerFailure("timeout", str(exc)) from exc
         except (PeerClosed, TransportError, RemoteProtocolError) as exc:
             raise PeerFailure("write_rejected", str(exc)) from exc
-        if not ok:
+        if not landed:
             raise PeerFailure("refused", "PEER_BARRIER answered 0 (peer copy off at destination)")
 
     def close(self) -> None:
@@ -339,54 +224,49 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise RemoteProtocolError(f"COPY_TENSOR_TO: {exc}") from None
 
 
-def _local_addr(session: Session) -> str | None:
-    try:
-        return session.sock.getsockname()[0]
-    except OSError:
-        return None
-
-
-def _link_for(server: Server, session: Session, endpoint: str, host: str, port: int) -> PeerLink:
-    if session.peer_links is None:
-        session.peer_links = PeerLinks()
-    link = session.peer_links.get(endpoint)
+def _link_for(state: ServerState, links: PeerLinks, endpoint: str, host: str, port: int,
+              local_addr: str | None) -> PeerLink:
+    link = links.get(endpoint)
     if link is not None:
         return link
     addr = resolve(host, port)
-    if not server.peer_policy.allows(addr[0], _local_addr(session)):
+    if not state.peer_policy.allows(addr[0], local_addr):
         raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
-    link = PeerLink(endpoint, addr, server.peer_timeouts)
-    server.peer_stats.link_opened()
-    session.peer_links.put(link)
+    link = PeerLink(endpoint, addr, state.peer_timeouts)
+    state.peer_stats.link_opened()
+    links.put(link)
     return link
 
 
-def serve_copy(server: Server, session: Session, ev: CopyTensorTo) -> int:
-    """Handle one COPY_TENSOR_TO; returns 1 when the write landed, 0 on a recoverable failure."""
-    buf, start = session.region(ev.src, 0, ev.size, "COPY_TENSOR_TO")
+def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
+               local_addr: str | None = None, who: str = "copy") -> int:
+    """Handle one COPY_TENSOR_TO; returns 1 when the write landed, 0 on a recoverable failure.
+
+    `links`: the client session's cached links; `local_addr`: the address the client reached
+    this daemon on (the default allow list uses it on a wildcard bind); `who` names the client
+    session in the log."""
+    buf, start = region(state.registry, ev.src, 0, ev.size, "COPY_TENSOR_TO")
     host, port = _parse_endpoint(ev.endpoint)
     try:
-        if not server.p2p_enabled:
+        if not state.p2p_enabled:
             raise PeerFailure("disabled", "peer copy is switched off on this daemon")
         # Copy out under the lock (a graph may be writing the buffer), then let it go: no peer
         # I/O ever happens with the execution lock held.
-        with server.exec_lock:
+        with state.exec_lock:
             data = buf.array[start : start + ev.size].tobytes()
-        link = _link_for(server, session, ev.endpoint, host, port)
+        link = _link_for(state, links, ev.endpoint, host, port, local_addr)
         try:
-            link.push(ev.dst, memoryview(data), server.peer_stats)
+            link.push(ev.dst, memoryview(data), state.peer_stats)
         except PeerFailure:
-            session.peer_links.drop(ev.endpoint)  # the stream state is unknown now
+            links.drop(ev.endpoint)  # the stream state is unknown now
             raise
     except PeerFailure as exc:
-        server.peer_stats.fallback(exc.reason)
-        log.info("session %d %s: COPY_TENSOR_TO %s -> 0 (%s): %s",
-                 session.id, session.peer, ev.endpoint, exc.reason, exc)
+        state.peer_stats.fallback(exc.reason)
+        log.info("%s: COPY_TENSOR_TO %s -> 0 (%s): %s", who, ev.endpoint, exc.reason, exc)
         return 0
     except FleetdError as exc:  # anything else on the peer side is still the peer's, not ours
-        server.peer_stats.fallback("unreachable")
-        log.info("session %d %s: COPY_TENSOR_TO %s -> 0 (unreachable): %s",
-                 session.id, session.peer, ev.endpoint, exc)
+        state.peer_stats.fallback("unreachable")
+        log.info("%s: COPY_TENSOR_TO %s -> 0 (unreachable): %s", who, ev.endpoint, exc)
         return 0
-    server.peer_stats.ok(ev.size)
+    state.peer_stats.ok(ev.size)
     return 1

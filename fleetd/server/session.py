@@ -1,8 +1,9 @@
 """One session per connection: the wsproto-style blocking loop over a ServerConnection.
 
-recv_into -> receive_data -> next_event -> HANDLERS[type(event)]. A peer's protocol error closes
-this socket with one log line; our own bug logs a traceback and closes this socket; the daemon
-and every other session carry on.
+recv_into -> receive_data -> next_event -> HANDLERS[type(event)] -> a reply event sent through the
+connection. A session reads and writes the daemon's ServerState (never the daemon) and owns its
+peer links. A peer's protocol error closes this socket with one log line; our own bug logs a
+traceback and closes this socket; the daemon and every other session carry on.
 """
 
 from __future__ import annotations
@@ -16,40 +17,53 @@ from fleetd.compute.buffers import Buffer
 from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
+from fleetd.server import regions
+from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.stats import CommandCounters
 from fleetd.wire import (
     NEED_DATA,
+    PROTOCOL_VERSION,
     AllocBuffer,
+    AllocBufferReply,
     BufferClear,
     BufferGetBase,
-    Cmd,
+    BufferGetBaseReply,
     CopyTensor,
+    CopyTensorReply,
     CopyTensorTo,
+    CopyTensorToReply,
+    DataReply,
     DeviceCount,
+    DeviceCountReply,
     FreeBuffer,
     GetAlignment,
+    GetAlignmentReply,
     GetAllocSize,
+    GetAllocSizeReply,
     GetDeviceMemory,
+    GetDeviceMemoryReply,
     GetMaxSize,
+    GetMaxSizeReply,
     GetTensor,
     GraphCompute,
     GraphRecompute,
     Hello,
+    HelloReply,
     InitTensor,
     MemsetTensor,
     PeerBarrier,
+    PeerBarrierReply,
+    Reply,
     RpcTensor,
     ServerConnection,
     SetTensor,
     SetTensorHash,
+    SetTensorHashReply,
     check_type,
-    data_response_header,
-    encode_response,
-    hello_response,
 )
 
 if TYPE_CHECKING:
-    from fleetd.server.daemon import Server
+    from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.session")
 
@@ -63,8 +77,8 @@ SMALL_RESPONSE = 64 * 1024
 
 
 class Session:
-    def __init__(self, server: Server, sock: socket.socket, peer: tuple, sid: int) -> None:
-        self.server = server
+    def __init__(self, state: ServerState, sock: socket.socket, peer: tuple, sid: int) -> None:
+        self.state = state
         self.sock = sock
         self.peer = f"{peer[0]}:{peer[1]}"
         self.id = sid
@@ -72,7 +86,7 @@ class Session:
         self.conn = ServerConnection()
         self.counters = CommandCounters()
         self.plans: dict[int, Plan] = {}  # stored graph per device
-        self.peer_links = None  # set by the peer-copy extension on first use
+        self.peer_links = PeerLinks()  # this session's links to COPY_TENSOR_TO destinations
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
 
@@ -98,7 +112,7 @@ class Session:
 
     def _serve(self) -> None:
         conn = self.conn
-        record = self.counters.record if self.server.config.count_commands else _not_counted
+        record = self.counters.record if self.state.config.count_commands else _not_counted
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
@@ -118,53 +132,47 @@ class Session:
             self.sock.close()
         except OSError:
             pass
-        if self.peer_links is not None:
-            self.peer_links.close()
-        for buf in self.server.registry.owned_by(self.id):
-            self.server.registry.free(buf)
+        self.peer_links.close()
+        for buf in self.state.registry.owned_by(self.id):
+            self.state.registry.free(buf)
         self.plans.clear()
-        self.server.session_ended(self)
+        self.state.session_ended(self)
+        log.debug("session %d %s: closed", self.id, self.peer)
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def respond(self, cmd: Cmd, *values) -> int:
-        data = encode_response(cmd, *values)
+    # The state under its old name, only for the build_plan / plan.run lines of on_graph_compute
+    # and _run, which the compute branch rewrites; to go once both branches are merged.
+    server = property(lambda self: self.state)
+
+    def respond(self, reply: Reply) -> int:
+        data = self.conn.send(reply)
         self.sock.sendall(data)
         return len(data)
 
     def device(self, index: int, what: str):
-        devices = self.server.devices
+        devices = self.state.devices
         if index >= len(devices):
             raise RemoteProtocolError(f"{what}: device {index} out of range (have {len(devices)})")
         return devices[index]
 
     def buffer(self, handle: int, what: str) -> Buffer:
-        buf = self.server.registry.get(handle)
-        if buf is None:
-            raise RemoteProtocolError(f"{what}: unknown buffer {handle:#x}")
-        return buf
+        return regions.buffer_of(self.state.registry, handle, what)
 
     def tensor_buffer(self, t: RpcTensor, what: str) -> tuple[Buffer, int]:
-        """Deserialize with a non-null buffer, as the memory commands require; returns the
-        buffer and the tensor's offset in it."""
-        check_type(t, what)
-        buf = self.buffer(t.buffer, what)
-        return buf, check_extent(buf, t, what)
+        return regions.tensor_buffer(self.state.registry, t, what)
 
     def region(self, t: RpcTensor, offset: int, size: int, what: str) -> tuple[Buffer, int]:
-        """SET/GET region rule of the stock server plus its `offset + size <= nbytes` assert."""
-        buf, start = self.tensor_buffer(t, what)
-        p1 = buf.base + buf.size
-        at = t.data + offset
-        if at < buf.base or at >= p1 or size > p1 - at:
-            raise RemoteProtocolError(
-                f"{what}: region {at:#x}+{size} outside buffer [{buf.base:#x}, {p1:#x})"
-            )
-        if offset + size > t.nbytes:
-            raise RemoteProtocolError(
-                f"{what}: offset {offset} + size {size} beyond tensor of {t.nbytes} bytes"
-            )
-        return buf, start + offset
+        return regions.region(self.state.registry, t, offset, size, what)
+
+    def local_addr(self) -> str | None:
+        """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair)."""
+        if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        try:
+            return self.sock.getsockname()[0]
+        except OSError:
+            return None
 
 
 def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
@@ -176,39 +184,37 @@ def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
 
 
 def on_hello(s: Session, ev: Hello) -> int:
-    data = hello_response(s.server.features())
-    s.sock.sendall(data)
-    return len(data)
+    return s.respond(HelloReply(PROTOCOL_VERSION, s.state.features()))
 
 
 def on_device_count(s: Session, ev: DeviceCount) -> int:
-    return s.respond(Cmd.DEVICE_COUNT, len(s.server.devices))
+    return s.respond(DeviceCountReply(len(s.state.devices)))
 
 
 def on_alloc_buffer(s: Session, ev: AllocBuffer) -> int:
     dev = s.device(ev.device, "ALLOC_BUFFER")
-    buf = s.server.registry.alloc(ev.device, dev, ev.size, s.id)
+    buf = s.state.registry.alloc(ev.device, dev, ev.size, s.id)
     if buf is None:
         log.warning("session %d: ALLOC_BUFFER of %d bytes failed on %s", s.id, ev.size, dev.name)
-        return s.respond(Cmd.ALLOC_BUFFER, 0, 0)
-    return s.respond(Cmd.ALLOC_BUFFER, buf.handle, buf.size)
+        return s.respond(AllocBufferReply(0, 0))
+    return s.respond(AllocBufferReply(buf.handle, buf.size))
 
 
 def on_get_alignment(s: Session, ev: GetAlignment) -> int:
-    return s.respond(Cmd.GET_ALIGNMENT, s.device(ev.device, "GET_ALIGNMENT").alignment)
+    return s.respond(GetAlignmentReply(s.device(ev.device, "GET_ALIGNMENT").alignment))
 
 
 def on_get_max_size(s: Session, ev: GetMaxSize) -> int:
-    return s.respond(Cmd.GET_MAX_SIZE, s.device(ev.device, "GET_MAX_SIZE").max_size)
+    return s.respond(GetMaxSizeReply(s.device(ev.device, "GET_MAX_SIZE").max_size))
 
 
 def on_get_device_memory(s: Session, ev: GetDeviceMemory) -> int:
     free, total = s.device(ev.device, "GET_DEVICE_MEMORY").memory()
-    return s.respond(Cmd.GET_DEVICE_MEMORY, free, total)
+    return s.respond(GetDeviceMemoryReply(free, total))
 
 
 def on_buffer_get_base(s: Session, ev: BufferGetBase) -> int:
-    return s.respond(Cmd.BUFFER_GET_BASE, s.buffer(ev.remote_ptr, "BUFFER_GET_BASE").base)
+    return s.respond(BufferGetBaseReply(s.buffer(ev.remote_ptr, "BUFFER_GET_BASE").base))
 
 
 def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
@@ -217,7 +223,7 @@ def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
         raise RemoteProtocolError(f"FREE_BUFFER: buffer {ev.remote_ptr:#x} belongs to another session")
     # Stored graphs may point into the freed buffer: drop them, as the stock server does.
     s.plans.clear()
-    s.server.registry.free(buf)
+    s.state.registry.free(buf)
     return 0
 
 
@@ -240,24 +246,24 @@ def on_set_tensor(s: Session, ev: SetTensor) -> int:
         s.conn.body_received(n)
         got += n
     buf.touched()
-    if ev.cache_flag and s.server.cache_dir is not None and ev.size:
-        s.server.cache_store(dst)
+    if ev.cache_flag and s.state.cache_dir is not None and ev.size:
+        s.state.cache_store(dst)
     return 0
 
 
 def on_set_tensor_hash(s: Session, ev: SetTensorHash) -> int:
-    data = s.server.cache_load(ev.hash)
+    data = s.state.cache_load(ev.hash)
     if data is None:
-        return s.respond(Cmd.SET_TENSOR_HASH, 0)
+        return s.respond(SetTensorHashReply(0))
     buf, start = s.region(ev.tensor, ev.offset, len(data), "SET_TENSOR_HASH")
     memoryview(buf.array)[start : start + len(data)] = data
     buf.touched()
-    return s.respond(Cmd.SET_TENSOR_HASH, 1)
+    return s.respond(SetTensorHashReply(1))
 
 
 def on_get_tensor(s: Session, ev: GetTensor) -> int:
     buf, start = s.region(ev.tensor, ev.offset, ev.size, "GET_TENSOR")
-    header = data_response_header(ev.size)
+    header = DataReply.header(ev.size)
     if ev.size <= SMALL_RESPONSE:
         s.sock.sendall(header + buf.array[start : start + ev.size].tobytes())
     else:
@@ -275,10 +281,10 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
             f"COPY_TENSOR: {n} bytes at {ev.dst.data:#x} overflow destination buffer "
             f"[{dst_buf.base:#x}, {dst_buf.base + dst_buf.size:#x})"
         )
-    with s.server.exec_lock:
+    with s.state.exec_lock:
         dst_buf.array[dst_start : dst_start + n] = src_buf.array[src_start : src_start + n]
     dst_buf.touched()
-    return s.respond(Cmd.COPY_TENSOR, 1)
+    return s.respond(CopyTensorReply(1))
 
 
 def on_graph_compute(s: Session, ev: GraphCompute) -> int:
@@ -310,7 +316,7 @@ def _run(s: Session, plan: Plan, dev) -> None:
 def on_init_tensor(s: Session, ev: InitTensor) -> int:
     # The CPU buffer type has no init_tensor hook: validating the tensor is all there is.
     check_type(ev.tensor, "INIT_TENSOR")
-    buf = s.server.registry.get(ev.tensor.buffer)
+    buf = s.state.registry.get(ev.tensor.buffer)
     if buf is not None:
         check_extent(buf, ev.tensor, "INIT_TENSOR")
     return 0
@@ -319,10 +325,10 @@ def on_init_tensor(s: Session, ev: InitTensor) -> int:
 def on_get_alloc_size(s: Session, ev: GetAllocSize) -> int:
     dev = s.device(ev.device, "GET_ALLOC_SIZE")
     check_type(ev.tensor, "GET_ALLOC_SIZE")
-    buf = s.server.registry.get(ev.tensor.buffer)
+    buf = s.state.registry.get(ev.tensor.buffer)
     if buf is not None:
         check_extent(buf, ev.tensor, "GET_ALLOC_SIZE")
-    return s.respond(Cmd.GET_ALLOC_SIZE, dev.alloc_size(ev.tensor.nbytes))
+    return s.respond(GetAllocSizeReply(dev.alloc_size(ev.tensor.nbytes)))
 
 
 def on_memset_tensor(s: Session, ev: MemsetTensor) -> int:
@@ -338,13 +344,14 @@ def on_memset_tensor(s: Session, ev: MemsetTensor) -> int:
 
 
 def on_copy_tensor_to(s: Session, ev: CopyTensorTo) -> int:
-    return s.server.peer_copy(s, ev)
+    landed = serve_copy(s.state, s.peer_links, ev, s.local_addr(), f"session {s.id} {s.peer}")
+    return s.respond(CopyTensorToReply(landed))
 
 
 def on_peer_barrier(s: Session, ev: PeerBarrier) -> int:
     # Commands on one connection are served in order: reaching this proves earlier writes landed.
     # 0 when P2P is off now, so a source's cached link stops counting as a successful copy.
-    return s.respond(Cmd.PEER_BARRIER, 1 if s.server.p2p_enabled else 0)
+    return s.respond(PeerBarrierReply(1 if s.state.p2p_enabled else 0))
 
 
 HANDLERS = {

@@ -1,4 +1,4 @@
-"""TCP transport: connect with bounded timeouts, exact reads, errors mapped to TransportError."""
+"""TCP transport: connect with bounded timeouts, errors mapped to TransportError, local ports."""
 
 from __future__ import annotations
 
@@ -47,16 +47,6 @@ def connect(endpoint: str, timeout: Timeout = Timeout()) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout.read)
     return sock
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` completely from `sock`; EOF before that is PeerClosed."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise PeerClosed(f"peer closed after {got} of {n} bytes")
-        got += k
 
 
 def free_port(host: str = "127.0.0.1") -> int:

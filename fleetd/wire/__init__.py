@@ -56,7 +56,23 @@ from fleetd.wire.ggml import (
     type_name,
 )
 from fleetd.wire.hashing import fnv1a_64
-from fleetd.wire.state import HelloGate, State
+from fleetd.wire.replies import (
+    AllocBufferReply,
+    BufferGetBaseReply,
+    CopyTensorReply,
+    CopyTensorToReply,
+    DataReply,
+    DeviceCountReply,
+    GetAlignmentReply,
+    GetAllocSizeReply,
+    GetDeviceMemoryReply,
+    GetMaxSizeReply,
+    HelloReply,
+    PeerBarrierReply,
+    Reply,
+    SetTensorHashReply,
+)
+from fleetd.wire.state import KNOWN_FEATURES, HelloGate, State
 from fleetd.wire.tensor import RPC_TENSOR, RPC_TENSOR_DTYPE, RpcTensor, check_type
 
 __all__ = [name for name in dir() if not name.startswith("_")]

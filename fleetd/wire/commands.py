@@ -2,7 +2,8 @@
 
 Each request is a small frozen dataclass that knows its own payload layout (`encode` for the
 client side, `decode` for the server side). `COMMANDS` maps the command byte to its event class,
-its size rule and its response layout; a byte missing from the table is a protocol error.
+its size rule, its reply class (fleetd.wire.replies) and what sets it apart (a streamed body, the
+handshake); a byte missing from the table is a protocol error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from typing import ClassVar
 import numpy as np
 
 from fleetd.errors import LocalProtocolError, RemoteProtocolError
+from fleetd.wire.replies import (
+    AllocBufferReply,
+    BufferGetBaseReply,
+    CopyTensorReply,
+    CopyTensorToReply,
+    DataReply,
+    DeviceCountReply,
+    GetAlignmentReply,
+    GetAllocSizeReply,
+    GetDeviceMemoryReply,
+    GetMaxSizeReply,
+    HelloReply,
+    PeerBarrierReply,
+    Reply,
+    SetTensorHashReply,
+)
 from fleetd.wire.tensor import RPC_TENSOR_DTYPE, RpcTensor
 
 PROTOCOL_VERSION = (7, 0, 0)
@@ -392,41 +409,43 @@ class CommandSpec:
     size: int | None  # exact payload size, None = variable
     min_size: int = 0  # variable-size requests
     max_size: int | None = None  # variable-size requests checked before buffering; None = body
-    response: struct.Struct | None = None  # fixed response layout; None = no response
-    variable_response: bool = False  # GET_TENSOR: `size` bytes
-
-
-def _r(fmt: str) -> struct.Struct:
-    return struct.Struct("<" + fmt)
+    response: type[Reply] | None = None  # None = no response (the next response is the barrier)
+    # The payload is a fixed header (`request.HEADER_SIZE`) and then data the I/O shell reads
+    # straight into its destination (SET_TENSOR): the core buffers only the header.
+    streamed_body: bool = False
+    # The opening command (HELLO): allowed only first on a connection, and exactly once.
+    handshake: bool = False
 
 
 COMMANDS: dict[int, CommandSpec] = {
-    Cmd.ALLOC_BUFFER: CommandSpec(AllocBuffer, 12, response=_r("QQ")),
-    Cmd.GET_ALIGNMENT: CommandSpec(GetAlignment, 4, response=_r("Q")),
-    Cmd.GET_MAX_SIZE: CommandSpec(GetMaxSize, 4, response=_r("Q")),
-    Cmd.BUFFER_GET_BASE: CommandSpec(BufferGetBase, 8, response=_r("Q")),
+    Cmd.ALLOC_BUFFER: CommandSpec(AllocBuffer, 12, response=AllocBufferReply),
+    Cmd.GET_ALIGNMENT: CommandSpec(GetAlignment, 4, response=GetAlignmentReply),
+    Cmd.GET_MAX_SIZE: CommandSpec(GetMaxSize, 4, response=GetMaxSizeReply),
+    Cmd.BUFFER_GET_BASE: CommandSpec(BufferGetBase, 8, response=BufferGetBaseReply),
     Cmd.FREE_BUFFER: CommandSpec(FreeBuffer, 8),
     Cmd.BUFFER_CLEAR: CommandSpec(BufferClear, 9),
-    Cmd.SET_TENSOR: CommandSpec(SetTensor, None, min_size=SetTensor.HEADER_SIZE),
-    Cmd.SET_TENSOR_HASH: CommandSpec(SetTensorHash, SetTensorHash.SIZE, response=_r("B")),
-    Cmd.GET_TENSOR: CommandSpec(GetTensor, GetTensor.SIZE, variable_response=True),
-    Cmd.COPY_TENSOR: CommandSpec(CopyTensor, 2 * _T, response=_r("B")),
+    Cmd.SET_TENSOR: CommandSpec(SetTensor, None, min_size=SetTensor.HEADER_SIZE, streamed_body=True),
+    Cmd.SET_TENSOR_HASH: CommandSpec(SetTensorHash, SetTensorHash.SIZE, response=SetTensorHashReply),
+    Cmd.GET_TENSOR: CommandSpec(GetTensor, GetTensor.SIZE, response=DataReply),
+    Cmd.COPY_TENSOR: CommandSpec(CopyTensor, 2 * _T, response=CopyTensorReply),
     Cmd.GRAPH_COMPUTE: CommandSpec(GraphCompute, None, min_size=8, max_size=MAX_GRAPH_PAYLOAD),
-    Cmd.GET_DEVICE_MEMORY: CommandSpec(GetDeviceMemory, 4, response=_r("QQ")),
+    Cmd.GET_DEVICE_MEMORY: CommandSpec(GetDeviceMemory, 4, response=GetDeviceMemoryReply),
     Cmd.INIT_TENSOR: CommandSpec(InitTensor, InitTensor.SIZE),
-    Cmd.GET_ALLOC_SIZE: CommandSpec(GetAllocSize, 4 + 11 * _T, response=_r("Q")),
-    Cmd.HELLO: CommandSpec(Hello, 24, response=_r("BBBB24s")),
-    Cmd.DEVICE_COUNT: CommandSpec(DeviceCount, 0, response=_r("I")),
+    Cmd.GET_ALLOC_SIZE: CommandSpec(GetAllocSize, 4 + 11 * _T, response=GetAllocSizeReply),
+    Cmd.HELLO: CommandSpec(Hello, 24, response=HelloReply, handshake=True),
+    Cmd.DEVICE_COUNT: CommandSpec(DeviceCount, 0, response=DeviceCountReply),
     Cmd.GRAPH_RECOMPUTE: CommandSpec(GraphRecompute, 4),
     Cmd.MEMSET_TENSOR: CommandSpec(MemsetTensor, MemsetTensor.SIZE),
     Cmd.COPY_TENSOR_TO: CommandSpec(
         CopyTensorTo, None, min_size=CopyTensorTo.MIN_SIZE,
-        max_size=CopyTensorTo.MIN_SIZE + MAX_ENDPOINT_LEN, response=_r("B"),
+        max_size=CopyTensorTo.MIN_SIZE + MAX_ENDPOINT_LEN, response=CopyTensorToReply,
     ),
-    Cmd.PEER_BARRIER: CommandSpec(PeerBarrier, 0, response=_r("B")),
+    Cmd.PEER_BARRIER: CommandSpec(PeerBarrier, 0, response=PeerBarrierReply),
 }
 
 for _cmd, _spec in COMMANDS.items():
     assert _spec.request.cmd == _cmd
     if _spec.size is not None and hasattr(_spec.request, "layout"):
         assert _spec.request.layout.size + (_T if hasattr(_spec.request, "SIZE") else 0) == _spec.size, _cmd
+    if _spec.streamed_body:
+        assert _spec.size is None and _spec.min_size == _spec.request.HEADER_SIZE, _cmd

@@ -1,34 +1,31 @@
-"""Sans-IO connections: bytes in, request events out (server); requests in, bytes out (client).
+"""Sans-IO connections, the same three verbs for both roles: send, receive_data, next_event.
 
-    conn = ServerConnection()
-    conn.receive_data(chunk)
-    event = conn.next_event()        # a Request, or NEED_DATA
-    if isinstance(event, SetTensor): # its data follows as a body of event.size bytes
-        n = conn.read_body_into(dst) # what is already buffered; the shell recv_into()s the rest
-        conn.body_received(k)        # ...and reports what it read itself
+    server = ServerConnection()              client = ClientConnection()
+    server.receive_data(chunk)               sock.sendall(client.send(AllocBuffer(0, n)))
+    event = server.next_event()              client.receive_data(chunk)
+    sock.sendall(server.send(reply))         reply = client.next_event()   # AllocBufferReply
+
+`next_event()` returns an event or NEED_DATA. A command with a streamed body leaves its data in
+the stream: a SET_TENSOR request on the server side, a GET_TENSOR reply (`DataReply`) on the
+client side. The shell moves what is already buffered with `read_body_into` (server) or lets
+`next_event` do it (client), reads the rest itself straight into the destination (`recv_into`)
+and reports it with `body_received(n)`.
 
 Nothing here touches a socket, a thread or a clock.
 """
 
 from __future__ import annotations
 
+import collections
 import struct
 
-from fleetd.errors import LocalProtocolError, RemoteProtocolError
-from fleetd.wire.commands import (
-    COMMANDS,
-    PROTOCOL_VERSION,
-    Cmd,
-    Feature,
-    Request,
-    SetTensor,
-    cmd_name,
-)
+from fleetd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from fleetd.wire.commands import COMMANDS, PROTOCOL_VERSION, Feature, Request, cmd_name
+from fleetd.wire.replies import DataReply, HelloReply, Reply
 from fleetd.wire.state import HelloGate, State
 
 _HEADER = struct.Struct("<BQ")  # | cmd u8 | payload_size u64 |
-KNOWN_FEATURES = sum(Feature)
-_SIZE = struct.Struct("<Q")
+_SIZE = struct.Struct("<Q")  # | payload_size u64 | of a response
 
 
 class _NeedData:
@@ -56,14 +53,14 @@ def size_rule_error(cmd: int, size: int) -> str | None:
 
 
 class ServerConnection:
-    """The server's view of one RPC connection."""
+    """The server's view of one RPC connection: bytes in, request events out, replies to bytes."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._pos = 0
+        self._pos = 0  # read position in _buf
         self._gate = HelloGate()
         self.body_remaining = 0
-        self._gate_passed = False  # the command byte at _pos was already let through the gate
+        self._gate_passed = False  # the command byte at the read position was already let through
         self.request_bytes = 0  # bytes of the last complete request, header included
 
     @property
@@ -71,66 +68,67 @@ class ServerConnection:
         return self._gate.state
 
     def receive_data(self, data) -> None:
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
+        # Consumed bytes go first, so what is held stays bounded by one unread request plus one
+        # chunk whatever the chunk boundaries (deleting a bytearray's front moves no bytes).
+        if self._pos:
+            del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
 
     @property
     def buffered(self) -> int:
+        """Received bytes not yet consumed."""
         return len(self._buf) - self._pos
+
+    @property
+    def held(self) -> int:
+        """Bytes this connection keeps in memory, consumed ones included (bounded)."""
+        return len(self._buf)
 
     def next_event(self):
         if self.body_remaining:
-            raise LocalProtocolError("next_event() while a SET_TENSOR body is pending")
-        avail = len(self._buf) - self._pos
+            raise LocalProtocolError("next_event() while a streamed request body is pending")
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
         if avail < 1:
             return NEED_DATA
+        cmd = buf[pos]
         try:
-            cmd = self._buf[self._pos]
             if not self._gate_passed:
                 self._gate.check(cmd)
                 self._gate_passed = True
             if avail < 9:
                 return NEED_DATA
-            _, size = _HEADER.unpack_from(self._buf, self._pos)
-            reason = size_rule_error(cmd, size)
-            if reason is not None:
-                raise RemoteProtocolError(reason)
+            _, size = _HEADER.unpack_from(buf, pos)
             spec = COMMANDS[cmd]
-            if cmd == Cmd.SET_TENSOR:
-                # Only the header is buffered; the data is a body the shell reads in place.
-                if avail < 9 + SetTensor.HEADER_SIZE:
-                    return NEED_DATA
-                start = self._pos + 9
-                header = memoryview(self._buf)[start : start + SetTensor.HEADER_SIZE]
-                try:
-                    event = SetTensor.decode_header(header, size - SetTensor.HEADER_SIZE)
-                finally:
-                    header.release()
-                self._pos = start + SetTensor.HEADER_SIZE
-                self._gate_passed = False
-                self.body_remaining = event.size
-                self.request_bytes = 9 + size
-                return event
-            if avail < 9 + size:
+            if size != spec.size:
+                reason = size_rule_error(cmd, size)
+                if reason is not None:
+                    raise RemoteProtocolError(reason)
+            # A streamed body: only the header is buffered and decoded; the data is left in place.
+            decoded = spec.min_size if spec.streamed_body else size
+            if avail < 9 + decoded:
                 return NEED_DATA
-            start = self._pos + 9
-            payload = memoryview(self._buf)[start : start + size]
+            start = pos + 9
+            payload = memoryview(buf)[start : start + decoded]
             try:
-                event = spec.request.decode(payload)
+                if spec.streamed_body:
+                    event = spec.request.decode_header(payload, size - decoded)
+                else:
+                    event = spec.request.decode(payload)
             finally:
                 payload.release()
-            self._pos = start + size
-            self._gate_passed = False
-            self.request_bytes = 9 + size
-            return event
         except RemoteProtocolError:
             self._gate.fail()
             raise
-        except (struct.error, ValueError) as exc:
+        except Exception as exc:  # a decoder's struct.error, ValueError, ...: the peer's bytes
             self._gate.fail()
             raise RemoteProtocolError(f"{cmd_name(cmd)}: malformed payload: {exc}") from exc
+        self._pos = start + decoded
+        self._gate_passed = False
+        self.body_remaining = size - decoded
+        self.request_bytes = 9 + size
+        return event
 
     def read_body_into(self, dst: memoryview) -> int:
         """Move already-buffered body bytes into `dst`; return how many."""
@@ -147,68 +145,176 @@ class ServerConnection:
             raise LocalProtocolError(f"body_received({n}) with {self.body_remaining} pending")
         self.body_remaining -= n
 
+    @staticmethod
+    def send(reply: Reply) -> bytes:
+        """The bytes of `reply` (for a large DataReply send `DataReply.header(n)` and the data
+        itself instead: no copy)."""
+        return reply.frame()
+
     def fail(self) -> None:
         self._gate.fail()
 
 
 def encode_response(cmd: int, *values) -> bytes:
-    spec = COMMANDS[cmd]
-    if spec.response is None:
+    """The response to `cmd` from its reply fields, in table order."""
+    reply = COMMANDS[cmd].response
+    if reply is None:
         raise LocalProtocolError(f"{cmd_name(cmd)} has no response")
-    return _SIZE.pack(spec.response.size) + spec.response.pack(*values)
+    return reply(*values).frame()
 
 
 def data_response_header(size: int) -> bytes:
     """Header of a GET_TENSOR response; the `size` data bytes follow."""
-    return _SIZE.pack(size)
+    return DataReply.header(size)
 
 
 def hello_response(features: int = 0) -> bytes:
-    major, minor, patch = PROTOCOL_VERSION
-    return encode_response(Cmd.HELLO, major, minor, patch, features, bytes(24))
+    return HelloReply(PROTOCOL_VERSION, features).frame()
 
 
 class ClientConnection:
-    """The client's view: encodes requests, knows which ones carry a response and its size."""
+    """The client's view of one RPC connection: requests to bytes, bytes in, reply events out.
+
+    Replies come back in request order; `send` remembers which requests expect one. A reply
+    that does not fit the request it answers (wrong size, unsupported HELLO version) is a
+    RemoteProtocolError and the connection is failed.
+    """
 
     def __init__(self) -> None:
-        self._hello_done = False
-        self.version: tuple[int, int, int] | None = None
-        self.features = Feature(0)
+        self._gate = HelloGate()
+        self._buf = bytearray()
+        self._pos = 0
+        # (request, its `into` as (object, byte view) or None), in the order replies will come
+        self._awaiting: collections.deque[tuple[Request, tuple | None]] = collections.deque()
+        self._body: memoryview | None = None  # a DataReply's destination while it fills
+        self._body_target = None
+        self._body_got = 0
+        self.response_bytes = 0  # bytes of the last complete reply, size prefix included
 
-    def send(self, request: Request) -> bytes:
-        """Header and payload of `request` (for SET_TENSOR: header only, data follows)."""
-        if (request.cmd == Cmd.HELLO) == self._hello_done:
-            raise LocalProtocolError(f"{request.cmd.name}: HELLO must come first, once")
+    @property
+    def state(self) -> State:
+        return self._gate.state
+
+    @property
+    def version(self) -> tuple[int, int, int] | None:
+        return self._gate.version
+
+    @property
+    def features(self) -> Feature:
+        return self._gate.features
+
+    @property
+    def awaiting(self) -> int:
+        """Replies still to come."""
+        return len(self._awaiting)
+
+    def send(self, request: Request, into=None) -> bytes:
+        """Header and payload of `request` (for SET_TENSOR: header only, its data follows).
+
+        `into`: for a request with a streamed reply (GET_TENSOR), a writable buffer of exactly
+        the requested size that the data lands in; the DataReply then carries it."""
+        self._gate.check_send(request.cmd)
+        spec = COMMANDS[request.cmd]
         payload = request.encode()
-        size = len(payload)
-        if isinstance(request, SetTensor):
-            size += request.size
+        size = len(payload) + (request.size if spec.streamed_body else 0)
+        if spec.response is not None:
+            if into is not None:
+                view = memoryview(into).cast("B")
+                if not spec.response.streamed or len(view) != request.size:
+                    raise LocalProtocolError(f"{request.cmd.name}: `into` of {len(view)} bytes "
+                                             f"does not fit this request")
+                into = (into, view)
+            self._awaiting.append((request, into))
+        elif into is not None:
+            raise LocalProtocolError(f"{request.cmd.name} has no reply to receive `into`")
         return _HEADER.pack(request.cmd, size) + payload
 
-    @staticmethod
-    def response_size(request: Request) -> int | None:
-        spec = COMMANDS[request.cmd]
-        if spec.variable_response:
-            return request.size
-        return None if spec.response is None else spec.response.size
+    def receive_data(self, data) -> None:
+        if self._pos:  # consumed bytes go first (see ServerConnection.receive_data)
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
 
-    def decode_response(self, request: Request, payload) -> tuple:
-        spec = COMMANDS[request.cmd]
-        values = spec.response.unpack(payload)
-        if request.cmd == Cmd.HELLO:
-            major, minor, patch, features, _caps = values
-            if major != PROTOCOL_VERSION[0] or minor > PROTOCOL_VERSION[1]:
-                raise RemoteProtocolError(f"HELLO: server version {major}.{minor}.{patch} unsupported")
-            self.version = (major, minor, patch)
-            self.features = Feature(features & KNOWN_FEATURES)  # bits we do not know stay off
-            self._hello_done = True
-        return values
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
 
-    @staticmethod
-    def check_response_size(request: Request, size: int) -> None:
-        expected = ClientConnection.response_size(request)
+    def next_event(self):
+        try:
+            return self._next_reply()
+        except ProtocolError:
+            self._gate.fail()
+            raise
+        except Exception as exc:  # a decoder's struct.error, ValueError, ...: the server's bytes
+            self._gate.fail()
+            what = self._awaiting[0][0].cmd.name if self._awaiting else "response"
+            raise RemoteProtocolError(f"{what}: malformed response: {exc}") from exc
+
+    def _next_reply(self):
+        if self._body is not None:
+            return self._fill_body()
+        buf, pos = self._buf, self._pos
+        avail = len(buf) - pos
+        if not self._awaiting:
+            if avail:
+                raise RemoteProtocolError(f"{avail} bytes received with no request awaiting a reply")
+            return NEED_DATA
+        if avail < 8:
+            return NEED_DATA
+        (size,) = _SIZE.unpack_from(buf, pos)
+        request, into = self._awaiting[0]
+        reply = COMMANDS[request.cmd].response
+        expected = request.size if reply.streamed else reply.layout.size
         if size != expected:
-            raise RemoteProtocolError(
-                f"{request.cmd.name}: response of {size} bytes, expected {expected}"
-            )
+            raise RemoteProtocolError(f"{request.cmd.name}: response of {size} bytes, expected {expected}")
+        if reply.streamed:
+            self._pos = pos + 8
+            if into is None:
+                target = bytearray(size)
+                into = (target, memoryview(target))
+            self._body_target, self._body = into
+            self._body_got = 0
+            return self._fill_body()
+        if avail < 8 + size:
+            return NEED_DATA
+        start = pos + 8
+        payload = memoryview(buf)[start : start + size]
+        try:
+            event = reply.decode(payload)
+        finally:
+            payload.release()
+        self._pos = start + size
+        self._awaiting.popleft()
+        self.response_bytes = 8 + size
+        if reply is HelloReply:
+            self._gate.negotiate(event.version, event.features)
+        return event
+
+    def _fill_body(self):
+        body, got = self._body, self._body_got
+        n = min(len(body) - got, len(self._buf) - self._pos)
+        if n:
+            body[got : got + n] = self._buf[self._pos : self._pos + n]
+            self._pos += n
+            self._body_got = got = got + n
+        if got < len(body):
+            return NEED_DATA
+        event = DataReply(self._body_target)
+        self._body = self._body_target = None
+        self._awaiting.popleft()
+        self.response_bytes = 8 + got
+        return event
+
+    def body_buffer(self) -> memoryview | None:
+        """While a streamed reply fills and nothing of it is buffered: the part of its
+        destination still to come, for the shell to `recv_into` directly (then `body_received`)."""
+        if self._body is None or self._pos < len(self._buf):
+            return None
+        return self._body[self._body_got :]
+
+    def body_received(self, n: int) -> None:
+        """The shell read `n` bytes of a streamed reply straight into `body_buffer()`."""
+        if self._body is None or n > len(self._body) - self._body_got:
+            raise LocalProtocolError(f"body_received({n}) with no streamed reply that long")
+        self._body_got += n
+

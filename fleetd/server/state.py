@@ -1,0 +1,131 @@
+"""Everything a daemon's sessions, its peer copy and its control API share, in one object.
+
+The daemon (fleetd.server.daemon) makes one ServerState from its config and hands it to each
+Session and to the ControlAPI; none of them sees the daemon itself. Sessions write only their
+own counters and buffers; what is shared across threads is guarded here (the session table, the
+stats book) or by the execution lock the compute and copy paths take.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute.device import Device, make_device
+from fleetd.server.config import ServerConfig
+from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
+from fleetd.server.stats import CommandCounters, StatsBook
+from fleetd.wire import Feature
+from fleetd.wire.hashing import cache_file_name, fnv1a_64
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Caps on what one client may hold or send. None yet: the hardening work (issue 11) puts
+    its connection, memory and timeout bounds here, where every session reads them."""
+
+
+class LiveSession(Protocol):
+    """What the state and the control API read of a session (fleetd.server.session.Session)."""
+
+    id: int
+    peer: str
+    started: float
+    counters: CommandCounters
+
+
+class SessionTable:
+    """The live sessions by id; ids are never reused within one daemon."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[int, LiveSession] = {}
+        self._next_id = 1
+
+    def new_id(self) -> int:
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+            return sid
+
+    def add(self, session: LiveSession) -> None:
+        with self._lock:
+            self._by_id[session.id] = session
+
+    def remove(self, session: LiveSession) -> None:
+        with self._lock:
+            self._by_id.pop(session.id, None)
+
+    def live(self) -> list[LiveSession]:
+        with self._lock:
+            return list(self._by_id.values())
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.devices: list[Device] = [make_device(d) for d in config.devices]
+        self.registry = BufferRegistry()
+        # Held by graph compute and by every copy out of or into a buffer; never during I/O.
+        self.exec_lock = threading.Lock()
+        self.stats = StatsBook()  # command counters of closed sessions
+        self.sessions = SessionTable()
+        self.cache_dir: Path | None = Path(config.cache_dir) if config.cache_dir else None
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.p2p_enabled = config.p2p
+        self.peer_policy = PeerPolicy(config.peer_allow, config.host)
+        self.peer_timeouts = PeerTimeouts()
+        self.peer_stats = PeerStats()
+        self.limits = ServerLimits()
+        self.started = time.time()
+        # The RPC address; the daemon sets the bound one (port 0 picks a free port).
+        self.address: tuple[str, int] = (config.host, config.port)
+
+    # -- P2P switch and the HELLO feature bits ----------------------------------------------
+
+    def set_p2p(self, enabled: bool) -> None:
+        """Switch peer copy at runtime: off clears the HELLO bit for new connections and makes
+        COPY_TENSOR_TO and PEER_BARRIER answer 0."""
+        self.p2p_enabled = enabled
+
+    def features(self) -> int:
+        return int(Feature.PEER_COPY) if self.p2p_enabled else 0
+
+    # -- sessions and their counters --------------------------------------------------------
+
+    def live_sessions(self) -> list[LiveSession]:
+        return self.sessions.live()
+
+    def session_ended(self, session: LiveSession) -> None:
+        self.sessions.remove(session)
+        self.stats.fold(session.counters)
+
+    def total_counters(self) -> CommandCounters:
+        return self.stats.total([s.counters for s in self.sessions.live()])
+
+    def reset_stats(self) -> None:
+        """Zero every counter: live sessions, closed ones, peer copy."""
+        self.stats.reset([s.counters for s in self.sessions.live()])
+        self.peer_stats.reset()
+
+    # -- cache directory (SET_TENSOR cache flag, SET_TENSOR_HASH) ----------------------------
+
+    def cache_store(self, data) -> None:
+        path = self.cache_dir / cache_file_name(fnv1a_64(data))
+        tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # readers never see a half-written file
+
+    def cache_load(self, h: int) -> bytes | None:
+        if self.cache_dir is None:
+            return None
+        try:
+            return (self.cache_dir / cache_file_name(h)).read_bytes()
+        except OSError:
+            return None
