@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """llama-bench prompt processing (pp) and decode (tg) tokens/s through fleetd and through the
-stock ggml-rpc-server, same models, same thread count, one run. Prints a table, writes JSON.
+stock ggml-rpc-server, same models, same thread count, one run, and each server's peak RSS
+(VmHWM: a server starts fresh for every model). Prints a table, writes JSON.
 
     benchmarks/decode.py [--models DIR] [--threads 1] [--pp 64] [--tg 32] [--json out.json]
 
 Models are fleetd.models' ("<arch>-<type>[-bench]", generated when missing). llama.cpp
 sends GRAPH_RECOMPUTE for every decode step whose graph is unchanged, so tg measures fleetd's
-plan-cache hot path.
+plan-cache hot path. fleetd runs from the interpreter running this script, with its
+PYTHONPATH: `PYTHONPATH=/other/checkout benchmarks/decode.py` measures that checkout's server.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qw
 def start_server(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if kind == "fleetd":
-        args = [str(REPO / ".venv/bin/fleetd"), "--port", str(port), "--control-port", "0",
+        args = [sys.executable, "-m", "fleetd.server.main", "--port", str(port), "--control-port", "0",
                 "-t", str(threads), "--log-level", "warning"]
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
@@ -40,6 +42,18 @@ def start_server(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen, 
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     wait_listening(port)
     return proc, f"127.0.0.1:{port}"
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM), while it still runs."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
@@ -67,13 +81,15 @@ def ensure_models(models_dir: Path, names: list[str]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6}"
+    head = (f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6} "
+            f"{'stock MiB':>10} {'fleetd MiB':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
         for kind in ("pp", "tg"):
             s, f = r["stock"].get(kind), r["fleetd"].get(kind)
             ratio = f / s if s and f else float("nan")
-            lines.append(f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}")
+            rss = "".join(f" {r[k].get('peak_rss_mib') or 0:{w}.0f}" for k, w in (("stock", 10), ("fleetd", 11)))
+            lines.append(f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}{rss if kind == 'pp' else ''}")
     return "\n".join(lines)
 
 
@@ -99,6 +115,7 @@ def main() -> int:
             proc, endpoint = start_server(kind, args.threads, Path(args.log))
             try:
                 row[kind] = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
+                row[kind]["peak_rss_mib"] = peak_rss_mib(proc.pid)
             finally:
                 proc.terminate()
                 proc.wait(10)

@@ -20,8 +20,10 @@ from fleetd.client import GraphBuilder, RpcClient
 from fleetd.client.graph import f32_bits
 from fleetd.compute import dequant
 from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute.dequant_cache import CacheBudget
 from fleetd.compute.device import NumpyDevice
 from fleetd.compute.graph import build_plan
+from fleetd.compute.ops import rope
 from fleetd.compute.views import ELEMENT_DTYPES
 from fleetd.errors import ComputeError, RemoteProtocolError, UnsupportedOp
 from fleetd.wire import GgmlOp, GgmlType, row_size
@@ -207,6 +209,7 @@ def test_a_departed_sessions_weights_leave_the_cache(fleetd_server):
         c.set_tensor(w.rpc(), np.frombuffer(q8_0(RNG.standard_normal((4, 64))), np.uint8))
         c.set_tensor(x.rpc(), np.ones(64, np.float32))
         c.graph_compute(g.serialize([y]))
+        c.get_tensor(y.rpc())  # answered after the graph ran
         assert cache.nbytes == 4 * 64 * 4
     deadline = time.monotonic() + 10  # the server notices the closed connection on its own
     while len(srv.registry) and time.monotonic() < deadline:
@@ -330,6 +333,48 @@ def test_rope_neox_rotates_split_halves():
     want = np.concatenate([x0 * np.cos(theta) - x1 * np.sin(theta),
                            x0 * np.sin(theta) + x1 * np.cos(theta), x_values[0, 4:]])
     np.testing.assert_allclose(m.read(out), want, rtol=1e-5)
+
+
+def test_recompute_replays_rope_without_binding_again(monkeypatch):
+    # The angles' static parts are worked out when the plan is built; a replay (what
+    # GRAPH_RECOMPUTE does) with new positions uses them and gives what a fresh plan gives.
+    m = Local()
+    x = m.tensor(GgmlType.F32, (8, 2, 3), RNG.standard_normal((3, 2, 8)))
+    pos = m.tensor(GgmlType.I32, (3,), np.array([0, 1, 2], np.int32))
+    params = [0, 8, 2, 0, 4096, f32_bits(10000.0), f32_bits(0.5), f32_bits(1.0), f32_bits(1.0),
+              f32_bits(32.0), f32_bits(1.0)]
+    out = m.node(GgmlOp.ROPE, GgmlType.F32, (8, 2, 3), [x, pos], params)
+    plan = m.run(out)
+    assert isinstance(plan.steps[0].node.bound, rope.RopeParams)
+    m.write(pos, np.array([5, 6, 7], np.int32))
+    m.run(out)  # a fresh plan over the new positions
+    want = m.read(out)
+    binds = []
+    monkeypatch.setattr(rope, "bind_rope", lambda *a: binds.append(a))
+    m.write(out, np.zeros((3, 2, 8), np.float32))
+    plan.run(np)
+    assert binds == []
+    assert m.read(out).tobytes() == want.tobytes()
+
+
+def test_a_bind_that_fails_reports_at_run_time():
+    m = Local()
+    x = m.tensor(GgmlType.F32, (8, 1, 1), np.ones((1, 1, 8)))
+    pos = m.tensor(GgmlType.I32, (1,), np.array([0], np.int32))
+    out = m.node(GgmlOp.ROPE, GgmlType.F32, (8, 1, 1), [x, pos], [0, 0, 0])  # n_dims 0
+    plan = build_plan(m.g.serialize([out]), m.registry)
+    assert plan.steps[0].node.bound is None
+    with pytest.raises(ComputeError, match="ROPE.*ZeroDivisionError"):
+        plan.run(np)
+
+
+def test_cache_budget_spellings():
+    assert CacheBudget.parse("0.5x").limit(1000) == 500
+    assert CacheBudget.parse("512M").limit(0) == 512 << 20
+    assert CacheBudget.parse("0").limit(1 << 30) == 0
+    assert CacheBudget.parse(None) == CacheBudget.parse("0.5x")
+    with pytest.raises(ValueError, match="expected a fraction"):
+        CacheBudget.parse("lots")
 
 
 @pytest.mark.parametrize("kv_type", [GgmlType.F32, GgmlType.F16])
