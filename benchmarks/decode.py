@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,11 @@ from fleetd.transport import free_port, wait_listening
 DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
 
 
-def start_server(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if kind == "fleetd":
         args = [sys.executable, "-m", "fleetd.server.main", "--port", str(port), "--control-port", "0",
-                "-t", str(threads), "--log-level", "warning"]
+                "-t", str(threads), "--log-level", "warning", *fleetd_args]
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     with open(log, "ab") as out:  # the child keeps its own fd
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
+    ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
     args = ap.parse_args()
 
     names = args.models.split(",")
@@ -112,7 +114,7 @@ def main() -> int:
     for name in names:
         row = {"model": name}
         for kind in ("stock", "fleetd"):
-            proc, endpoint = start_server(kind, args.threads, Path(args.log))
+            proc, endpoint = start_server(kind, args.threads, Path(args.log), shlex.split(args.fleetd_args))
             try:
                 row[kind] = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
                 row[kind]["peak_rss_mib"] = peak_rss_mib(proc.pid)
@@ -123,7 +125,7 @@ def main() -> int:
         print(f"{name}: stock {row['stock']} fleetd {row['fleetd']}", flush=True)
     print(table(results))
     meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
-            "cpus": os.cpu_count(), "results": results}
+            "cpus": os.cpu_count(), "fleetd_args": args.fleetd_args, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(meta, indent=1))
     return 0

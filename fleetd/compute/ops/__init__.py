@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import GgmlOp, RpcTensor, type_name
@@ -61,8 +61,8 @@ class BoundNode(RpcTensor):
 
     i32: tuple[int, ...] = ()  # op_params as signed 32-bit integers
     f32: tuple[float, ...] = ()  # the same 16 words read as f32
-    sources: tuple[Region | None, ...] = ()  # per src_tensors entry
-    bound: object = None  # the op's bind result
+    sources: tuple[Region | None, ...] = field(default=(), compare=False)  # per src_tensors entry
+    bound: object = field(default=None, compare=False)  # the op's bind result
 
     @classmethod
     def of(cls, t: RpcTensor, sources: tuple[Region | None, ...]) -> BoundNode:
@@ -77,7 +77,7 @@ class BoundNode(RpcTensor):
 
 def bind_node(xp, t: RpcTensor, src_tensors: list[RpcTensor | None], sources) -> BoundNode:
     node = BoundNode.of(t, tuple(sources))
-    bind = BINDS.get(GgmlOp(t.op)) if t.op in GgmlOp._value2member_map_ else None
+    bind = BINDS.get(t.op)
     if bind is None:
         return node
     try:
