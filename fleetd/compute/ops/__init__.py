@@ -68,11 +68,14 @@ class BoundNode(RpcTensor):
     def of(cls, t: RpcTensor, sources: tuple[Region | None, ...]) -> BoundNode:
         words = struct.pack(f"<{len(t.op_params)}I", *(p & 0xFFFFFFFF for p in t.op_params))
         return cls(
-            **{f.name: getattr(t, f.name) for f in fields(RpcTensor)},
+            **{name: getattr(t, name) for name in _WIRE_FIELDS},
             i32=struct.unpack(f"<{len(t.op_params)}i", words),
             f32=struct.unpack(f"<{len(t.op_params)}f", words),
             sources=sources,
         )
+
+
+_WIRE_FIELDS = tuple(f.name for f in fields(RpcTensor))
 
 
 def bind_node(xp, t: RpcTensor, src_tensors: list[RpcTensor | None], sources) -> BoundNode:
