@@ -35,7 +35,7 @@ DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qw
 def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if kind == "fleetd":
-        args = [sys.executable, "-m", "fleetd.server.main", "--port", str(port), "--control-port", "0",
+        args = [sys.executable, "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
                 "-t", str(threads), "--log-level", "warning", *fleetd_args]
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
