@@ -34,13 +34,17 @@ DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qw
 
 def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    env = None
     if kind == "fleetd":
-        args = [sys.executable, "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
+        # -P: not the working directory's fleetd but PYTHONPATH's, then this checkout's.
+        args = [sys.executable, "-P", "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
                 "-t", str(threads), "--log-level", "warning", *fleetd_args]
+        path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     with open(log, "ab") as out:  # the child keeps its own fd
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     wait_listening(port)
     return proc, f"127.0.0.1:{port}"
 
