@@ -93,8 +93,10 @@ def table(results: list[dict]) -> str:
         for kind in ("pp", "tg"):
             s, f = r["stock"].get(kind), r["fleetd"].get(kind)
             ratio = f / s if s and f else float("nan")
-            rss = "".join(f" {r[k].get('peak_rss_mib') or 0:{w}.0f}" for k, w in (("stock", 10), ("fleetd", 11)))
-            lines.append(f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}{rss if kind == 'pp' else ''}")
+            line = f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}"
+            if kind == "pp":  # one peak per server and model
+                line += "".join(f" {r[k].get('peak_rss_mib') or 0:{w}.0f}" for k, w in (("stock", 10), ("fleetd", 11)))
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -45,7 +45,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--device", help="devices, comma separated: cpu, cuda (default cpu)")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
     p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
-    p.add_argument("--dequant-cache", help="numpy device: f32 weight cache budget, a fraction of buffer bytes (0.5x, the default) or a size (2G, 0 for none)")
+    p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
+                   "(default 0.5x) or a size (2G; 0 for none)")
     p.add_argument("--control-port", type=int, help=f"loopback control API port, 0 to disable (default {DEFAULT_CONTROL_PORT})")
     p.add_argument("--no-p2p", action="store_true", default=None, help="start with peer copy switched off")
     p.add_argument(
