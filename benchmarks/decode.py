@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """llama-bench prompt processing (pp) and decode (tg) tokens/s through fleetd and through the
-stock ggml-rpc-server, same models, same thread count, one run. Prints a table, writes JSON.
+stock ggml-rpc-server, same models, same thread count, one run, and each server's peak RSS
+(VmHWM: a server starts fresh for every model). Prints a table, writes JSON.
 
     benchmarks/decode.py [--models DIR] [--threads 1] [--pp 64] [--tg 32] [--json out.json]
 
 Models are fleetd.models' ("<arch>-<type>[-bench]", generated when missing). llama.cpp
 sends GRAPH_RECOMPUTE for every decode step whose graph is unchanged, so tg measures fleetd's
-plan-cache hot path.
+plan-cache hot path. fleetd runs from the interpreter running this script, with its
+PYTHONPATH: `PYTHONPATH=/other/checkout benchmarks/decode.py` measures that checkout's server.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,17 +32,33 @@ from fleetd.transport import free_port, wait_listening
 DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
 
 
-def start_server(kind: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    env = None
     if kind == "fleetd":
-        args = [str(REPO / ".venv/bin/fleetd"), "--port", str(port), "--control-port", "0",
-                "-t", str(threads), "--log-level", "warning"]
+        # -P: not the working directory's fleetd but PYTHONPATH's, then this checkout's.
+        args = [sys.executable, "-P", "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
+                "-t", str(threads), "--log-level", "warning", *fleetd_args]
+        path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     with open(log, "ab") as out:  # the child keeps its own fd
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     wait_listening(port)
     return proc, f"127.0.0.1:{port}"
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM), while it still runs."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
@@ -67,13 +86,17 @@ def ensure_models(models_dir: Path, names: list[str]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    head = f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6}"
+    head = (f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6} "
+            f"{'stock MiB':>10} {'fleetd MiB':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
         for kind in ("pp", "tg"):
             s, f = r["stock"].get(kind), r["fleetd"].get(kind)
             ratio = f / s if s and f else float("nan")
-            lines.append(f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}")
+            line = f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}"
+            if kind == "pp":  # one peak per server and model
+                line += "".join(f" {r[k].get('peak_rss_mib') or 0:{w}.0f}" for k, w in (("stock", 10), ("fleetd", 11)))
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -87,6 +110,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
+    ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
     args = ap.parse_args()
 
     names = args.models.split(",")
@@ -96,9 +120,10 @@ def main() -> int:
     for name in names:
         row = {"model": name}
         for kind in ("stock", "fleetd"):
-            proc, endpoint = start_server(kind, args.threads, Path(args.log))
+            proc, endpoint = start_server(kind, args.threads, Path(args.log), shlex.split(args.fleetd_args))
             try:
                 row[kind] = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
+                row[kind]["peak_rss_mib"] = peak_rss_mib(proc.pid)
             finally:
                 proc.terminate()
                 proc.wait(10)
@@ -106,7 +131,7 @@ def main() -> int:
         print(f"{name}: stock {row['stock']} fleetd {row['fleetd']}", flush=True)
     print(table(results))
     meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
-            "cpus": os.cpu_count(), "results": results}
+            "cpus": os.cpu_count(), "fleetd_args": args.fleetd_args, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(meta, indent=1))
     return 0

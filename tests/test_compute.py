@@ -1,5 +1,6 @@
 """The compute engine where test-backend-ops does not reach: the plan kept for GRAPH_RECOMPUTE,
-the dequantization cache and its invalidation by writes, view bounds, and graphs fleetd cannot
+the device's f32 weight cache (its invalidation by writes, its release with the buffer, its
+byte budget), view bounds, and graphs fleetd cannot
 compute (one clear log line, that connection closed, the daemon serving on). Plus op semantics
 checked in-process against numpy references: plan building and kernels over a real registry.
 """
@@ -7,6 +8,7 @@ checked in-process against numpy references: plan building and kernels over a re
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -18,8 +20,10 @@ from fleetd.client import GraphBuilder, RpcClient
 from fleetd.client.graph import f32_bits
 from fleetd.compute import dequant
 from fleetd.compute.buffers import BufferRegistry
+from fleetd.compute.dequant_cache import CacheBudget
 from fleetd.compute.device import NumpyDevice
 from fleetd.compute.graph import build_plan
+from fleetd.compute.ops import rope
 from fleetd.compute.views import ELEMENT_DTYPES
 from fleetd.errors import ComputeError, RemoteProtocolError, UnsupportedOp
 from fleetd.wire import GgmlOp, GgmlType, row_size
@@ -42,9 +46,11 @@ def dequant_q8_0(raw: bytes, shape) -> np.ndarray:
 class Local:
     """One device's buffer registry with a bump allocator, for plans run without sockets."""
 
-    def __init__(self, size: int = 1 << 20) -> None:
+    def __init__(self, size: int = 1 << 20, dequant_cache=None) -> None:
         self.registry = BufferRegistry()
-        self.buf = self.registry.alloc(0, NumpyDevice(), size, owner=1)
+        self.device = NumpyDevice(dequant_cache)
+        self.cache = self.device.dequant_cache
+        self.buf = self.registry.alloc(0, self.device, size, owner=1)
         self.g = GraphBuilder()
         self._next = self.buf.base
 
@@ -100,36 +106,116 @@ def test_quantized_weights_are_cached_until_their_buffer_is_written():
     x = m.tensor(GgmlType.F32, (64, 1), np.ones(64, np.float32))
     y = m.place(m.g.mul_mat(w, x))
     plan = m.run(y)
-    misses = dequant.CACHE.misses
+    misses = m.cache.misses
     plan.run(np)
-    assert dequant.CACHE.misses == misses  # second run: the cached f32 weights
+    assert m.cache.misses == misses  # second run: the cached f32 weights
     first = m.read(y)
     m.write(w, q8_0(-w_values))
+    assert m.cache.buffer_bytes(m.buf) == 0  # a command write releases the buffer's copies
     plan.run(np)
-    assert dequant.CACHE.misses == misses + 1
+    assert m.cache.misses == misses + 1
     np.testing.assert_allclose(m.read(y), -first, rtol=1e-6)
     np.testing.assert_allclose(first, dequant_q8_0(q8_0(w_values), (4,)).sum(axis=1), rtol=1e-4)
 
 
-def test_cache_entries_of_a_buffer_stay_bounded():
-    # Views that differ every step (a KV cache growing) must not pile up f32 copies, whether
-    # their region was rewritten (stale entries go) or not (the oldest go past the cap).
+def test_a_graph_write_drops_only_the_cached_regions_it_overlaps():
     m = Local()
     values = RNG.standard_normal((64, 32)).astype(np.float32)
-    cache = m.tensor(GgmlType.Q8_0, (32, 64), q8_0(values))
-    elsewhere = m.tensor(GgmlType.F32, (16,))
-    start = cache.data - m.buf.base
-    for first in (0, 1):
-        for n in range(1, 64):
-            view = m.buf.array[start + first * 34 : start + (first + n) * 34].reshape(1, 1, n, 34)
-            got = dequant.CACHE.get(m.buf, view, GgmlType.Q8_0, lambda v: dequant.dequantize(np, v, GgmlType.Q8_0))
-            np.testing.assert_array_equal(got[0, 0], dequant_q8_0(q8_0(values), (64,))[first : first + n])
-            w = elsewhere.data - m.buf.base
-            dequant.CACHE.note_write(m.buf, w, w + 64)  # a graph write outside every view
-    assert dequant.CACHE.entries(m.buf) == dequant.ENTRIES_PER_BUFFER
-    dequant.CACHE.note_write(m.buf, start + 34, start + 68)  # row 1: nearly every view covers it
-    dequant.CACHE.get(m.buf, view, GgmlType.Q8_0, lambda v: dequant.dequantize(np, v, GgmlType.Q8_0))
-    assert dequant.CACHE.entries(m.buf) <= 2
+    kv = m.tensor(GgmlType.Q8_0, (32, 64), q8_0(values))
+    start = kv.data - m.buf.base
+
+    def rows(first, n):
+        view = m.buf.array[start + first * 34 : start + (first + n) * 34].reshape(1, 1, n, 34)
+        return m.cache.get(m.buf, start + first * 34, view, GgmlType.Q8_0,
+                           lambda v: dequant.dequantize(np, v, GgmlType.Q8_0))
+
+    for first in range(0, 64, 8):
+        got = rows(first, 8)
+        np.testing.assert_array_equal(got[0, 0], dequant_q8_0(q8_0(values), (64,))[first : first + 8])
+    assert m.cache.entries(m.buf) == 8
+    m.cache.note_write(m.buf, start + 9 * 34, start + 17 * 34)  # rows 9..16: two regions
+    assert m.cache.entries(m.buf) == 6
+    assert m.cache.buffer_bytes(m.buf) == 6 * 8 * 32 * 4
+
+
+def weight_stack(m: Local, n_layers: int, k: int = 64):
+    """x -> MUL_MAT(w_i, x) for n_layers Q8_0 weights (k x k) chained: a decode-like cycle."""
+    weights = [RNG.standard_normal((k, k)).astype(np.float32) * 0.1 for _ in range(n_layers)]
+    h = m.tensor(GgmlType.F32, (k, 1), RNG.standard_normal(k))
+    nodes = []
+    for w_values in weights:
+        w = m.tensor(GgmlType.Q8_0, (k, k), q8_0(w_values))
+        h = m.place(m.g.mul_mat(w, h))
+        nodes.append(h)
+    return nodes
+
+
+def test_freed_buffer_releases_its_cached_bytes():
+    m = Local()
+    weights = m.registry.alloc(0, m.device, 1 << 16, owner=1)
+    w_values = RNG.standard_normal((4, 64)).astype(np.float32)
+    w = m.g.place(m.g.tensor(GgmlType.Q8_0, (64, 4)), weights.handle, weights.base)
+    weights.array[: len(q8_0(w_values))] = np.frombuffer(q8_0(w_values), np.uint8)
+    weights.touched()
+    x = m.tensor(GgmlType.F32, (64, 1), np.ones(64, np.float32))
+    m.run(m.place(m.g.mul_mat(w, x)))
+    assert m.cache.buffer_bytes(weights) == 4 * 64 * 4
+    m.registry.free(weights)
+    assert m.cache.buffer_bytes(weights) == 0
+    assert m.cache.nbytes == 0 and m.cache.entries() == 0
+
+
+@pytest.mark.parametrize("budget", [0, 5 * 64 * 64 * 4 + 100, "0.01x"])
+def test_a_budget_smaller_than_the_weights_gives_the_same_bytes(budget):
+    full, small = Local(), Local(dequant_cache=budget)
+    outs = []
+    for m in (full, small):
+        state = RNG.bit_generator.state
+        nodes = weight_stack(m, 12)
+        RNG.bit_generator.state = state  # the same weights in both
+        plan = m.run(*nodes)
+        for _ in range(3):
+            plan.run(np)
+        outs.append(b"".join(m.read(y).tobytes() for y in nodes))
+    assert outs[0] == outs[1]
+    assert full.cache.entries() == 12
+    assert small.cache.nbytes <= small.cache.limit() < 12 * 64 * 64 * 4
+    if small.cache.limit() >= 64 * 64 * 4:
+        # LRU over a cyclic scan would miss every time: a fixed share stays cached instead.
+        hits = small.cache.hits
+        plan.run(np)
+        assert small.cache.hits - hits == small.cache.limit() // (64 * 64 * 4)
+
+
+def test_hundreds_of_weight_regions_in_one_buffer_stay_cached():
+    m = Local(size=8 << 20, dequant_cache="1x")
+    plan = m.run(*weight_stack(m, 300, k=32))
+    misses = m.cache.misses
+    plan.run(np)
+    assert m.cache.misses == misses
+    assert m.cache.entries(m.buf) == 300
+
+
+def test_a_departed_sessions_weights_leave_the_cache(fleetd_server):
+    srv = fleetd_server()
+    cache = srv.devices[0].dequant_cache
+    g = GraphBuilder()
+    with RpcClient(endpoint(srv)) as c:
+        ptr, _ = c.alloc_buffer(4096)
+        base = c.buffer_get_base(ptr)
+        w = g.tensor(GgmlType.Q8_0, (64, 4), ptr, base)
+        x = g.tensor(GgmlType.F32, (64, 1), ptr, base + 1024)
+        y = g.place(g.mul_mat(w, x), ptr, base + 2048)
+        c.set_tensor(w.rpc(), np.frombuffer(q8_0(RNG.standard_normal((4, 64))), np.uint8))
+        c.set_tensor(x.rpc(), np.ones(64, np.float32))
+        c.graph_compute(g.serialize([y]))
+        c.get_tensor(y.rpc())  # answered after the graph ran
+        assert cache.nbytes == 4 * 64 * 4
+    deadline = time.monotonic() + 10  # the server notices the closed connection on its own
+    while len(srv.registry) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(srv.registry) == 0
+    assert cache.nbytes == 0 and cache.entries() == 0
 
 
 def test_a_graph_writing_quantized_weights_invalidates_their_cache():
@@ -247,6 +333,48 @@ def test_rope_neox_rotates_split_halves():
     want = np.concatenate([x0 * np.cos(theta) - x1 * np.sin(theta),
                            x0 * np.sin(theta) + x1 * np.cos(theta), x_values[0, 4:]])
     np.testing.assert_allclose(m.read(out), want, rtol=1e-5)
+
+
+def test_recompute_replays_rope_without_binding_again(monkeypatch):
+    # The angles' static parts are worked out when the plan is built; a replay (what
+    # GRAPH_RECOMPUTE does) with new positions uses them and gives what a fresh plan gives.
+    m = Local()
+    x = m.tensor(GgmlType.F32, (8, 2, 3), RNG.standard_normal((3, 2, 8)))
+    pos = m.tensor(GgmlType.I32, (3,), np.array([0, 1, 2], np.int32))
+    params = [0, 8, 2, 0, 4096, f32_bits(10000.0), f32_bits(0.5), f32_bits(1.0), f32_bits(1.0),
+              f32_bits(32.0), f32_bits(1.0)]
+    out = m.node(GgmlOp.ROPE, GgmlType.F32, (8, 2, 3), [x, pos], params)
+    plan = m.run(out)
+    assert isinstance(plan.steps[0].node.bound, rope.RopeParams)
+    m.write(pos, np.array([5, 6, 7], np.int32))
+    m.run(out)  # a fresh plan over the new positions
+    want = m.read(out)
+    binds = []
+    monkeypatch.setattr(rope, "bind_rope", lambda *a: binds.append(a))
+    m.write(out, np.zeros((3, 2, 8), np.float32))
+    plan.run(np)
+    assert binds == []
+    assert m.read(out).tobytes() == want.tobytes()
+
+
+def test_a_bind_that_fails_reports_at_run_time():
+    m = Local()
+    x = m.tensor(GgmlType.F32, (8, 1, 1), np.ones((1, 1, 8)))
+    pos = m.tensor(GgmlType.I32, (1,), np.array([0], np.int32))
+    out = m.node(GgmlOp.ROPE, GgmlType.F32, (8, 1, 1), [x, pos], [0, 0, 0])  # n_dims 0
+    plan = build_plan(m.g.serialize([out]), m.registry)
+    assert plan.steps[0].node.bound is None
+    with pytest.raises(ComputeError, match="ROPE.*ZeroDivisionError"):
+        plan.run(np)
+
+
+def test_cache_budget_spellings():
+    assert CacheBudget.parse("0.5x").limit(1000) == 500
+    assert CacheBudget.parse("512M").limit(0) == 512 << 20
+    assert CacheBudget.parse("0").limit(1 << 30) == 0
+    assert CacheBudget.parse(None) == CacheBudget.parse("0.5x")
+    with pytest.raises(ValueError, match="expected a fraction"):
+        CacheBudget.parse("lots")
 
 
 @pytest.mark.parametrize("kv_type", [GgmlType.F32, GgmlType.F16])

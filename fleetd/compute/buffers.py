@@ -8,7 +8,7 @@ against the tensor's own buffer is two comparisons.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetd.compute.device import Device
 
@@ -24,13 +24,17 @@ class Buffer:
     size: int
     array: object  # flat uint8 array of the device (numpy or cupy)
     owner: int  # session id that allocated it; only it may free it
-    generation: int = 0  # bumped on every write; dequant caches compare it
+    generation: int = 0  # bumped on every write
+    memory: Device | None = field(default=None, repr=False)  # the Device its bytes live on
 
     def contains(self, addr: int, n: int) -> bool:
         return self.base <= addr and addr + n <= self.base + self.size
 
     def touched(self) -> None:
+        """A command wrote into the buffer (graph writes go through the plan, with their range)."""
         self.generation += 1
+        if self.memory is not None:
+            self.memory.buffer_written(self)
 
 
 class BufferRegistry:
@@ -51,8 +55,9 @@ class BufferRegistry:
             if size:
                 base = self._next_base
                 self._next_base += (size + 2 * PAGE - 1) // PAGE * PAGE  # one guard page
-            buf = Buffer(handle, device_index, base, size, array, owner)
+            buf = Buffer(handle, device_index, base, size, array, owner, memory=device)
             self._by_handle[handle] = buf
+        device.buffer_allocated(buf)
         return buf
 
     def get(self, handle: int) -> Buffer | None:
@@ -60,7 +65,9 @@ class BufferRegistry:
 
     def free(self, buf: Buffer) -> None:
         with self._lock:
-            self._by_handle.pop(buf.handle, None)
+            known = self._by_handle.pop(buf.handle, None) is buf
+        if known and buf.memory is not None:
+            buf.memory.buffer_freed(buf)
 
     def owned_by(self, owner: int) -> list[Buffer]:
         with self._lock:

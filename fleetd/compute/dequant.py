@@ -1,9 +1,6 @@
 """Packed (block-quantized) tensors to f32 and back, with the gguf package doing the bit work.
 
-Dequantized weights are cached per buffer region: a MUL_MAT against Q4_K weights would
-otherwise unpack the whole matrix on every decode step. A cache entry remembers the buffer's
-`generation` when it was made; every write to a buffer (SET_TENSOR, COPY_TENSOR, a graph node
-writing there) bumps it, so a stale entry is never served.
+The f32 copies of weights kept between decode steps are the device's (dequant_cache.py).
 
 gguf's quantizers run on numpy only; cupy arrays go through the host (a later issue may move
 the hot types onto the device).
@@ -11,16 +8,11 @@ the hot types onto the device).
 
 from __future__ import annotations
 
-import collections
-import threading
-import weakref
-
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from fleetd.compute import quantizers
-from fleetd.compute.buffers import Buffer
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlType, type_name
 
@@ -66,6 +58,8 @@ OWN_DEQUANTIZERS = {GgmlType.Q1_0: _dequant_q1_0, GgmlType.Q2_0: _dequant_q2_0}
 DEQUANTIZABLE = frozenset(
     int(q) for q, cls in _GGUF_TRAITS.items() if _has(cls, "dequantize_blocks") and int(q) != GgmlType.BF16
 ) | frozenset(OWN_DEQUANTIZERS)
+
+
 def roundf(xp, x):
     """C roundf: halves away from zero (floor(|x| + 0.5) would also round 0.49999997 up)."""
     whole = xp.trunc(x)
@@ -178,143 +172,3 @@ def quantize(xp, values, type_: int):
     else:
         packed = gguf_quants.quantize(host, GGMLQuantizationType(type_))
     return xp.asarray(packed)
-
-
-WRITE_LOG_LENGTH = 4096  # graph writes remembered per buffer; older ones count as "anything"
-RECENT_VIEWS = 4096  # views remembered by `lookup`; forgotten all at once past that
-ENTRIES_PER_BUFFER = 64  # a KV cache read through growing views must not pile up f32 copies
-
-
-class DequantCache:
-    """f32 copies of buffer regions, keyed by (offset, type, shape, strides), per buffer.
-
-    An entry is valid while its buffer's generation is unchanged, or when every write since
-    was a graph node's write (logged with its byte range by `note_write`) outside the entry's
-    region: weights sharing a buffer with activations stay cached. Writes by commands
-    (SET_TENSOR, COPY_TENSOR, …) bump the generation without a range, so they invalidate.
-    Buffers are held weakly: a freed buffer takes its entries with it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_buffer: weakref.WeakKeyDictionary[Buffer, dict] = weakref.WeakKeyDictionary()
-        self._writes: weakref.WeakKeyDictionary[Buffer, collections.deque] = weakref.WeakKeyDictionary()
-        self.hits = 0
-        self.misses = 0
-        # id(view) -> (weakref to the view, buffer, generation, type, f32 value): a plan's
-        # views live as long as the plan, so a recompute finds its weights here with one
-        # generation compare, before any key or extent is worked out.
-        self._recent: dict[int, tuple] = {}
-
-    def note_write(self, buf: Buffer, start: int, end: int) -> None:
-        """A graph node wrote bytes [start, end) of `buf` (offsets in the buffer)."""
-        buf.touched()
-        with self._lock:
-            log = self._writes.get(buf)
-            if log is None:
-                log = self._writes[buf] = collections.deque(maxlen=WRITE_LOG_LENGTH)
-            log.append((buf.generation, start, end))
-
-    def lookup(self, view, type_: int, convert):
-        """`get` for a view whose buffer is found by `owner_of`; a view seen before whose
-        buffer has not been written since is answered at once."""
-        seen = self._recent.get(id(view))
-        if seen is not None and seen[0]() is view and seen[1].generation == seen[2] and seen[3] == type_:
-            self.hits += 1
-            return seen[4]
-        buf = owner_of(view)
-        if buf is None:
-            return convert(view)
-        generation = buf.generation
-        value = self.get(buf, view, type_, convert)
-        if len(self._recent) >= RECENT_VIEWS:
-            self._recent.clear()
-        self._recent[id(view)] = (weakref.ref(view), buf, generation, type_, value)
-        return value
-
-    def get(self, buf: Buffer | None, view, type_: int, convert):
-        """`convert(view)` as f32, reusing the last result while its region is unwritten."""
-        if buf is None:
-            return convert(view)
-        start = offset_in(buf, view)
-        key = (start, type_, view.shape, view.strides)
-        end = start + _extent(view)
-        with self._lock:
-            entries = self._by_buffer.setdefault(buf, {})
-            hit = entries.get(key)
-            if hit is not None and self._unwritten(buf, hit[0], start, end):
-                entries[key] = (buf.generation, hit[1], end)
-                self.hits += 1
-                return hit[1]
-        generation = buf.generation
-        value = convert(view)
-        with self._lock:
-            self.misses += 1
-            entries = self._by_buffer.setdefault(buf, {})
-            for k in [k for k, (g, _, e) in entries.items() if not self._unwritten(buf, g, k[0], e)]:
-                del entries[k]  # stale: its region was written
-            while len(entries) >= ENTRIES_PER_BUFFER:
-                del entries[next(iter(entries))]  # the oldest
-            entries[key] = (generation, value, end)
-        return value
-
-    def _unwritten(self, buf: Buffer, since: int, start: int, end: int) -> bool:
-        if since == buf.generation:
-            return True
-        log = self._writes.get(buf, ())
-        needed = buf.generation - since
-        seen = 0
-        for generation, w_start, w_end in reversed(log):
-            if generation <= since:
-                break
-            if w_start < end and start < w_end:
-                return False
-            seen += 1
-        return seen == needed  # any unlogged write (a command) may have touched the region
-
-    def entries(self, buf: Buffer) -> int:
-        with self._lock:
-            return len(self._by_buffer.get(buf, ()))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_buffer.clear()
-            self._writes.clear()
-            self._recent.clear()
-
-
-def _extent(view) -> int:
-    """Bytes from the view's first element to one past its last (non-negative strides)."""
-    if view.size == 0:
-        return 0
-    return sum((n - 1) * s for n, s in zip(view.shape, view.strides)) + view.itemsize
-
-
-def offset_in(buf: Buffer, view) -> int:
-    return _address(view) - _address(buf.array)
-
-
-def _address(a) -> int:
-    if isinstance(a, np.ndarray):
-        return a.__array_interface__["data"][0]
-    return int(a.data.ptr)  # cupy
-
-
-CACHE = DequantCache()
-
-# Flat buffer arrays back to their Buffer, so kernels that see only array views can key the
-# cache. Filled by the plan builder; an entry lives as long as its Buffer.
-_OWNERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
-
-
-def note_owner(buf: Buffer) -> None:
-    if buf.array is not None:
-        _OWNERS[id(buf.array)] = buf
-
-
-def owner_of(view) -> Buffer | None:
-    base = view
-    while getattr(base, "base", None) is not None:
-        base = base.base
-    buf = _OWNERS.get(id(base))
-    return buf if buf is not None and buf.array is base else None

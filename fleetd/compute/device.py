@@ -1,8 +1,8 @@
 """Devices own buffers of bytes; everything above sees a buffer as a flat uint8 array.
 
 Thin hooks, fat base class (tinygrad's Allocator): `Device` does bookkeeping and the answers
-the RPC protocol needs; `NumpyDevice` only says how to get memory and which array module runs
-kernels on it.
+the RPC protocol needs; `NumpyDevice` says how to get memory, which array module runs kernels
+on it, and owns the f32 copies of weights its kernels keep (the dequant cache).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import types
 
 import numpy as np
 
+from fleetd.compute.dequant_cache import CacheBudget, DequantCache
+
 
 class Device:
     name = "device"
     xp: types.ModuleType = np
     alignment = 32  # TENSOR_ALIGNMENT of ggml's CPU buffer type, which stock clients expect
     max_size = (1 << 64) - 1  # SIZE_MAX: "no limit", as the stock CPU device answers
+    dequant_cache: DequantCache | None = None  # f32 copies of weights, on devices that keep them
 
     def alloc(self, size: int):
         """A flat uint8 array of `size` bytes, or None when the memory is not there."""
@@ -40,10 +43,30 @@ class Device:
         free, total = self.memory()
         return f"{self.name} ({total >> 20} MiB, {free >> 20} MiB free)"
 
+    # The buffer registry reports each buffer's life to the device that holds its memory.
+
+    def buffer_allocated(self, buf) -> None:
+        if self.dequant_cache is not None:
+            self.dequant_cache.adopt(buf)
+
+    def buffer_written(self, buf) -> None:
+        """A command (not a graph node) wrote into `buf`."""
+        if self.dequant_cache is not None:
+            self.dequant_cache.written(buf)
+
+    def buffer_freed(self, buf) -> None:
+        if self.dequant_cache is not None:
+            self.dequant_cache.release(buf)
+
 
 class NumpyDevice(Device):
     name = "CPU"
     xp = np
+
+    def __init__(self, dequant_cache: CacheBudget | str | int | None = None) -> None:
+        """`dequant_cache`: the f32 weight cache's budget, "0.5x" of the live buffer bytes
+        by default, or an absolute size ("512M", "0" for none); see CacheBudget.parse."""
+        self.dequant_cache = DequantCache(dequant_cache)
 
     def _alloc(self, size: int):
         return np.empty(size, dtype=np.uint8)
@@ -54,8 +77,8 @@ class NumpyDevice(Device):
         return total, total
 
 
-def make_device(spec: str) -> Device:
+def make_device(spec: str, dequant_cache: CacheBudget | str | int | None = None) -> Device:
     kind = spec.strip().lower()
     if kind == "cpu":
-        return NumpyDevice()
+        return NumpyDevice(dequant_cache)
     raise ValueError(f"unknown device {spec!r} (known: cpu)")

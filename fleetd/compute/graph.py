@@ -1,13 +1,20 @@
 """GRAPH_COMPUTE: tensors by id -> views over buffers -> a plan of bound kernels, kept for
-GRAPH_RECOMPUTE (llama.cpp sends it for every decode step whose graph is unchanged)."""
+GRAPH_RECOMPUTE (llama.cpp sends it for every decode step whose graph is unchanged).
+
+Binding happens once, here: views resolved, op_params decoded, each source's buffer region
+named, and whatever an op precomputes from its parameters and shapes (ops/__init__.py). The
+f32 weight cache is the device's that holds the weights' buffer, reached through the buffer.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetd.compute import dequant
+import numpy as np
+
 from fleetd.compute.buffers import Buffer, BufferRegistry
-from fleetd.compute.ops import Kernel, kernel_for
+from fleetd.compute.dequant_cache import DequantCache
+from fleetd.compute.ops import BoundNode, Kernel, Region, bind_node, kernel_for
 from fleetd.compute.ops.common import op_name
 from fleetd.compute.views import tensor_view
 from fleetd.errors import ComputeError, RemoteProtocolError
@@ -19,11 +26,12 @@ class Step:
     kernel: Kernel
     dst: object
     srcs: list
-    node: RpcTensor
+    node: BoundNode
     src_tensors: list
-    dst_buffer: Buffer  # the step writes [dst_start, dst_end) of it: cached dequants there go stale
+    dst_buffer: Buffer  # the step writes [dst_start, dst_end) of it: cached f32 copies there go
     dst_start: int
     dst_end: int
+    dst_cache: DequantCache | None  # the dst buffer's device's cache
 
 
 @dataclass(slots=True)
@@ -31,8 +39,11 @@ class Plan:
     device: int
     steps: list[Step]
     n_nodes: int
+    caches: list[DequantCache]  # of the devices whose buffers the plan reads
 
     def run(self, xp) -> None:
+        for cache in self.caches:
+            cache.start_run()
         for s in self.steps:
             try:
                 s.kernel(xp, s.dst, s.srcs, s.node, s.src_tensors)
@@ -46,7 +57,8 @@ class Plan:
                     f"{op_name(s.node)} {s.node.describe()}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
-                dequant.CACHE.note_write(s.dst_buffer, s.dst_start, s.dst_end)
+                if s.dst_cache is not None:
+                    s.dst_cache.note_write(s.dst_buffer, s.dst_start, s.dst_end)
 
 
 def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
@@ -79,13 +91,12 @@ def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
         tensors[tid] = t
         buffers[tid] = buf
         views[tid] = tensor_view(buf, t, "GRAPH_COMPUTE") if buf is not None else None
-        if buf is not None:
-            dequant.note_owner(buf)
         pending.extend(s for s in t.src if s)
         if t.view_src:
             pending.append(t.view_src)
 
     steps = []
+    caches: dict[int, DequantCache] = {}
     for nid in graph.nodes:
         node = tensors[nid]
         if node.op in METADATA_OPS or not node.flags & TensorFlag.COMPUTE or node.nbytes == 0:
@@ -103,7 +114,27 @@ def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
                 raise RemoteProtocolError(
                     f"GRAPH_COMPUTE: source {s.describe()} of {node.describe()} has no memory"
                 )
+        regions = [_region(buffers[s.id], s) if s is not None else None for s in src_tensors]
+        for r in regions:
+            cache = _cache_of(r.buffer) if r is not None else None
+            if cache is not None:
+                caches[id(cache)] = cache
         buf = buffers[nid]
+        xp = buf.memory.xp if buf.memory is not None else np
+        bound = bind_node(xp, node, src_tensors, regions)
         start = node.data - buf.base
-        steps.append(Step(kernel, dst, srcs, node, src_tensors, buf, start, start + node.nbytes))
-    return Plan(graph.device, steps, len(graph.nodes))
+        steps.append(
+            Step(kernel, dst, srcs, bound, src_tensors, buf, start, start + node.nbytes, _cache_of(buf))
+        )
+    return Plan(graph.device, steps, len(graph.nodes), list(caches.values()))
+
+
+def _region(buf: Buffer | None, t: RpcTensor) -> Region | None:
+    if buf is None:
+        return None
+    start = t.data - buf.base
+    return Region(buf, start, start + t.nbytes)
+
+
+def _cache_of(buf: Buffer) -> DequantCache | None:
+    return buf.memory.dequant_cache if buf.memory is not None else None

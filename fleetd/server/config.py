@@ -15,6 +15,7 @@ class ServerConfig:
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     cache_dir: Path | None = None
     threads: int | None = None
+    dequant_cache: str | None = None  # numpy device's f32 weight cache: "0.5x" of buffer bytes (default), "2G", "0"
     control_port: int | None = DEFAULT_CONTROL_PORT
     p2p: bool = True
     # Hosts / CIDRs a COPY_TENSOR_TO may push to. None = loopback plus the daemon's own /24.

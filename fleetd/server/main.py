@@ -23,6 +23,7 @@ FLEETD_DEFAULTS = {
     "devices": ["cpu"],
     "cache_dir": None,
     "threads": None,
+    "dequant_cache": None,
     "control_port": DEFAULT_CONTROL_PORT,
     "p2p": True,
     "peer_allow": None,
@@ -44,6 +45,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--device", help="devices, comma separated: cpu, cuda (default cpu)")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
     p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
+    p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
+                   "(default 0.5x) or a size (2G; 0 for none)")
     p.add_argument("--control-port", type=int, help=f"loopback control API port, 0 to disable (default {DEFAULT_CONTROL_PORT})")
     p.add_argument("--no-p2p", action="store_true", default=None, help="start with peer copy switched off")
     p.add_argument(
@@ -72,7 +75,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         settings.update(loaded)
     flags = {
         "host": args.host, "port": args.port, "cache_dir": args.cache_dir, "threads": args.threads,
-        "control_port": args.control_port, "log_level": args.log_level,
+        "control_port": args.control_port, "log_level": args.log_level, "dequant_cache": args.dequant_cache,
         "devices": args.device.split(",") if args.device else None,
         "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
         "p2p": False if args.no_p2p else None,
@@ -106,6 +109,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         host=settings["host"], port=int(settings["port"]), devices=list(settings["devices"]),
         cache_dir=Path(settings["cache_dir"]) if settings["cache_dir"] else None,
         threads=settings["threads"], control_port=settings["control_port"] or None,
+        dequant_cache=settings["dequant_cache"],
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
         count_commands=not args.no_counters,
     )

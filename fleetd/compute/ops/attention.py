@@ -48,13 +48,19 @@ def _mask_for(xp, mask_view, mask_t, rows: int, heads: int, seqs: int):
     return repeat_to(xp, m, (seqs, heads, rows, m.shape[-1]))
 
 
-@register(GgmlOp.SOFT_MAX)
+def bind_head_slopes(xp, node, src_tensors):
+    """SOFT_MAX and FLASH_ATTN_EXT: the per-head ALiBi slopes (max_bias @1), as (1, H, 1, 1);
+    heads are dim 2 of src0 (the scores, or Q)."""
+    return alibi_slopes(xp, src_tensors[0].ne[2], f32_param(node, 1))[None, :, None, None]
+
+
+@register(GgmlOp.SOFT_MAX, bind=bind_head_slopes)
 def op_soft_max(xp, dst, srcs, node, src_tensors):
     # w = a*scale + slope(h)*mask; dst = exp(w - M) / (Σ exp(w - M) + exp(sink - M))
     at = src_tensors[0]
     if at.type != GgmlType.F32 or node.type != GgmlType.F32:
         raise unsupported(node, src_tensors)
-    scale, max_bias = f32_param(node, 0), f32_param(node, 1)
+    scale = f32_param(node, 0)
     a = srcs[0]  # (S, H, R, n)
     seqs, heads, rows, _ = a.shape
     w = a * np.float32(scale)
@@ -62,7 +68,7 @@ def op_soft_max(xp, dst, srcs, node, src_tensors):
     if mask_t is not None:
         if mask_t.type not in (GgmlType.F16, GgmlType.F32):
             raise unsupported(node, src_tensors)
-        slopes = alibi_slopes(xp, heads, max_bias)[None, :, None, None]
+        slopes = node.bound if node.bound is not None else bind_head_slopes(xp, node, src_tensors)
         w = w + slopes * _mask_for(xp, srcs[1], mask_t, rows, heads, seqs)
     sinks = None
     if len(src_tensors) > 2 and src_tensors[2] is not None:
@@ -78,7 +84,7 @@ def op_soft_max(xp, dst, srcs, node, src_tensors):
         store(xp, dst, node, e * (1.0 / total).astype(xp.float32))
 
 
-@register(GgmlOp.FLASH_ATTN_EXT)
+@register(GgmlOp.FLASH_ATTN_EXT, bind=bind_head_slopes)
 def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
     qt, kt, vt = src_tensors[0], src_tensors[1], src_tensors[2]
     k_ok = kt.type in FLOAT_TYPES or kt.type in dequant.DEQUANTIZABLE
@@ -87,7 +93,7 @@ def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
         raise unsupported(node, src_tensors)
     if i32_param(node, 3) not in (0, 10):
         raise unsupported(node, src_tensors, f"precision {i32_param(node, 3)}")
-    scale, max_bias, softcap = f32_param(node, 0), f32_param(node, 1), f32_param(node, 2)
+    scale, softcap = f32_param(node, 0), f32_param(node, 2)
     if softcap != 0:
         scale = np.float32(scale) / np.float32(softcap)
 
@@ -117,7 +123,7 @@ def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
         if softcap != 0:
             scores = np.float32(softcap) * xp.tanh(scores)
         if mask_t is not None:
-            slopes = alibi_slopes(xp, heads, max_bias)[None, :, None, None]
+            slopes = node.bound if node.bound is not None else bind_head_slopes(xp, node, src_tensors)
             scores = scores + slopes * _mask_for(xp, mask_view, mask_t, n_q, heads, seqs)
         sinks = None
         if len(src_tensors) > 4 and src_tensors[4] is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import struct
 
 from fleetd.compute import dequant
 from fleetd.errors import ComputeError, UnsupportedOp
@@ -47,11 +46,16 @@ def as_f32(xp, view, t: RpcTensor):
     raise UnsupportedOp(f"reading {type_name(t.type)} as f32 is not supported")
 
 
-def weights_f32(xp, view, t: RpcTensor):
-    """as_f32 for weights: non-f32 conversions are cached until the buffer is written."""
+def weights_f32(xp, node, slot: int, view, t: RpcTensor):
+    """as_f32 for weights (source `slot` of `node`): non-f32 conversions are kept in the f32
+    cache of the device holding the weights, until their region is written."""
     if t.type == GgmlType.F32:
         return view
-    return dequant.CACHE.lookup(view, t.type, lambda v: as_f32(xp, v, t))
+    region = node.sources[slot]
+    cache = region.buffer.memory.dequant_cache if region is not None and region.buffer.memory else None
+    if cache is None:
+        return as_f32(xp, view, t)
+    return cache.get(region.buffer, region.start, view, t.type, lambda v: as_f32(xp, v, t))
 
 
 def store(xp, dst, node: RpcTensor, value) -> None:
@@ -101,12 +105,12 @@ def repeat_interleave_to(xp, a, shape):
     return a
 
 
-def f32_param(node: RpcTensor, slot: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", node.op_params[slot] & 0xFFFFFFFF))[0]
+def f32_param(node, slot: int) -> float:
+    return node.f32[slot]  # decoded once, when the plan was built (BoundNode)
 
 
-def i32_param(node: RpcTensor, slot: int) -> int:
-    return (node.op_params[slot] + (1 << 31)) % (1 << 32) - (1 << 31)
+def i32_param(node, slot: int) -> int:
+    return node.i32[slot]
 
 
 def op_name(node: RpcTensor) -> str:

@@ -89,7 +89,7 @@ def op_mul_mat(xp, dst, srcs, node, src_tensors):
     # dst[b3, b2, n, m] = sum_k x[b3, b2, n, k] * w[b3 // r3, b2 // r2, m, k]
     _check_types(node, src_tensors)
     wt, xt = src_tensors[0], src_tensors[1]
-    w = weights_f32(xp, srcs[0], wt)  # (A3, A2, M, K)
+    w = weights_f32(xp, node, 0, srcs[0], wt)  # (A3, A2, M, K)
     x = _activations(xp, srcs[1], xt, wt)  # (B3, B2, N, K)
     a3, a2, m, k = w.shape
     b3, b2, n, _ = x.shape
@@ -116,7 +116,7 @@ def op_mul_mat_id(xp, dst, srcs, node, src_tensors):
     wt, xt, it = src_tensors[0], src_tensors[1], src_tensors[2]
     if it.type != GgmlType.I32:
         raise unsupported(node, src_tensors)
-    experts = weights_f32(xp, srcs[0], wt)[0]  # (n_expert, M, K)
+    experts = weights_f32(xp, node, 0, srcs[0], wt)[0]  # (n_expert, M, K)
     x = _activations(xp, srcs[1], xt, wt)[0]  # (n_tok, n_b1, K)
     ids = srcs[2][0, 0]  # (n_tok, n_used)
     check_indices(xp, node, ids, experts.shape[0])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fleetd.compute import dequant
 from fleetd.compute.ops import register
 from fleetd.compute.ops.common import (
     FLOAT_TYPES,
@@ -31,11 +30,10 @@ def rows_as_cpu_reads(xp, view, node, src_tensors):
     the source's buffer."""
     if view.strides[-1] == view.itemsize:
         return view
-    buf = dequant.owner_of(view)
+    region = node.sources[0]
     strides = view.strides[:-1] + (view.itemsize,)
-    start = dequant.offset_in(buf, view) if buf is not None else -1
     extent = sum((n - 1) * s for n, s in zip(view.shape, strides)) + view.itemsize
-    if buf is None or min(strides) < 0 or start + extent > buf.size:
+    if region is None or min(strides) < 0 or region.start + extent > region.buffer.size:
         raise unsupported(node, src_tensors, "permuted rows")
     return xp.lib.stride_tricks.as_strided(view, shape=view.shape, strides=strides)
 

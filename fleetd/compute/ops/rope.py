@@ -6,6 +6,7 @@ multi-section variants (MROPE, IMROPE, VISION). Angles follow the CPU kernel ste
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,8 +38,42 @@ def running_thetas(xp, positions, theta_scale, n_pairs: int):
     return xp.cumprod(steps, axis=1, dtype=xp.float32)
 
 
-def section_thetas(xp, node, pos, n_tok: int, theta_scale, n_pairs: int, mode: int):
-    """Per-pair thetas of the multi-RoPE modes: each pair picks one of four positions."""
+@dataclass(frozen=True, slots=True)
+class RopeParams:
+    """What a ROPE node's parameters and shapes fix, worked out once per plan."""
+
+    n_pairs: int
+    theta_scale: np.float32
+    freq_scale: np.float32
+    ramp: object  # (n_pairs,) YaRN blend toward the extrapolated angle, None without ext_factor
+    mscale: np.float32
+    sections: tuple | None  # multi-RoPE: (which position, exponent) per pair
+    halves: tuple[slice, slice]
+
+
+def bind_rope(xp, node, src_tensors) -> RopeParams | None:
+    n_dims, mode, n_ctx_orig = i32_param(node, 1), i32_param(node, 2), i32_param(node, 4)
+    freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = (
+        np.float32(f32_param(node, i)) for i in range(5, 11)
+    )
+    n_offs, ne0 = i32_param(node, 15), src_tensors[0].ne[0]
+    if mode not in (NORMAL, NEOX) + MULTI_MODES or n_dims % 2 or n_offs % 2 or n_offs + n_dims > ne0:
+        return None  # the kernel says why
+    theta_scale = np.float32(freq_base ** np.float32(-2.0 / n_dims))
+    n_pairs = ne0 // 2 if mode == VISION else n_dims // 2
+    sections = section_indices(node, n_pairs, mode) if mode in MULTI_MODES else None
+    ramp, mscale = None, attn_factor
+    if ext_factor != 0:
+        low, high = corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        with np.errstate(all="ignore"):
+            ramp_y = (np.arange(n_pairs, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
+        ramp = xp.asarray((1 - np.minimum(1, np.maximum(0, ramp_y))) * ext_factor, dtype=xp.float32)
+        mscale = np.float32(mscale * np.float32(1.0 + 0.1 * np.log(np.float32(1.0) / freq_scale)))
+    return RopeParams(n_pairs, theta_scale, freq_scale, ramp, mscale, sections, _halves(mode, n_offs, n_dims, n_pairs))
+
+
+def section_indices(node, n_pairs: int, mode: int):
+    """Multi-RoPE: for each pair, which of the four positions it turns by, and its exponent."""
     s = [i32_param(node, 11 + i) for i in range(4)]
     total = sum(s)
     if total <= 0:
@@ -58,6 +93,12 @@ def section_thetas(xp, node, pos, n_tok: int, theta_scale, n_pairs: int, mode: i
         # Each section restarts its running product at the section's first pair.
         starts = np.array([0, s[0], s[0] + s[1], s[0] + s[1] + s[2]])
         exponent = sector - starts[which]
+    return which, exponent
+
+
+def section_thetas(xp, sections, pos, n_tok: int, theta_scale, n_pairs: int):
+    """Per-pair thetas of the multi-RoPE modes: each pair picks one of four positions."""
+    which, exponent = sections
     tables = [running_thetas(xp, pos[k * n_tok : (k + 1) * n_tok], theta_scale, n_pairs) for k in range(4)]
     stacked = xp.stack(tables)  # (4, n_tok, n_pairs)
     return stacked[xp.asarray(which), :, xp.asarray(exponent)].T  # (n_tok, n_pairs)
@@ -67,38 +108,28 @@ def _rope(xp, dst, srcs, node, src_tensors, sin_sign: float):
     xt = src_tensors[0]
     if xt.type not in (GgmlType.F32, GgmlType.F16) or node.type != xt.type or src_tensors[1].type != GgmlType.I32:
         raise unsupported(node, src_tensors)
-    n_dims, mode, n_ctx_orig = i32_param(node, 1), i32_param(node, 2), i32_param(node, 4)
-    freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = (
-        np.float32(f32_param(node, i)) for i in range(5, 11)
-    )
-    n_offs = i32_param(node, 15)
+    n_dims, mode, n_offs = i32_param(node, 1), i32_param(node, 2), i32_param(node, 15)
     x = as_f32(xp, srcs[0], xt)  # (ne3, n_tok, n_head, ne0)
     ne0, n_tok = x.shape[3], x.shape[1]
     if mode not in (NORMAL, NEOX) + MULTI_MODES or n_dims % 2 or n_offs % 2 or n_offs + n_dims > ne0:
         raise unsupported(node, src_tensors, f"mode {mode}, n_dims {n_dims}, n_offs {n_offs}")
+    p = node.bound or bind_rope(xp, node, src_tensors)
     pos = srcs[1].reshape(-1)
-    theta_scale = np.float32(freq_base ** np.float32(-2.0 / n_dims))
-    n_pairs = ne0 // 2 if mode == VISION else n_dims // 2
-    if mode in MULTI_MODES:
-        theta_extrap = section_thetas(xp, node, pos, n_tok, theta_scale, n_pairs, mode)
+    n_pairs = p.n_pairs
+    if p.sections is not None:
+        theta_extrap = section_thetas(xp, p.sections, pos, n_tok, p.theta_scale, n_pairs)
     else:
-        theta_extrap = running_thetas(xp, pos[:n_tok], theta_scale, n_pairs)
+        theta_extrap = running_thetas(xp, pos[:n_tok], p.theta_scale, n_pairs)
     if len(srcs) > 2 and srcs[2] is not None:
         factors = as_f32(xp, srcs[2], src_tensors[2]).reshape(-1)[:n_pairs]
         theta_extrap = theta_extrap / factors
-    theta = freq_scale * theta_extrap
-    mscale = attn_factor
-    if ext_factor != 0:
-        low, high = corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-        with np.errstate(all="ignore"):
-            ramp_y = (np.arange(n_pairs, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
-        ramp = xp.asarray((1 - np.minimum(1, np.maximum(0, ramp_y))) * ext_factor, dtype=xp.float32)
-        theta = theta * (1 - ramp) + theta_extrap * ramp
-        mscale = np.float32(mscale * np.float32(1.0 + 0.1 * np.log(np.float32(1.0) / freq_scale)))
-    cos = (xp.cos(theta) * mscale)[None, :, None, :]
-    sin = (xp.sin(theta) * mscale * np.float32(sin_sign))[None, :, None, :]
+    theta = p.freq_scale * theta_extrap
+    if p.ramp is not None:
+        theta = theta * (1 - p.ramp) + theta_extrap * p.ramp
+    cos = (xp.cos(theta) * p.mscale)[None, :, None, :]
+    sin = (xp.sin(theta) * p.mscale * np.float32(sin_sign))[None, :, None, :]
 
-    first, second = _halves(mode, n_offs, n_dims, n_pairs)
+    first, second = p.halves
     x0, x1 = x[..., first], x[..., second]
     # Both halves computed before any write: dst may share memory with x (ggml runs ROPE
     # in place when it can).
@@ -127,12 +158,12 @@ def _halves(mode: int, n_offs: int, n_dims: int, n_pairs: int) -> tuple[slice, s
     return slice(n_offs, n_offs + n_pairs), slice(half, half + n_pairs)
 
 
-@register(GgmlOp.ROPE)
+@register(GgmlOp.ROPE, bind=bind_rope)
 def op_rope(xp, dst, srcs, node, src_tensors):
     _rope(xp, dst, srcs, node, src_tensors, 1.0)
 
 
-@register(GgmlOp.ROPE_BACK)
+@register(GgmlOp.ROPE_BACK, bind=bind_rope)
 def op_rope_back(xp, dst, srcs, node, src_tensors):
     # The inverse rotation: the same angles with the sine negated.
     _rope(xp, dst, srcs, node, src_tensors, -1.0)

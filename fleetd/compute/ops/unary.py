@@ -103,12 +103,18 @@ def _elementwise(fn):
 
 
 
-@register(GgmlOp.UNARY)
-def op_unary(xp, dst, srcs, node, src_tensors):
+def bind_unary(xp, node, src_tensors):
+    """UNARY's function and its kernel, picked once by op_params[0]."""
     fn = UNARY_FNS.get(i32_param(node, 0))
-    if fn is None:
+    return _elementwise(fn) if fn is not None else None
+
+
+@register(GgmlOp.UNARY, bind=bind_unary)
+def op_unary(xp, dst, srcs, node, src_tensors):
+    kernel = node.bound or bind_unary(xp, node, src_tensors)
+    if kernel is None:
         raise unsupported(node, src_tensors, f"unary op {i32_param(node, 0)}")
-    _elementwise(fn)(xp, dst, srcs, node, src_tensors)
+    kernel(xp, dst, srcs, node, src_tensors)
 
 
 op_sqr = register(GgmlOp.SQR)(_elementwise(lambda xp, x, n: x * x))
@@ -149,9 +155,9 @@ GLU_FNS = {
 }
 
 
-@register(GgmlOp.GLU)
+@register(GgmlOp.GLU, bind=lambda xp, node, src_tensors: GLU_FNS.get(i32_param(node, 0)))
 def op_glu(xp, dst, srcs, node, src_tensors):
-    fn = GLU_FNS.get(i32_param(node, 0))
+    fn = node.bound or GLU_FNS.get(i32_param(node, 0))
     if fn is None:
         raise unsupported(node, src_tensors, f"glu op {i32_param(node, 0)}")
     require_types(node, src_tensors, FLOAT_TYPES, *[FLOAT_TYPES] * len(src_tensors))
