@@ -198,7 +198,7 @@ def test_hundreds_of_weight_regions_in_one_buffer_stay_cached():
 
 def test_a_departed_sessions_weights_leave_the_cache(fleetd_server):
     srv = fleetd_server()
-    cache = srv.devices[0].dequant_cache
+    cache = srv.state.devices[0].dequant_cache
     g = GraphBuilder()
     with RpcClient(endpoint(srv)) as c:
         ptr, _ = c.alloc_buffer(4096)
@@ -212,9 +212,9 @@ def test_a_departed_sessions_weights_leave_the_cache(fleetd_server):
         c.get_tensor(y.rpc())  # answered after the graph ran
         assert cache.nbytes == 4 * 64 * 4
     deadline = time.monotonic() + 10  # the server notices the closed connection on its own
-    while len(srv.registry) and time.monotonic() < deadline:
+    while len(srv.state.registry) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(srv.registry) == 0
+    assert len(srv.state.registry) == 0
     assert cache.nbytes == 0 and cache.entries() == 0
 
 
