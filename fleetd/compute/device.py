@@ -7,6 +7,7 @@ kernels on it.
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 
@@ -54,8 +55,15 @@ class NumpyDevice(Device):
         return total, total
 
 
-def make_device(spec: str) -> Device:
+def make_device(spec: str, threads: int | None = None) -> Device:
     kind = spec.strip().lower()
-    if kind == "cpu":
+    if kind == "cpu":  # ggml's CPU kernels where the library loads, else numpy with one warning
+        from fleetd.compute.ggml.device import load_device
+
+        try:
+            return load_device(threads)
+        except OSError as exc:
+            logging.getLogger("fleetd").warning("device cpu: %s; using the numpy device", exc)
+    if kind in ("cpu", "numpy"):
         return NumpyDevice()
-    raise ValueError(f"unknown device {spec!r} (known: cpu)")
+    raise ValueError(f"unknown device {spec!r} (known: cpu, numpy)")

@@ -50,6 +50,21 @@ GgmlTensor._fields_ = [
     ("padding", c_char * 8),
 ]
 
+class GgmlTypeTraits(ctypes.Structure):
+    _fields_ = [
+        ("type_name", c_char_p), ("blck_size", c_int64), ("blck_size_interleave", c_int64),
+        ("type_size", c_size_t), ("is_quantized", c_bool), ("to_float", c_void_p),
+        ("from_float_ref", c_void_p),
+    ]
+
+
+class GgmlTypeTraitsCpu(ctypes.Structure):
+    _fields_ = [
+        ("from_float", c_void_p), ("vec_dot", c_void_p), ("vec_dot_type", c_int),
+        ("nrows", c_int64),
+    ]
+
+
 ggml_context_p = c_void_p
 ggml_cgraph_p = c_void_p
 ggml_backend_t = c_void_p
@@ -70,12 +85,14 @@ _FUNCTIONS = [
     ("base", "ggml_op_name", [c_int], c_char_p),
     ("base", "ggml_type_name", [c_int], c_char_p),
     ("base", "ggml_status_to_string", [c_int], c_char_p),
+    ("base", "ggml_get_type_traits", [c_int], POINTER(GgmlTypeTraits)),
     ("base", "ggml_backend_graph_compute", [ggml_backend_t, ggml_cgraph_p], c_int),
     ("base", "ggml_backend_free", [ggml_backend_t], None),
     ("base", "ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t], ggml_backend_buffer_t),
     ("base", "ggml_backend_buffer_free", [ggml_backend_buffer_t], None),
     ("cpu", "ggml_backend_cpu_init", [], ggml_backend_t),
     ("cpu", "ggml_backend_cpu_set_n_threads", [ggml_backend_t, c_int], None),
+    ("cpu", "ggml_get_type_traits_cpu", [c_int], POINTER(GgmlTypeTraitsCpu)),
 ]
 
 

@@ -1,0 +1,320 @@
+"""`--device cpu`: ggml's own CPU kernels (the stock server's), run over fleetd's buffers.
+
+fleetd keeps owning buffers, sessions, validation and the wire. A GRAPH_COMPUTE is validated as
+the stock `create_node` does (ids, types, buffers, extents), every node is checked against its
+op's rule (rules.py), and the graph becomes a ggml graph once: one `ggml_tensor` per wire tensor
+in a no_alloc context, data pointers into our buffers, src/view links, op, op_params and flags as
+sent. The plan is kept for GRAPH_RECOMPUTE and computed in one `ggml_backend_graph_compute` call.
+
+This module imports nothing of fleetd.compute outside this package: `make_device` in
+fleetd/compute/device.py imports it, and buffers/views import that module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleetd.compute.ggml import lib as ggml
+from fleetd.compute.ggml.rules import IndexUse, Refused, TypeCaps, check_node, index_producers
+from fleetd.errors import ComputeError, RemoteProtocolError
+from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlOp, GraphCompute, RpcTensor, check_type
+from fleetd.wire.ggml import GGML_OP_COUNT
+
+INDEX_DTYPES = {26: np.dtype("<i4"), 27: np.dtype("<i8")}  # I32, I64
+
+
+def default_threads() -> int:
+    """`fleetd -t N` sets OMP_NUM_THREADS; without it, the stock server's default."""
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    return int(n) if n.isdigit() and int(n) > 0 else max(1, (os.cpu_count() or 2) // 2)
+
+
+class BackendPool:
+    """CPU backends, one per graph computing at a time: a backend owns one work buffer."""
+
+    def __init__(self, lib: ggml.GgmlLibrary, threads: int) -> None:
+        self._lib, self.threads = lib, threads
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        self.created = 0
+
+    def acquire(self) -> int:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.created += 1
+        backend = self._lib.ggml_backend_cpu_init()
+        if not backend:
+            raise ComputeError("ggml_backend_cpu_init failed")
+        self._lib.ggml_backend_cpu_set_n_threads(backend, self.threads)
+        return backend
+
+    def release(self, backend: int) -> None:
+        with self._lock:
+            self._free.append(backend)
+
+
+@dataclass(slots=True)
+class IndexCheck:
+    """Row numbers read from memory that no node of the graph writes: checked before each run."""
+
+    view: np.ndarray
+    bound: int
+    what: str
+
+
+class GgmlPlan:
+    """A validated wire graph as a ggml graph over our buffers; computed in one call."""
+
+    def __init__(self, device: GgmlCpuDevice, n_nodes: int) -> None:
+        self.device, self.n_nodes = device, n_nodes
+        self.keep_alive: list = []  # the buffers' arrays: a freed buffer's memory stays valid here
+        self.index_checks: list[IndexCheck] = []
+        self.written: list = []  # Buffers the graph writes (their generation is bumped)
+        self.graph = None
+        self.foreign = _Foreign(device.lib)
+        weakref.finalize(self, self.foreign.free)
+
+    def run(self, xp=None) -> None:
+        for c in self.index_checks:
+            if c.view.size and (int(c.view.min()) < 0 or int(c.view.max()) >= c.bound):
+                raise RemoteProtocolError(f"GRAPH_COMPUTE: {c.what} holds a row outside [0, {c.bound})")
+        lib, pool = self.device.lib, self.device.backends
+        backend = pool.acquire()
+        try:
+            status = lib.ggml_backend_graph_compute(backend, self.graph)
+        finally:
+            pool.release(backend)
+        for buf in self.written:
+            buf.touched()
+        if status != ggml.GGML_STATUS_SUCCESS:
+            raise ComputeError(f"ggml compute: {lib.ggml_status_to_string(status).decode()}")
+
+
+class _Foreign:
+    """What a plan holds in the library: its context and the buffers wrapping our memory."""
+
+    def __init__(self, lib: ggml.GgmlLibrary) -> None:
+        self.lib, self.ctx, self.buffers = lib, None, []
+
+    def free(self) -> None:
+        for b in self.buffers:
+            self.lib.ggml_backend_buffer_free(b)
+        self.buffers.clear()
+        if self.ctx:
+            self.lib.ggml_free(self.ctx)
+            self.ctx = None
+
+
+class GgmlCpuDevice:
+    """Same interface as fleetd.compute.device.NumpyDevice (not a subclass: see the module doc)."""
+
+    name = "CPU"
+    kind = "ggml"
+    xp = np
+    alignment = 32  # TENSOR_ALIGNMENT: ggml_backend_cpu_buffer_from_ptr asserts it
+    max_size = (1 << 64) - 1
+
+    def __init__(self, lib: ggml.GgmlLibrary, threads: int | None = None) -> None:
+        self.lib = lib
+        self.backends = BackendPool(lib, threads or default_threads())
+        self.caps = _type_caps(lib)
+
+    # -- what the wire asks ---------------------------------------------------------------------
+
+    def alloc(self, size: int):
+        """A flat uint8 array of `size` bytes starting on an `alignment` boundary, or None."""
+        try:
+            raw = np.empty(size + self.alignment, dtype=np.uint8)
+        except (MemoryError, ValueError):
+            return None
+        skip = -raw.ctypes.data % self.alignment
+        return raw[skip : skip + size]
+
+    def memory(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return total, total
+
+    def alloc_size(self, nbytes: int) -> int:
+        return nbytes
+
+    def describe(self) -> str:
+        free, total = self.memory()
+        threads = self.backends.threads
+        return f"{self.name} (ggml CPU kernels, {threads} threads, {total >> 20} MiB, {free >> 20} MiB free)"
+
+    # -- graphs ----------------------------------------------------------------------------------
+
+    def build_plan(self, graph: GraphCompute, registry) -> GgmlPlan:
+        """Validate the graph (ids, types, buffers, extents, per-op rules), then build it in ggml."""
+        tensors, buffers = _reachable(graph, registry)
+        nodes = [tensors[nid] for nid in graph.nodes]
+        writes = []  # (node index, buffer handle, start, end) of every computed node
+        uses: list[tuple[int, IndexUse]] = []
+        for i, node in enumerate(nodes):
+            if node.op >= GGML_OP_COUNT:
+                raise Refused(f"GRAPH_COMPUTE: {node.describe()}: op {node.op} past the op enum")
+            if node.op in METADATA_OPS:
+                continue
+            srcs = [tensors[s] if s else None for s in node.src]
+            while srcs and srcs[-1] is None:
+                srcs.pop()
+            uses += [(i, u) for u in check_node(node, srcs, self.caps)]
+            for t in (node, *[s for s in srcs if s is not None]):
+                if buffers[t.id] is None and t.nbytes:
+                    raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} of {node.describe()} has no memory")
+            if node.flags & ggml.GGML_TENSOR_FLAG_COMPUTE:
+                writes.append((i, node.buffer, node.data, node.data + node.nbytes))
+
+        plan = GgmlPlan(self, len(nodes))
+        for i, use in uses:
+            self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
+        self._build_ggml_graph(plan, graph, tensors, buffers)
+        return plan
+
+    def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, writes):
+        idx = use.index
+        root = idx
+        while root.view_src and root.op in METADATA_OPS and root.view_src in tensors:
+            root = tensors[root.view_src]
+        producer = next((j for j, n in enumerate(nodes[:consumer]) if n.id == root.id), None)
+        lo, hi = idx.data, idx.data + idx.nbytes
+        if producer is not None and index_producers(root.op):
+            # ARGSORT/TOP_K of this graph: rows of their src0; no node in between may rewrite them
+            src0 = tensors.get(root.src[0])
+            if src0 is None or src0.ne[0] > use.bound:
+                raise Refused(f"GRAPH_COMPUTE: {idx.describe()} indexes {use.bound} rows, made from {src0 and src0.ne[0]}")
+            after = producer + 1
+        else:
+            after = 0
+            if idx.nbytes:
+                buf = buffers[idx.id]
+                dt = INDEX_DTYPES[idx.type]
+                view = np.ndarray(idx.ne[::-1], dt, buffer=buf.array, offset=idx.data - buf.base,
+                                  strides=idx.nb[::-1])
+                plan.index_checks.append(IndexCheck(view, use.bound, idx.describe()))
+        for j, handle, start, end in writes:
+            if after <= j < consumer and handle == idx.buffer and start < hi and lo < end:
+                raise Refused(
+                    f"GRAPH_COMPUTE: {nodes[j].describe()} overwrites the row ids {idx.describe()} "
+                    f"before {nodes[consumer].describe()} reads them"
+                )
+
+    def _build_ggml_graph(self, plan: GgmlPlan, graph: GraphCompute, tensors, buffers) -> None:
+        lib = self.lib
+        n_nodes = max(1, len(graph.nodes))
+        mem = lib.ggml_tensor_overhead() * len(tensors) + lib.ggml_graph_overhead_custom(n_nodes, False)
+        ctx = lib.ggml_init(ggml.GgmlInitParams(mem, None, True))
+        if not ctx:
+            raise ComputeError("ggml_init failed")
+        plan.foreign.ctx = ctx
+        backend_buffers: dict[int, int] = {}
+        made: dict[int, ctypes.POINTER] = {}
+        ne = (ctypes.c_int64 * 4)()
+        for tid, t in tensors.items():
+            ne[:] = t.ne
+            p = lib.ggml_new_tensor(ctx, t.type, 4, ne)
+            g = p.contents
+            g.nb[:] = t.nb
+            g.op = t.op
+            g.op_params[:] = t.op_params
+            g.flags = t.flags
+            g.name = t.name[:63]
+            g.view_offs = t.view_offs
+            buf = buffers[tid]
+            if buf is not None:
+                bb = backend_buffers.get(buf.handle)
+                if bb is None:
+                    plan.keep_alive.append(buf.array)
+                    bb = lib.ggml_backend_cpu_buffer_from_ptr(buf.array.ctypes.data, buf.size)
+                    plan.foreign.buffers.append(bb)
+                    backend_buffers[buf.handle] = bb
+                g.buffer = bb
+                g.data = buf.array.ctypes.data + (t.data - buf.base)
+            made[tid] = p
+        for tid, t in tensors.items():
+            g = made[tid].contents
+            for k, s in enumerate(t.src):
+                if s:
+                    g.src[k] = made[s]
+            if t.view_src:
+                g.view_src = made[t.view_src]
+        plan.graph = lib.ggml_new_graph_custom(ctx, n_nodes, False)
+        for nid in graph.nodes:
+            lib.ggml_graph_add_node(plan.graph, made[nid])
+        written = {}
+        for nid in graph.nodes:
+            t = tensors[nid]
+            if t.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and t.op not in METADATA_OPS and buffers[nid]:
+                written[buffers[nid].handle] = buffers[nid]
+        plan.written = list(written.values())
+
+
+def _reachable(graph: GraphCompute, registry) -> tuple[dict[int, RpcTensor], dict]:
+    """Every tensor the nodes reach (src, view_src), checked as the stock deserializer does."""
+    records = graph.tensors
+    index: dict[int, int] = {}
+    for i, tid in enumerate(records["id"].tolist()):
+        index.setdefault(tid, i)  # duplicate ids: the first occurrence wins, as in the stock server
+    tensors: dict[int, RpcTensor] = {}
+    buffers: dict[int, object] = {}
+    pending = list(graph.nodes)
+    while pending:
+        tid = pending.pop()
+        if tid in tensors:
+            continue
+        if tid == 0:
+            raise RemoteProtocolError("GRAPH_COMPUTE: node id 0")
+        i = index.get(tid)
+        if i is None:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: tensor id {tid:#x} not in the tensor list")
+        t = RpcTensor.from_record(records[i])
+        check_type(t, "GRAPH_COMPUTE")
+        tr = TYPE_TRAITS[t.type]
+        if t.ne[0] % tr.blck_size:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} splits a {tr.blck_size}-element block")
+        buf = registry.get(t.buffer) if t.buffer else None
+        if buf is None and t.data != 0:
+            raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer")
+        if buf is not None and not buf.contains(t.data, t.nbytes):
+            raise RemoteProtocolError(
+                f"GRAPH_COMPUTE: tensor {t.describe()} at {t.data:#x}+{t.nbytes} outside buffer "
+                f"[{buf.base:#x}, {buf.base + buf.size:#x})"
+            )
+        if buf is not None and buf.array is None:
+            buf = None  # a zero-size buffer: nothing to point at
+        tensors[tid] = t
+        buffers[tid] = buf
+        pending.extend(s for s in t.src if s)
+        if t.view_src:
+            pending.append(t.view_src)
+    return tensors, buffers
+
+
+def _type_caps(lib: ggml.GgmlLibrary) -> TypeCaps:
+    vec_dot, vec_dot_type, from_float, to_float = set(), {}, set(), set()
+    for t in TYPE_TRAITS:
+        cpu = lib.ggml_get_type_traits_cpu(t).contents
+        base = lib.ggml_get_type_traits(t).contents
+        if cpu.vec_dot:
+            vec_dot.add(t)
+            vec_dot_type[t] = cpu.vec_dot_type
+        if cpu.from_float:
+            from_float.add(t)
+        if base.to_float:
+            to_float.add(t)
+    return TypeCaps(frozenset(vec_dot), vec_dot_type, frozenset(from_float), frozenset(to_float))
+
+
+def load_device(threads: int | None = None) -> GgmlCpuDevice:
+    """The ggml device; OSError when the libraries are missing or do not load on this machine."""
+    return GgmlCpuDevice(ggml.load(), threads)
+
+
+__all__ = ["GgmlCpuDevice", "GgmlPlan", "load_device", "GgmlOp"]
