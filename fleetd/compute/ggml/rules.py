@@ -149,7 +149,8 @@ def check_types(node, srcs, dst_types, *src_types) -> None:
 
 def check_rows_packed(node, srcs, *tensors) -> None:
     for t in tensors:
-        need(rows_packed(t), node, srcs, f"{t.describe()} rows are not packed (nb0={t.nb[0]})")
+        if not rows_packed(t):
+            raise refuse(node, srcs, f"{t.describe()} rows are not packed (nb0={t.nb[0]})")
 
 
 # -- the rules ------------------------------------------------------------------------------------
