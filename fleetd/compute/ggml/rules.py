@@ -23,6 +23,7 @@ from fleetd.wire.ggml import GluOp, UnaryOp, type_name
 
 F32, F16, BF16, I32, I64 = GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64
 FLOATS = frozenset({F32, F16, BF16})
+MAX_ELEMENTS = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +403,8 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
     for t in (node, *[s for s in srcs if s is not None]):
+        if nelements(t) > MAX_ELEMENTS:  # stride-0 shapes stay in bounds but overflow int64 math
+            raise refuse(node, srcs, f"{t.describe()} has more than 2^40 elements")
         tr = TYPE_TRAITS[t.type]
         if tr.blck_size > 1 and (t.ne[0] % tr.blck_size or t.nb[0] != tr.type_size):
             raise refuse(node, srcs, f"{t.describe()} is not made of whole packed blocks")
