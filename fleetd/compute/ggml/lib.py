@@ -13,6 +13,8 @@ import os
 from ctypes import POINTER, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
+import numpy as np
+
 from fleetd.tools import LLAMA_VERSION
 
 GGML_MAX_DIMS = 4
@@ -64,6 +66,15 @@ class GgmlTypeTraitsCpu(ctypes.Structure):
         ("nrows", c_int64),
     ]
 
+
+# The same layout as a numpy dtype, to fill a graph's tensors column by column.
+TENSOR_DTYPE = np.dtype({
+    "names": [f[0] for f in GgmlTensor._fields_],
+    "formats": ["<i4", "<u8", ("<i8", 4), ("<u8", 4), "<i4", ("<i4", 16), "<i4", ("<u8", GGML_MAX_SRC),
+                "<u8", "<u8", "<u8", f"S{GGML_MAX_NAME}", "<u8", "V8"],
+    "offsets": [getattr(GgmlTensor, f[0]).offset for f in GgmlTensor._fields_],
+    "itemsize": ctypes.sizeof(GgmlTensor),
+})
 
 ggml_context_p = c_void_p
 ggml_cgraph_p = c_void_p
