@@ -247,8 +247,23 @@ def _proc_counts() -> tuple[int, int, int]:
     return rss, threads, len(os.listdir("/proc/self/fd"))
 
 
-def session_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("fleetd-session")]
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# Threads of this process that are not Python threads (BLAS, the ggml library): counted once.
+NATIVE_ONLY = native_threads() - threading.active_count()
+
+
+def settle() -> None:
+    """Wait until every session the clients closed has ended and its OS thread exited."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sessions = [t for t in threading.enumerate() if t.name.startswith("fleetd-session")]
+        if not sessions and native_threads() - threading.active_count() <= NATIVE_ONLY:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"sessions still running: {threading.enumerate()}")
 
 
 def test_concurrent_sessions_do_not_leak(ggml_server):
@@ -276,10 +291,7 @@ def test_concurrent_sessions_do_not_leak(ggml_server):
         for t in threads:
             t.join()
         assert not errors, errors
-        deadline = time.monotonic() + 30  # the server ends a session after its client closed
-        while session_threads() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not session_threads()
+        settle()
 
     run(5)  # warm up: backends, work buffers, allocator pools
     rss0, threads0, fds0 = _proc_counts()
@@ -287,6 +299,9 @@ def test_concurrent_sessions_do_not_leak(ggml_server):
     rss1, threads1, fds1 = _proc_counts()
     assert threads1 == threads0 and fds1 == fds0, (threads0, threads1, fds0, fds1)
     assert rss1 - rss0 < 16 * 1024, f"RSS grew {rss1 - rss0} KiB over 100 graph computes"
+    device = ggml_server.devices[0]
+    assert device.live_plans == 0, f"{device.live_plans} ggml contexts outlived their sessions"
+    assert device.backends.created <= 4, f"{device.backends.created} CPU backends for 4 sessions"
 
 
 # -- against the stock server -------------------------------------------------------------------

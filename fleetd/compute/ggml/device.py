@@ -78,7 +78,7 @@ class GgmlPlan:
         self.index_checks: list[IndexCheck] = []
         self.written: list = []  # Buffers the graph writes (their generation is bumped)
         self.graph = None
-        self.foreign = _Foreign(device.lib)
+        self.foreign = _Foreign(device)
         weakref.finalize(self, self.foreign.free)
 
     def run(self, xp=None) -> None:
@@ -100,10 +100,12 @@ class GgmlPlan:
 class _Foreign:
     """What a plan holds in the library: its context and the buffers wrapping our memory."""
 
-    def __init__(self, lib: ggml.GgmlLibrary) -> None:
-        self.lib, self.ctx, self.buffers = lib, None, []
+    def __init__(self, device: GgmlCpuDevice) -> None:
+        self.lib, self.device, self.ctx, self.buffers = device.lib, device, None, []
+        device.live_plans += 1
 
     def free(self) -> None:
+        self.device.live_plans -= 1
         for b in self.buffers:
             self.lib.ggml_backend_buffer_free(b)
         self.buffers.clear()
@@ -125,6 +127,7 @@ class GgmlCpuDevice:
         self.lib = lib
         self.backends = BackendPool(lib, threads or default_threads())
         self.caps = _type_caps(lib)
+        self.live_plans = 0  # plans whose ggml context is not freed yet (tests watch it)
 
     # -- what the wire asks ---------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ before every compute (or proves them in range when ARGSORT/TOP_K of this graph m
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,6 +142,10 @@ def transposed(t: RpcTensor) -> bool:
     return t.nb[0] > t.nb[1]
 
 
+def f32_param(node: RpcTensor, slot: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", node.op_params[slot]))[0]
+
+
 def check_types(node, srcs, dst_types, *src_types) -> None:
     need(node.type in dst_types, node, srcs, f"result type {type_name(node.type)} not taken")
     for i, types in enumerate(src_types):
@@ -179,7 +184,7 @@ def scale(node, srcs, caps):
     a = src(node, srcs, 0)
     check_types(node, srcs, {F32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    check_rows_packed(node, srcs, node, a)
+    need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
 
 @rule(GgmlOp.RMS_NORM, GgmlOp.NORM)
@@ -188,13 +193,15 @@ def norm(node, srcs, caps):
     check_types(node, srcs, {F32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a)
+    eps = f32_param(node, 0)
+    need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
 
 
 @rule(GgmlOp.UNARY)
 def unary(node, srcs, caps):
     a = src(node, srcs, 0)
     need(0 <= node.op_params[0] < len(UnaryOp), node, srcs, f"unary op {node.op_params[0]}")
-    need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    need(node.type == a.type == F32, node, srcs, "types not taken (f32 only)")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
 
@@ -204,7 +211,9 @@ def glu(node, srcs, caps):
     # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
     a, b = src(node, srcs, 0), opt_src(srcs, 1)
     need(0 <= node.op_params[0] < len(GluOp), node, srcs, f"glu op {node.op_params[0]}")
-    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
+    f16_ok = node.op_params[0] != GluOp.SWIGLU_OAI  # f32 only
+    need(node.type == a.type and (a.type == F32 or (a.type == F16 and f16_ok)), node, srcs,
+         "types not taken")
     need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
     if b is not None:
         need(same_shape(a, b) and b.type == a.type, node, srcs, "src1 differs from src0")
@@ -314,9 +323,11 @@ TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16,
 def rope(node, srcs, caps):
     # ggml_rope_impl: positions i32, one per token (4 for mrope); n_dims <= ne0; freq factors f32.
     a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
-    n_dims, mode = node.op_params[1], node.op_params[2]
+    n_dims, mode, n_offs = node.op_params[1], node.op_params[2], node.op_params[15]
     need(mode in (0, 2), node, srcs, f"rope mode {mode} (normal and neox only)")
     need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, node, srcs, f"n_dims {n_dims}")
+    need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs,
+         f"n_offs {n_offs}")
     need(pos.type == I32 and pos.ne[1:] == (1, 1, 1), node, srcs, "positions must be i32 vector")
     need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
     if freq is not None:
@@ -354,8 +365,9 @@ def flash_attn_ext(node, srcs, caps):
          node, srcs, "heads do not broadcast")
     need(q.ne[3] == k.ne[3] == v.ne[3], node, srcs, "batch dims differ")
     need(v.ne[1] == k.ne[1], node, srcs, "k and v lengths differ")
-    need(k.type in caps.vec_dot and (v.type == F16 or v.type in caps.to_float), node, srcs,
-         "k/v types not taken")
+    need(k.type in caps.vec_dot and caps.vec_dot_type[k.type] in caps.from_float, node, srcs,
+         "k type not taken")
+    need(v.type in (F16, F32) or v.type in caps.to_float, node, srcs, "v type not taken")
     if mask is not None:
         need(mask.type == F16 and contiguous(mask), node, srcs, "mask must be contiguous f16")
         need(mask.ne[0] >= k.ne[1] and mask.ne[1] >= q.ne[1], node, srcs, "mask too small")
@@ -371,6 +383,7 @@ def flash_attn_ext(node, srcs, caps):
 @rule(GgmlOp.ARGSORT)
 def argsort(node, srcs, caps):
     a = src(node, srcs, 0)
+    need(node.op_params[0] in (0, 1), node, srcs, f"sort order {node.op_params[0]}")
     check_types(node, srcs, {I32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a)
@@ -402,7 +415,10 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
+    strided_ok = node.op in (GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT)  # ops/dup walks any strides
     for t in (node, *[s for s in srcs if s is not None]):
+        if not strided_ok and t.nb[0] != TYPE_TRAITS[t.type].type_size:
+            raise refuse(node, srcs, f"{t.describe()} nb0={t.nb[0]}: the kernels take packed rows")
         if nelements(t) > MAX_ELEMENTS:  # stride-0 shapes stay in bounds but overflow int64 math
             raise refuse(node, srcs, f"{t.describe()} has more than 2^40 elements")
         tr = TYPE_TRAITS[t.type]
