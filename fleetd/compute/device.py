@@ -44,6 +44,7 @@ class Device:
 
 class NumpyDevice(Device):
     name = "CPU"
+    kind = "numpy"  # which engine computes (/v1/status); the ggml device says "ggml"
     xp = np
 
     def _alloc(self, size: int):
