@@ -355,5 +355,5 @@ def test_completion_byte_identical_to_stock(models, stock_server, ggml_server, a
     for fa in ("off", "on"):
         want = complete(model, stock, fa)
         got = complete(model, endpoint(ggml_server), fa)
-        assert len(want) > len(PROMPT) + 64
+        assert len(want) > len(PROMPT)  # some models end early with [end of text]
         assert got == want, f"{arch}-{type_name} -fa {fa}:\n stock {want!r}\nfleetd {got!r}"

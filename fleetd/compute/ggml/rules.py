@@ -380,6 +380,15 @@ def flash_attn_ext(node, srcs, caps):
     check_rows_packed(node, srcs, q, k, v)
 
 
+@rule(GgmlOp.CLAMP)
+def clamp(node, srcs, caps):
+    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
+
+
 @rule(GgmlOp.ARGSORT)
 def argsort(node, srcs, caps):
     a = src(node, srcs, 0)
