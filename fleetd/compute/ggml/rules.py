@@ -176,7 +176,7 @@ def binary(node, srcs, caps):
     need(can_repeat(b, a), node, srcs, "src1 does not repeat into src0")
     need(a.type == node.type and node.type in FLOATS, node, srcs, "src0/result types not taken")
     need(b.type in (node.type, F32), node, srcs, "src1 type not taken")
-    check_rows_packed(node, srcs, node, a, b)
+    check_rows_packed(node, srcs, node, a)  # src1 may be strided: walked element by element
 
 
 @rule(GgmlOp.SCALE)
@@ -414,6 +414,16 @@ def sum_rows(node, srcs, caps):
     check_rows_packed(node, srcs, node, a)
 
 
+# Sources (-1: the result) the kernels address element by element through nb0 (every other tensor of a node must
+# have packed rows, nb0 == type size, as the kernels assert or assume).
+_ALL = range(-1, 10)  # -1: the result itself
+STRIDED_SRCS = {
+    GgmlOp.CPY: _ALL, GgmlOp.DUP: _ALL, GgmlOp.CONT: _ALL,  # ops/dup walks any strides
+    GgmlOp.ADD: (1,), GgmlOp.SUB: (1,), GgmlOp.MUL: (1,), GgmlOp.DIV: (1,),  # binary-ops' src1
+    GgmlOp.GET_ROWS: (1,), GgmlOp.SET_ROWS: (1,),  # row ids read one by one
+}
+
+
 def index_producers(op: int) -> bool:
     """Ops whose i32 results are indices into their src0's rows: in range by construction."""
     return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
@@ -424,9 +434,11 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
-    strided_ok = node.op in (GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT)  # ops/dup walks any strides
-    for t in (node, *[s for s in srcs if s is not None]):
-        if not strided_ok and t.nb[0] != TYPE_TRAITS[t.type].type_size:
+    strided = STRIDED_SRCS.get(node.op, ())
+    for i, t in enumerate((node, *srcs)):
+        if t is None:
+            continue
+        if i - 1 not in strided and t.nb[0] != TYPE_TRAITS[t.type].type_size:
             raise refuse(node, srcs, f"{t.describe()} nb0={t.nb[0]}: the kernels take packed rows")
         if nelements(t) > MAX_ELEMENTS:  # stride-0 shapes stay in bounds but overflow int64 math
             raise refuse(node, srcs, f"{t.describe()} has more than 2^40 elements")
