@@ -129,6 +129,12 @@ def contiguous_from(t: RpcTensor, n: int) -> bool:
     return True
 
 
+def rows_ascending(t: RpcTensor, _n: int = 1) -> bool:
+    """Rows never overlap and each dim starts past the previous one: a kernel that walks row r
+    at r*nb1 (r < nrows) stays inside the tensor's extent."""
+    return t.nb[1] >= row_size(t) and t.nb[2] >= t.ne[1] * t.nb[1] and t.nb[3] >= t.ne[2] * t.nb[2]
+
+
 def contiguous(t: RpcTensor) -> bool:
     return contiguous_from(t, 0)
 
@@ -182,17 +188,18 @@ def binary(node, srcs, caps):
 @rule(GgmlOp.SCALE)
 def scale(node, srcs, caps):
     a = src(node, srcs, 0)
-    check_types(node, srcs, {F32}, {F32})
+    need(node.type == a.type and a.type in (F32, BF16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
 
-@rule(GgmlOp.RMS_NORM, GgmlOp.NORM)
+@rule(GgmlOp.RMS_NORM, GgmlOp.NORM, GgmlOp.L2_NORM)
 def norm(node, srcs, caps):
     a = src(node, srcs, 0)
     check_types(node, srcs, {F32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    check_rows_packed(node, srcs, node, a)
+    if node.op != GgmlOp.NORM:  # ops/norm walks nb0; rms_norm and l2_norm assert packed rows
+        check_rows_packed(node, srcs, node, a)
     eps = f32_param(node, 0)
     need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
 
@@ -203,7 +210,10 @@ def unary(node, srcs, caps):
     need(0 <= node.op_params[0] < len(UnaryOp), node, srcs, f"unary op {node.op_params[0]}")
     need(node.type == a.type == F32, node, srcs, "types not taken (f32 only)")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
+    # gelu/silu & co walk rows as one flat list (i*nb1): fine when the layout only grows;
+    # xielu asserts contiguous_1
+    packed = contiguous_from if node.op_params[0] == UnaryOp.XIELU else rows_ascending
+    need(packed(a, 1) and packed(node, 1), node, srcs, "row layout not taken")
 
 
 @rule(GgmlOp.GLU)
@@ -389,6 +399,56 @@ def clamp(node, srcs, caps):
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
 
+@rule(GgmlOp.MEAN)
+def mean(node, srcs, caps):
+    return sum_rows(node, srcs, caps)
+
+
+@rule(GgmlOp.ARGMAX)
+def argmax(node, srcs, caps):
+    # ggml_argmax: a matrix f32 -> i32 [ne1]
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {I32}, {F32})
+    need(a.ne[2] == 1 and a.ne[3] == 1, node, srcs, "src0 must be a matrix")
+    need(tuple(node.ne) == (a.ne[1], 1, 1, 1), node, srcs, "result shape is not [ne1]")
+
+
+@rule(GgmlOp.CONCAT)
+def concat(node, srcs, caps):
+    # ggml_concat: 4-byte elements, same type; dims equal except `dim`, which adds up
+    a, b, dim = src(node, srcs, 0), src(node, srcs, 1), node.op_params[0]
+    need(0 <= dim < 4, node, srcs, f"dim {dim}")
+    need(a.type == b.type == node.type and TYPE_TRAITS[a.type].type_size == 4
+         and TYPE_TRAITS[a.type].blck_size == 1, node, srcs, "types not taken (4-byte elements)")
+    want = tuple(a.ne[i] + b.ne[i] if i == dim else a.ne[i] for i in range(4))
+    need(all(a.ne[i] == b.ne[i] for i in range(4) if i != dim), node, srcs, "src shapes differ")
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+
+
+@rule(GgmlOp.PAD)
+def pad(node, srcs, caps):
+    # ggml_pad_ext: f32, result = src0 + left/right pads per dim; the kernel writes it flat
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    pads = node.op_params[:8]
+    need(all(p >= 0 for p in pads), node, srcs, "negative padding")
+    want = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+    need(contiguous(node), node, srcs, "result is not contiguous")
+    need(node.op_params[8] in (0, 1), node, srcs, "circular flag")
+
+
+@rule(GgmlOp.ADD_ID)
+def add_id(node, srcs, caps):
+    # ggml_add_id: a [n, n_used, tokens] + b[:, ids] (b [n, n_experts]); ids i32 [n_used, tokens]
+    a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
+    check_types(node, srcs, {F32}, {F32}, {F32}, {I32})
+    need(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], node, srcs,
+         "src shapes do not match ids")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    return [IndexUse(ids, b.ne[1])]
+
+
 @rule(GgmlOp.ARGSORT)
 def argsort(node, srcs, caps):
     a = src(node, srcs, 0)
@@ -420,7 +480,9 @@ _ALL = range(-1, 10)  # -1: the result itself
 STRIDED_SRCS = {
     GgmlOp.CPY: _ALL, GgmlOp.DUP: _ALL, GgmlOp.CONT: _ALL,  # ops/dup walks any strides
     GgmlOp.ADD: (1,), GgmlOp.SUB: (1,), GgmlOp.MUL: (1,), GgmlOp.DIV: (1,),  # binary-ops' src1
-    GgmlOp.GET_ROWS: (1,), GgmlOp.SET_ROWS: (1,),  # row ids read one by one
+    GgmlOp.GET_ROWS: (1,), GgmlOp.SET_ROWS: (1,), GgmlOp.ADD_ID: (2,),  # row ids, one by one
+    GgmlOp.NORM: (-1, 0),  # ops/norm has a strided path
+    GgmlOp.CONCAT: _ALL, GgmlOp.PAD: (0,),  # element by element through every stride
 }
 
 
