@@ -23,10 +23,10 @@ import numpy as np
 from fleetd.compute.ggml import lib as ggml
 from fleetd.compute.ggml.rules import IndexUse, Refused, TypeCaps, check_node, index_producers
 from fleetd.errors import ComputeError, RemoteProtocolError
-from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlOp, GraphCompute, RpcTensor, check_type
+from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlType, GraphCompute, RpcTensor, check_type
 from fleetd.wire.ggml import GGML_OP_COUNT
 
-INDEX_DTYPES = {26: np.dtype("<i4"), 27: np.dtype("<i8")}  # I32, I64
+INDEX_DTYPES = {GgmlType.I32: np.dtype("<i4"), GgmlType.I64: np.dtype("<i8")}
 
 
 def default_threads() -> int:
@@ -81,7 +81,7 @@ class GgmlPlan:
         self.foreign = _Foreign(device)
         weakref.finalize(self, self.foreign.free)
 
-    def run(self, xp=None) -> None:
+    def run(self, xp=None) -> None:  # xp: the numpy plan's signature, unused here
         for c in self.index_checks:
             if c.view.size and (int(c.view.min()) < 0 or int(c.view.max()) >= c.bound):
                 raise RemoteProtocolError(f"GRAPH_COMPUTE: {c.what} holds a row outside [0, {c.bound})")
@@ -171,7 +171,9 @@ class GgmlCpuDevice:
             uses += [(i, u) for u in check_node(node, srcs, self.caps)]
             for t in (node, *[s for s in srcs if s is not None]):
                 if buffers[t.id] is None and sizes[t.id]:
-                    raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} of {node.describe()} has no memory")
+                    raise RemoteProtocolError(
+                        f"GRAPH_COMPUTE: {t.describe()} of {node.describe()} has no memory"
+                    )
             if node.flags & ggml.GGML_TENSOR_FLAG_COMPUTE:
                 writes.append((i, node.buffer, node.data, node.data + sizes[node.id]))
 
@@ -192,7 +194,10 @@ class GgmlCpuDevice:
             # ARGSORT/TOP_K of this graph: rows of their src0; no node in between may rewrite them
             src0 = tensors.get(root.src[0])
             if src0 is None or src0.ne[0] > use.bound:
-                raise Refused(f"GRAPH_COMPUTE: {idx.describe()} indexes {use.bound} rows, made from {src0 and src0.ne[0]}")
+                raise Refused(
+                    f"GRAPH_COMPUTE: {idx.describe()} indexes {use.bound} rows but was sorted "
+                    f"from {src0 and src0.ne[0]}"
+                )
             after = producer + 1
         else:
             after = 0
@@ -305,7 +310,9 @@ def _reachable(graph: GraphCompute, registry) -> tuple[dict[int, RpcTensor], dic
             raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} splits a {tr.blck_size}-element block")
         buf = registry.get(t.buffer) if t.buffer else None
         if buf is None and t.data != 0:
-            raise RemoteProtocolError(f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer")
+            raise RemoteProtocolError(
+                f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer"
+            )
         size = t.nbytes
         if buf is not None and not buf.contains(t.data, size):
             raise RemoteProtocolError(
@@ -342,5 +349,3 @@ def load_device(threads: int | None = None) -> GgmlCpuDevice:
     """The ggml device; OSError when the libraries are missing or do not load on this machine."""
     return GgmlCpuDevice(ggml.load(), threads)
 
-
-__all__ = ["GgmlCpuDevice", "GgmlPlan", "load_device", "GgmlOp"]

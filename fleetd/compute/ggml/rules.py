@@ -51,12 +51,17 @@ class Refused(UnsupportedOp):
 
 Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse] | None"]
 RULES: dict[int, Rule] = {}
+# Tensors of a node (-1: the result, i: src i) that its kernel addresses element by element
+# through nb0. Every other tensor must have packed rows (nb0 == type size), as kernels assert.
+STRIDED: dict[int, tuple[int, ...]] = {}
+ANY_STRIDES = tuple(range(-1, 10))
 
 
-def rule(*ops: GgmlOp):
+def rule(*ops: GgmlOp, strided: tuple[int, ...] = ()):
     def register(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
+            STRIDED[op] = strided
         return fn
 
     return register
@@ -173,7 +178,7 @@ def metadata(node, srcs, caps):
     return None  # the CPU backend skips them: nothing is read or written
 
 
-@rule(GgmlOp.ADD, GgmlOp.SUB, GgmlOp.MUL, GgmlOp.DIV)
+@rule(GgmlOp.ADD, GgmlOp.SUB, GgmlOp.MUL, GgmlOp.DIV, strided=(1,))
 def binary(node, srcs, caps):
     # ggml_add_impl & co: b repeats into a, the result has a's shape; binary-ops.cpp takes
     # f32/f16/bf16 with packed rows for dst and src0, and src1 of dst's type or f32.
@@ -193,7 +198,8 @@ def scale(node, srcs, caps):
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
 
-@rule(GgmlOp.RMS_NORM, GgmlOp.NORM, GgmlOp.L2_NORM)
+@rule(GgmlOp.RMS_NORM, GgmlOp.L2_NORM)
+@rule(GgmlOp.NORM, strided=(-1, 0))  # ops/norm has a strided path
 def norm(node, srcs, caps):
     a = src(node, srcs, 0)
     check_types(node, srcs, {F32}, {F32})
@@ -271,7 +277,7 @@ def mul_mat_id(node, srcs, caps):
     return [IndexUse(ids, a.ne[2])]
 
 
-@rule(GgmlOp.GET_ROWS)
+@rule(GgmlOp.GET_ROWS, strided=(1,))  # row ids are read one by one
 def get_rows(node, srcs, caps):
     # ggml_get_rows: a [n, rows, ne2, ne3], b i32 [k, ne2, ne3] -> [n, k, ne2, ne3] f32 (i32 a: i32)
     a, b = src(node, srcs, 0), src(node, srcs, 1)
@@ -285,7 +291,7 @@ def get_rows(node, srcs, caps):
     return [IndexUse(b, a.ne[1])]
 
 
-@rule(GgmlOp.SET_ROWS)
+@rule(GgmlOp.SET_ROWS, strided=(1,))
 def set_rows(node, srcs, caps):
     # ggml_set_rows(a, b, c): the node is a view of a; b f32/f16 rows, c i64/i32 row numbers.
     b, c = src(node, srcs, 0), src(node, srcs, 1)
@@ -302,7 +308,7 @@ def set_rows(node, srcs, caps):
     return [IndexUse(c, node.ne[1])]
 
 
-@rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT)
+@rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT, strided=ANY_STRIDES)  # ops/dup walks any strides
 def copy(node, srcs, caps):
     # ggml_cpy/ggml_cont: same element count; ops/dup: float <-> float at any strides, same type
     # bytes, f32 -> a quantized type into packed rows, quantized -> f32 packed.
@@ -413,7 +419,7 @@ def argmax(node, srcs, caps):
     need(tuple(node.ne) == (a.ne[1], 1, 1, 1), node, srcs, "result shape is not [ne1]")
 
 
-@rule(GgmlOp.CONCAT)
+@rule(GgmlOp.CONCAT, strided=ANY_STRIDES)
 def concat(node, srcs, caps):
     # ggml_concat: 4-byte elements, same type; dims equal except `dim`, which adds up
     a, b, dim = src(node, srcs, 0), src(node, srcs, 1), node.op_params[0]
@@ -425,7 +431,7 @@ def concat(node, srcs, caps):
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
 
 
-@rule(GgmlOp.PAD)
+@rule(GgmlOp.PAD, strided=(0,))
 def pad(node, srcs, caps):
     # ggml_pad_ext: f32, result = src0 + left/right pads per dim; the kernel writes it flat
     a = src(node, srcs, 0)
@@ -438,7 +444,7 @@ def pad(node, srcs, caps):
     need(node.op_params[8] in (0, 1), node, srcs, "circular flag")
 
 
-@rule(GgmlOp.ADD_ID)
+@rule(GgmlOp.ADD_ID, strided=(2,))
 def add_id(node, srcs, caps):
     # ggml_add_id: a [n, n_used, tokens] + b[:, ids] (b [n, n_experts]); ids i32 [n_used, tokens]
     a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
@@ -474,18 +480,6 @@ def sum_rows(node, srcs, caps):
     check_rows_packed(node, srcs, node, a)
 
 
-# Sources (-1: the result) the kernels address element by element through nb0 (every other tensor of a node must
-# have packed rows, nb0 == type size, as the kernels assert or assume).
-_ALL = range(-1, 10)  # -1: the result itself
-STRIDED_SRCS = {
-    GgmlOp.CPY: _ALL, GgmlOp.DUP: _ALL, GgmlOp.CONT: _ALL,  # ops/dup walks any strides
-    GgmlOp.ADD: (1,), GgmlOp.SUB: (1,), GgmlOp.MUL: (1,), GgmlOp.DIV: (1,),  # binary-ops' src1
-    GgmlOp.GET_ROWS: (1,), GgmlOp.SET_ROWS: (1,), GgmlOp.ADD_ID: (2,),  # row ids, one by one
-    GgmlOp.NORM: (-1, 0),  # ops/norm has a strided path
-    GgmlOp.CONCAT: _ALL, GgmlOp.PAD: (0,),  # element by element through every stride
-}
-
-
 def index_producers(op: int) -> bool:
     """Ops whose i32 results are indices into their src0's rows: in range by construction."""
     return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
@@ -496,7 +490,7 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
-    strided = STRIDED_SRCS.get(node.op, ())
+    strided = STRIDED[node.op]
     for i, t in enumerate((node, *srcs)):
         if t is None:
             continue
