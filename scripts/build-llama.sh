@@ -10,7 +10,7 @@
 # FLEETD_LLAMA_CACHE overrides the cache root (default ~/.cache/fleetd).
 # FLEETD_GGML_PORTABLE=1 builds the libraries for deploy instead: GGML_BACKEND_DL with every CPU
 # variant (libggml-cpu-<isa>.so; fleetd loads the best one the node's CPU scores), no
-# -march=native, into $PREFIX/lib-portable. The default build uses the stock tools' flags
+# -march=native, into $PREFIX/lib-portable; FLEETD_GGML_VARIANTS="x64 haswell" limits the set. The default build uses the stock tools' flags
 # (GGML_NATIVE=ON, Release), so fleetd's kernels are the stock server's, byte for byte.
 set -euo pipefail
 
@@ -95,12 +95,21 @@ fi
 # The shared ggml libraries for fleetd's `cpu` device: a separate build dir (the stock tools stay
 # static and untouched), only the two ggml targets (no tools: a CI run compiles ggml-cpu, ~minutes).
 if [ $need_ggml = 1 ]; then
-    GLOG="$PREFIX/build-ggml.log"
+    GLOG="$GGML_BUILD.log"
     echo "building libggml-base/libggml-cpu in $GGML_BUILD, log in $GLOG" >&2
+    # A portable build has one target per CPU variant (ggml-cpu-haswell, ...): ask cmake.
+    # FLEETD_GGML_VARIANTS="x64 haswell" builds only those (a fleet's CPUs are known).
+    cpu_targets() {
+        if [ -n "${FLEETD_GGML_VARIANTS:-}" ]; then
+            printf 'ggml-cpu-%s ' $FLEETD_GGML_VARIANTS
+        else
+            cmake --build "$GGML_BUILD" --target help | sed -n 's/^\.\.\. \(ggml-cpu[a-z0-9_]*\(-[a-z0-9]*\)\{0,1\}\)$/\1/p' | grep -v -- -feats
+        fi
+    }
     if ! { cmake -S "$SRC" -B "$GGML_BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" \
             -DBUILD_SHARED_LIBS=ON -DGGML_RPC=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
             -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-         && cmake --build "$GGML_BUILD" -j "$JOBS" --target ggml-base ggml-cpu; } >"$GLOG" 2>&1; then
+         && cmake --build "$GGML_BUILD" -j "$JOBS" --target ggml-base $(cpu_targets); } >"$GLOG" 2>&1; then
         tail -n 40 "$GLOG" >&2
         echo "ggml library build failed; full log: $GLOG" >&2
         exit 1
