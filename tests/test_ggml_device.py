@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -238,6 +239,38 @@ def test_buffers_are_aligned_for_ggml():
     dev = load_device()
     for size in (1, 33, 4097, 1 << 20):
         assert dev.alloc(size).ctypes.data % 32 == 0
+
+
+PORTABLE = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd")) / "llama.cpp-0.3.36" / "lib-portable"
+
+
+@pytest.mark.skipif(not list(PORTABLE.glob("libggml-cpu-*.so")), reason="no portable build "
+                    "(FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml)")
+def test_portable_build_loads_the_variant_this_cpu_scores_best():
+    # A process of its own: this one already holds the native libggml-base.
+    code = """if 1:
+        import numpy as np
+        from fleetd.client.graph import GraphBuilder
+        from fleetd.compute.buffers import BufferRegistry
+        from fleetd.compute.device import make_device
+        from fleetd.wire import GgmlType
+        dev, reg = make_device("cpu"), BufferRegistry()
+        buf = reg.alloc(0, dev, 4096, owner=1)
+        g = GraphBuilder()
+        w = g.tensor(GgmlType.F32, (8, 4), buf.handle, buf.base)
+        x = g.tensor(GgmlType.F32, (8, 3), buf.handle, buf.base + 256)
+        y = g.place(g.mul_mat(w, x), buf.handle, buf.base + 512)
+        buf.array[:128] = np.arange(32, dtype=np.float32).view(np.uint8)
+        buf.array[256:352] = np.ones(24, np.float32).view(np.uint8)
+        dev.build_plan(g.serialize([y]), reg).run()
+        got = buf.array[512:560].view(np.float32).reshape(3, 4)
+        assert (got == np.arange(32, dtype=np.float32).reshape(4, 8).sum(1)).all(), got
+        print(type(dev).__name__, dev.lib.cpu_path.name)
+    """
+    env = dict(os.environ, FLEETD_GGML_LIB_DIR=str(PORTABLE))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    kind, lib_name = out.stdout.split()
+    assert kind == "GgmlCpuDevice" and lib_name.startswith("libggml-cpu-"), out.stdout + out.stderr
 
 
 def _proc_counts() -> tuple[int, int, int]:
