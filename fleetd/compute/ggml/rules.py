@@ -198,13 +198,13 @@ def scale(node, srcs, caps):
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
 
-@rule(GgmlOp.RMS_NORM, GgmlOp.L2_NORM)
-@rule(GgmlOp.NORM, strided=(-1, 0))  # ops/norm has a strided path
+@rule(GgmlOp.RMS_NORM)
+@rule(GgmlOp.NORM, GgmlOp.L2_NORM, strided=(-1, 0))  # ops/norm: these two walk nb0
 def norm(node, srcs, caps):
     a = src(node, srcs, 0)
     check_types(node, srcs, {F32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    if node.op != GgmlOp.NORM:  # ops/norm walks nb0; rms_norm and l2_norm assert packed rows
+    if node.op == GgmlOp.RMS_NORM:  # asserts packed rows
         check_rows_packed(node, srcs, node, a)
     eps = f32_param(node, 0)
     need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
