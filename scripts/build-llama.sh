@@ -8,10 +8,11 @@
 #   scripts/build-llama.sh ggml       # only libggml-base.so + libggml-cpu.so ($PREFIX/lib)
 #
 # FLEETD_LLAMA_CACHE overrides the cache root (default ~/.cache/fleetd).
-# FLEETD_GGML_PORTABLE=1 builds the libraries for deploy instead: GGML_BACKEND_DL with every CPU
-# variant (libggml-cpu-<isa>.so; fleetd loads the best one the node's CPU scores), no
-# -march=native, into $PREFIX/lib-portable; FLEETD_GGML_VARIANTS="x64 haswell" limits the set. The default build uses the stock tools' flags
-# (GGML_NATIVE=ON, Release), so fleetd's kernels are the stock server's, byte for byte.
+# The default library build uses the stock tools' flags (Release, GGML_NATIVE=ON), so fleetd's
+# kernels are the stock server's, byte for byte. FLEETD_GGML_PORTABLE=1 builds them for deploy
+# instead: GGML_BACKEND_DL with every CPU variant (libggml-cpu-<isa>.so, no -march=native; fleetd
+# loads the one the node's CPU scores best) into $PREFIX/lib-portable; FLEETD_GGML_VARIANTS="x64
+# haswell" limits the set (x64 + haswell: 9 min on two busy cores; there are 14 x86 variants).
 set -euo pipefail
 
 VERSION="${FLEETD_LLAMA_VERSION:-0.3.36}"          # llama-cpp-python sdist that vendors llama.cpp
@@ -45,7 +46,7 @@ need_tools=0; need_ggml=0
 if [ "$WHAT" != ggml ] && ! have_all; then need_tools=1; fi
 if [ "$WHAT" != tools ] && ! have_ggml; then need_ggml=1; fi
 if [ $need_tools = 0 ] && [ $need_ggml = 0 ]; then
-    echo "$PREFIX/bin"
+    [ "$WHAT" = ggml ] && echo "$GGML_LIB" || echo "$PREFIX/bin"
     exit 0
 fi
 
@@ -61,7 +62,7 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
 fi
 
-if [ $need_tools = 1 ]; then
+if [ $need_tools = 1 ]; then  # (body not indented: the stock tools' steps, unchanged)
 # test-backend-ops learns about an RPC server through a static initializer of ours
 # (FLEETD_RPC_ENDPOINT), linked into the test target: the upstream file stays untouched.
 cp "$HERE/llama-extra/rpc_register.cpp" "$SRC/tests/fleetd_rpc_register.cpp"
@@ -103,7 +104,8 @@ if [ $need_ggml = 1 ]; then
         if [ -n "${FLEETD_GGML_VARIANTS:-}" ]; then
             printf 'ggml-cpu-%s ' $FLEETD_GGML_VARIANTS
         else
-            cmake --build "$GGML_BUILD" --target help | sed -n 's/^\.\.\. \(ggml-cpu[a-z0-9_]*\(-[a-z0-9]*\)\{0,1\}\)$/\1/p' | grep -v -- -feats
+            cmake --build "$GGML_BUILD" --target help | sed -n 's/^\.\.\. \(ggml-cpu[a-z0-9_-]*\)$/\1/p' \
+                | grep -v -- '-feats$'
         fi
     }
     if ! { cmake -S "$SRC" -B "$GGML_BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" \
