@@ -95,6 +95,24 @@ def mul_mat_id_ids(s, bad):
     return [s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
 
 
+def ids_view_not_inside_argsort(s, bad):
+    # ids claim to be a view of an ARGSORT of this graph but point at client bytes
+    probs = s.leaf(F32, (3, 3))
+    order = s.node(GgmlOp.ARGSORT, I32, (3, 3), [probs], [1])
+    ids = s.leaf(I32, (2, 3), np.array([0, 1, 1, 2, 2, 7 if bad else 0], np.int32))
+    ids.view_src, ids.op, ids.src = order, GgmlOp.VIEW, [order]
+    return [order, s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
+
+
+def ids_rewritten_before_use(s, bad):
+    # ARGSORT makes in-range ids; a CPY in between may not overwrite them with client bytes
+    order = s.node(GgmlOp.ARGSORT, I32, (3, 3), [s.leaf(F32, (3, 3))], [1])
+    ids = s.g.view_of(order, (2, 3), (4, 12, 36, 36), 0)
+    junk = s.leaf(I32, (3, 3), np.full(9, 7, np.int32))
+    nodes = [order, s.g.cpy(junk, order)] if bad else [order]
+    return nodes + [s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
+
+
 def op_past_enum(s, bad):
     return [s.node(250 if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
 
@@ -172,7 +190,8 @@ def outside_buffer(s, bad):
     return [node]
 
 
-CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, op_past_enum, op_without_rule,
+CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_inside_argsort,
+         ids_rewritten_before_use, op_past_enum, op_without_rule,
          add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
          soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
          outside_buffer]

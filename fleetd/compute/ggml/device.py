@@ -62,9 +62,14 @@ class BackendPool:
 
 @dataclass(slots=True)
 class IndexCheck:
-    """Row numbers read from memory that no node of the graph writes: checked before each run."""
+    """Row numbers that no node of the graph writes. Before each run they are copied out of the
+    buffer into `private` (the kernel reads that copy: another session's SET_TENSOR cannot change
+    them between the check and the kernel) and checked there."""
 
-    view: np.ndarray
+    tensor: int  # wire id
+    source: np.ndarray  # the index tensor's bytes in its buffer
+    private: np.ndarray  # a copy the ggml tensor points at
+    view: np.ndarray  # the copy, typed and strided as the wire says
     bound: int
     what: str
 
@@ -77,13 +82,15 @@ class GgmlPlan:
         self.keep_alive: list = []  # the buffers' arrays: a freed buffer's memory stays valid here
         self.index_checks: list[IndexCheck] = []
         self.written: list = []  # Buffers the graph writes (their generation is bumped)
+        self.private_data: dict[int, int] = {}  # tensor id -> address of its checked copy
         self.graph = None
         self.foreign = _Foreign(device)
         weakref.finalize(self, self.foreign.free)
 
     def run(self, xp=None) -> None:  # xp: the numpy plan's signature, unused here
         for c in self.index_checks:
-            if c.view.size and (int(c.view.min()) < 0 or int(c.view.max()) >= c.bound):
+            c.private[:] = c.source
+            if int(c.view.min()) < 0 or int(c.view.max()) >= c.bound:
                 raise RemoteProtocolError(f"GRAPH_COMPUTE: {c.what} holds a row outside [0, {c.bound})")
         lib, pool = self.device.lib, self.device.backends
         backend = pool.acquire()
@@ -190,7 +197,12 @@ class GgmlCpuDevice:
             root = tensors[root.view_src]
         producer = next((j for j, n in enumerate(nodes[:consumer]) if n.id == root.id), None)
         lo, hi = idx.data, idx.data + idx.nbytes
-        if producer is not None and index_producers(root.op):
+        made_here = (
+            producer is not None and index_producers(root.op) and root.type == idx.type
+            and root.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and root.buffer == idx.buffer
+            and root.data <= lo and hi <= root.data + root.nbytes  # a view really inside it
+        )
+        if made_here:
             # ARGSORT/TOP_K of this graph: rows of their src0; no node in between may rewrite them
             src0 = tensors.get(root.src[0])
             if src0 is None or src0.ne[0] > use.bound:
@@ -201,12 +213,20 @@ class GgmlCpuDevice:
             after = producer + 1
         else:
             after = 0
-            if idx.nbytes:
+            same = next((c for c in plan.index_checks if c.tensor == idx.id), None)
+            if same is not None:  # one copy per tensor, checked against the smallest bound
+                same.bound = min(same.bound, use.bound)
+            elif idx.nbytes:
                 buf = buffers[idx.id]
-                dt = INDEX_DTYPES[idx.type]
-                view = np.ndarray(idx.ne[::-1], dt, buffer=buf.array, offset=idx.data - buf.base,
+                off = idx.data - buf.base
+                source = buf.array[off : off + idx.nbytes]
+                private = np.empty(idx.nbytes, np.uint8)
+                view = np.ndarray(idx.ne[::-1], INDEX_DTYPES[idx.type], buffer=private,
                                   strides=idx.nb[::-1])
-                plan.index_checks.append(IndexCheck(view, use.bound, idx.describe()))
+                check = IndexCheck(idx.id, source, private, view, use.bound, idx.describe())
+                plan.index_checks.append(check)
+                plan.private_data[idx.id] = private.ctypes.data
+                plan.keep_alive.append(private)
         for j, handle, start, end in writes:
             if after <= j < consumer and handle == idx.buffer and start < hi and lo < end:
                 raise Refused(
@@ -255,6 +275,9 @@ class GgmlCpuDevice:
             plan.keep_alive.append(buf.array)
             out["buffer"][mask] = bb
             out["data"][mask] = wire["data"][mask] - np.uint64(buf.base) + np.uint64(buf.array.ctypes.data)
+        for i, tid in enumerate(order):
+            if tid in plan.private_data:  # checked row ids: the kernel reads the checked copy
+                out["data"][i] = plan.private_data[tid]
         step = int(addrs[1] - addrs[0]) if len(order) > 1 else 0
         if len(order) > 1 and np.all(np.diff(addrs) == step) and step >= out.itemsize:
             # the context lays its objects out back to back: one strided write
