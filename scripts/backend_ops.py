@@ -65,8 +65,8 @@ class Server:
     """fleetd or the stock ggml-rpc-server as a process, (re)started on demand: the stock server
     aborts on a graph it cannot compute, and the remaining cases still need a server."""
 
-    def __init__(self, kind: str, log_dir: Path) -> None:
-        self.kind, self.log_dir = kind, log_dir
+    def __init__(self, kind: str, log_dir: Path, device: str = "cpu") -> None:
+        self.kind, self.log_dir, self.device = kind, log_dir, device
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
@@ -75,7 +75,7 @@ class Server:
             self.port = free_port()
             if self.kind == "fleetd":
                 args = [sys.executable, "-m", "fleetd.server", "--port", str(self.port), "--control-port", "0",
-                        "--log-level", "warning"]
+                        "--device", self.device, "--log-level", "warning"]
             else:
                 args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(self.port), "-t", "1"]
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +224,7 @@ def main() -> int:
     ap.add_argument("-o", "--ops", default=",".join(ISSUE_OPS), help="comma separated test-backend-ops op names")
     ap.add_argument("-p", "--params", default=None, help="test-backend-ops -p regex over case params")
     ap.add_argument("--servers", default="fleetd", help="fleetd, stock, or fleetd,stock")
+    ap.add_argument("--device", default="cpu", help="fleetd's device: cpu (ggml kernels, default) or numpy")
     ap.add_argument("--out", default=str(REPO / "docs" / "op-coverage.md"), help="markdown table ('' for none)")
     ap.add_argument("--json", default=None, help="also write results as JSON")
     ap.add_argument("--merge", action="store_true",
@@ -239,7 +240,7 @@ def main() -> int:
         saved = json.loads(Path(args.json).read_text())
         results = {s: {op: OpResult(**r) for op, r in ops.items()} for s, ops in saved.items()}
     for kind in args.servers.split(","):
-        server = Server(kind, log_dir)
+        server = Server(kind, log_dir, args.device)
         results.setdefault(kind, {})
         log = log_dir / f"test-backend-ops-{kind}.log"
         try:

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Build the pinned llama.cpp tools (stock ggml-rpc-server and the real clients) into a cache
-# directory outside the repo, keyed by version. Reuses the cache when the tools are present.
+# Build the pinned llama.cpp tools (stock ggml-rpc-server and the real clients) and the shared
+# ggml libraries that fleetd's `cpu` device loads, into a cache directory outside the repo, keyed
+# by version. Reuses the cache when the tools / libraries are present.
 #
-#   scripts/build-llama.sh            # build or reuse; prints the bin directory
+#   scripts/build-llama.sh            # tools and libraries; prints the bin directory
+#   scripts/build-llama.sh tools      # only the stock tools ($PREFIX/bin)
+#   scripts/build-llama.sh ggml       # only libggml-base.so + libggml-cpu.so ($PREFIX/lib)
 #
 # FLEETD_LLAMA_CACHE overrides the cache root (default ~/.cache/fleetd).
+# The default library build uses the stock tools' flags (Release, GGML_NATIVE=ON), so fleetd's
+# kernels are the stock server's, byte for byte. FLEETD_GGML_PORTABLE=1 builds them for deploy
+# instead: GGML_BACKEND_DL with every CPU variant (libggml-cpu-<isa>.so, no -march=native; fleetd
+# loads the one the node's CPU scores best) into $PREFIX/lib-portable; FLEETD_GGML_VARIANTS="x64
+# haswell" limits the set (x64 + haswell: 9 min on two busy cores; there are 14 x86 variants).
 set -euo pipefail
 
 VERSION="${FLEETD_LLAMA_VERSION:-0.3.36}"          # llama-cpp-python sdist that vendors llama.cpp
@@ -13,13 +21,32 @@ PREFIX="$CACHE_ROOT/llama.cpp-$VERSION"
 TOOLS=(ggml-rpc-server llama-completion llama-perplexity llama-bench test-backend-ops)
 JOBS="${JOBS:-$(nproc)}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+WHAT="${1:-all}"
+case "$WHAT" in all|tools|ggml) ;; *) echo "usage: $0 [all|tools|ggml]" >&2; exit 2;; esac
 
 have_all() {
     for t in "${TOOLS[@]}"; do [ -x "$PREFIX/bin/$t" ] || return 1; done
 }
 
-if have_all; then
-    echo "$PREFIX/bin"
+if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
+    GGML_LIB="$PREFIX/lib-portable"
+    GGML_BUILD="$PREFIX/build-ggml-portable"
+    GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON)
+else
+    GGML_LIB="$PREFIX/lib"
+    GGML_BUILD="$PREFIX/build-ggml"
+    GGML_FLAGS=(-DGGML_NATIVE=ON)
+fi
+
+have_ggml() {
+    [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
+}
+
+need_tools=0; need_ggml=0
+if [ "$WHAT" != ggml ] && ! have_all; then need_tools=1; fi
+if [ "$WHAT" != tools ] && ! have_ggml; then need_ggml=1; fi
+if [ $need_tools = 0 ] && [ $need_ggml = 0 ]; then
+    [ "$WHAT" = ggml ] && echo "$GGML_LIB" || echo "$PREFIX/bin"
     exit 0
 fi
 
@@ -35,6 +62,7 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
 fi
 
+if [ $need_tools = 1 ]; then  # (body not indented: the stock tools' steps, unchanged)
 # test-backend-ops learns about an RPC server through a static initializer of ours
 # (FLEETD_RPC_ENDPOINT), linked into the test target: the upstream file stays untouched.
 cp "$HERE/llama-extra/rpc_register.cpp" "$SRC/tests/fleetd_rpc_register.cpp"
@@ -63,4 +91,35 @@ for t in "${TOOLS[@]}"; do
     cp "$(find "$PREFIX/build/bin" -maxdepth 1 -name "$t" -type f | head -1)" "$PREFIX/bin/$t"
 done
 have_all
-echo "$PREFIX/bin"
+fi
+
+# The shared ggml libraries for fleetd's `cpu` device: a separate build dir (the stock tools stay
+# static and untouched), only the two ggml targets (no tools: a CI run compiles ggml-cpu, ~minutes).
+if [ $need_ggml = 1 ]; then
+    GLOG="$GGML_BUILD.log"
+    echo "building libggml-base/libggml-cpu in $GGML_BUILD, log in $GLOG" >&2
+    # A portable build has one target per CPU variant (ggml-cpu-haswell, ...): ask cmake.
+    # FLEETD_GGML_VARIANTS="x64 haswell" builds only those (a fleet's CPUs are known).
+    cpu_targets() {
+        if [ -n "${FLEETD_GGML_VARIANTS:-}" ]; then
+            printf 'ggml-cpu-%s ' $FLEETD_GGML_VARIANTS
+        else
+            cmake --build "$GGML_BUILD" --target help | sed -n 's/^\.\.\. \(ggml-cpu[a-z0-9_-]*\)$/\1/p' \
+                | grep -v -- '-feats$'
+        fi
+    }
+    if ! { cmake -S "$SRC" -B "$GGML_BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" \
+            -DBUILD_SHARED_LIBS=ON -DGGML_RPC=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+            -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+         && cmake --build "$GGML_BUILD" -j "$JOBS" --target ggml-base $(cpu_targets); } >"$GLOG" 2>&1; then
+        tail -n 40 "$GLOG" >&2
+        echo "ggml library build failed; full log: $GLOG" >&2
+        exit 1
+    fi
+    mkdir -p "$GGML_LIB"
+    # cp -P keeps the soname symlinks (libggml-base.so -> libggml-base.so.0 -> ...)
+    find "$GGML_BUILD/bin" -maxdepth 1 \( -name 'libggml-base.so*' -o -name 'libggml-cpu*.so*' \) \
+        -exec cp -P {} "$GGML_LIB/" \;
+    have_ggml || { echo "ggml libraries missing after the build in $GGML_BUILD" >&2; exit 1; }
+fi
+[ "$WHAT" = ggml ] && echo "$GGML_LIB" || echo "$PREFIX/bin"

@@ -63,9 +63,10 @@ SUBSET = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fleetd_process(tmp_path_factory):
-    server = backend_ops.Server("fleetd", tmp_path_factory.mktemp("backend-ops"))
+@pytest.fixture(scope="module", params=["numpy", "cpu"])
+def fleetd_process(request, tmp_path_factory):
+    """fleetd on the numpy op table, and on ggml's CPU kernels (the default device)."""
+    server = backend_ops.Server("fleetd", tmp_path_factory.mktemp("backend-ops"), device=request.param)
     server.ensure()
     yield server
     server.stop()

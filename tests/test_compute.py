@@ -197,7 +197,7 @@ def test_hundreds_of_weight_regions_in_one_buffer_stay_cached():
 
 
 def test_a_departed_sessions_weights_leave_the_cache(fleetd_server):
-    srv = fleetd_server()
+    srv = fleetd_server(devices=["numpy"])
     cache = srv.state.devices[0].dequant_cache
     g = GraphBuilder()
     with RpcClient(endpoint(srv)) as c:
@@ -406,7 +406,7 @@ def test_flash_attention_matches_softmax_attention_with_grouped_heads(kv_type):
 
 
 def test_recompute_after_set_tensor_sees_new_weights(fleetd_server):
-    ep = endpoint(fleetd_server())
+    ep = endpoint(fleetd_server(devices=["numpy"]))
     g = GraphBuilder()
     w_values = RNG.standard_normal((4, 64)).astype(np.float32)
     with RpcClient(ep) as c:
@@ -428,7 +428,7 @@ def test_recompute_after_set_tensor_sees_new_weights(fleetd_server):
 
 
 def test_unsupported_graph_closes_only_its_connection(fleetd_server, caplog):
-    ep = endpoint(fleetd_server())
+    ep = endpoint(fleetd_server(devices=["numpy"]))
     g = GraphBuilder()
     with RpcClient(ep) as keeper:
         kptr, _ = keeper.alloc_buffer(64)
@@ -452,7 +452,7 @@ def test_unsupported_graph_closes_only_its_connection(fleetd_server, caplog):
 
 
 def test_view_beyond_buffer_closes_only_its_connection(fleetd_server):
-    ep = endpoint(fleetd_server())
+    ep = endpoint(fleetd_server(devices=["numpy"]))
     g = GraphBuilder()
     with RpcClient(ep) as keeper:
         c = RpcClient(ep).open()

@@ -7,6 +7,7 @@ on it, and owns the f32 copies of weights its kernels keep (the dequant cache).
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 
@@ -61,6 +62,7 @@ class Device:
 
 class NumpyDevice(Device):
     name = "CPU"
+    kind = "numpy"  # which engine computes (/v1/status); the ggml device says "ggml"
     xp = np
 
     def __init__(self, dequant_cache: CacheBudget | str | int | None = None) -> None:
@@ -77,8 +79,16 @@ class NumpyDevice(Device):
         return total, total
 
 
-def make_device(spec: str, dequant_cache: CacheBudget | str | int | None = None) -> Device:
+def make_device(spec: str, dequant_cache: CacheBudget | str | int | None = None,
+                threads: int | None = None) -> Device:
     kind = spec.strip().lower()
-    if kind == "cpu":
+    if kind == "cpu":  # ggml's CPU kernels where the library loads, else numpy with one warning
+        from fleetd.compute.ggml.device import load_device
+
+        try:
+            return load_device(threads)
+        except OSError as exc:
+            logging.getLogger("fleetd").warning("device cpu: %s; using the numpy device", exc)
+    if kind in ("cpu", "numpy"):
         return NumpyDevice(dequant_cache)
-    raise ValueError(f"unknown device {spec!r} (known: cpu)")
+    raise ValueError(f"unknown device {spec!r} (known: cpu, numpy)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fleetd.client.rpc import RpcClient
 from fleetd.client.stats import ClientCounters
 from fleetd.compute.buffers import BufferRegistry
-from fleetd.compute.device import NumpyDevice
+from fleetd.compute.device import make_device
 from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.transport.tcp import Timeout
@@ -57,13 +57,13 @@ class RemoteStage:
 
 
 class LocalStage:
-    """The coordinator's own numpy device, running the same kernels as fleetd."""
+    """The coordinator's own CPU device (ggml kernels, or numpy where they do not load), as fleetd runs."""
 
     peer_copy = False
     client = None
 
     def __init__(self) -> None:
-        self.device = NumpyDevice()
+        self.device = make_device("cpu")  # the same kernels as the remote stages: same bytes
         self.registry = BufferRegistry()
         self.plan: Plan | None = None
         self.name = "LOCAL"
@@ -94,7 +94,7 @@ class LocalStage:
 
     def compute(self, graph: GraphCompute, first: bool) -> None:
         if first or self.plan is None:
-            self.plan = build_plan(graph, self.registry)
+            self.plan = getattr(self.device, "build_plan", build_plan)(graph, self.registry)
         self.plan.run(self.device.xp)
 
     def close(self) -> None:

@@ -289,7 +289,7 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
 
 def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     dev = s.device(ev.device, "GRAPH_COMPUTE")
-    plan = build_plan(ev, s.server.registry)
+    plan = getattr(dev, "build_plan", build_plan)(ev, s.server.registry)  # ggml device: its own plan
     s.plans.pop(ev.device, None)
     _run(s, plan, dev)
     s.plans[ev.device] = plan

@@ -69,7 +69,7 @@ class SessionTable:
 class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.devices: list[Device] = [make_device(d, config.dequant_cache) for d in config.devices]
+        self.devices: list[Device] = [make_device(d, config.dequant_cache, config.threads) for d in config.devices]
         self.registry = BufferRegistry()
         # Held by graph compute and by every copy out of or into a buffer; never during I/O.
         self.exec_lock = threading.Lock()

@@ -1,0 +1,170 @@
+"""The foreign side of the ggml device: libggml-base + libggml-cpu of the pinned llama.cpp build,
+their public types and the functions fleetd calls, declared for ctypes. Nothing else lives here.
+
+Layouts follow `ggml/include/ggml.h` of the pinned tree (llama-cpp-python 0.3.36's vendor dir).
+`load()` checks the one size it can against the library (`ggml_tensor_overhead`), so a build of
+another ggml version with a different struct fails at load, not in a kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
+from pathlib import Path
+
+import numpy as np
+
+from fleetd.tools import LLAMA_VERSION
+
+GGML_MAX_DIMS = 4
+GGML_MAX_SRC = 10
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_NAME = 64
+GGML_OBJECT_SIZE = 32  # struct ggml_object: offs, size, next, type, padding[4]
+
+GGML_TENSOR_FLAG_COMPUTE = 16
+GGML_STATUS_SUCCESS = 0
+
+
+class GgmlInitParams(ctypes.Structure):
+    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
+class GgmlTensor(ctypes.Structure):
+    pass
+
+
+GgmlTensor._fields_ = [
+    ("type", c_int),
+    ("buffer", c_void_p),  # ggml_backend_buffer_t
+    ("ne", c_int64 * GGML_MAX_DIMS),
+    ("nb", c_size_t * GGML_MAX_DIMS),
+    ("op", c_int),
+    ("op_params", c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+    ("flags", c_int32),
+    ("src", POINTER(GgmlTensor) * GGML_MAX_SRC),
+    ("view_src", POINTER(GgmlTensor)),
+    ("view_offs", c_size_t),
+    ("data", c_void_p),
+    ("name", c_char * GGML_MAX_NAME),
+    ("extra", c_void_p),
+    ("padding", c_char * 8),
+]
+
+class GgmlTypeTraits(ctypes.Structure):
+    _fields_ = [
+        ("type_name", c_char_p), ("blck_size", c_int64), ("blck_size_interleave", c_int64),
+        ("type_size", c_size_t), ("is_quantized", c_bool), ("to_float", c_void_p),
+        ("from_float_ref", c_void_p),
+    ]
+
+
+class GgmlTypeTraitsCpu(ctypes.Structure):
+    _fields_ = [
+        ("from_float", c_void_p), ("vec_dot", c_void_p), ("vec_dot_type", c_int),
+        ("nrows", c_int64),
+    ]
+
+
+# The same layout as a numpy dtype, to fill a graph's tensors column by column.
+TENSOR_DTYPE = np.dtype({
+    "names": [f[0] for f in GgmlTensor._fields_],
+    "formats": ["<i4", "<u8", ("<i8", 4), ("<u8", 4), "<i4", ("<i4", 16), "<i4", ("<u8", GGML_MAX_SRC),
+                "<u8", "<u8", "<u8", f"S{GGML_MAX_NAME}", "<u8", "V8"],
+    "offsets": [getattr(GgmlTensor, f[0]).offset for f in GgmlTensor._fields_],
+    "itemsize": ctypes.sizeof(GgmlTensor),
+})
+
+ggml_context_p = c_void_p
+ggml_cgraph_p = c_void_p
+ggml_backend_t = c_void_p
+ggml_backend_buffer_t = c_void_p
+ggml_tensor_p = POINTER(GgmlTensor)
+
+# (library, name, argtypes, restype); "base" is libggml-base, "cpu" libggml-cpu.
+_FUNCTIONS = [
+    ("base", "ggml_init", [GgmlInitParams], ggml_context_p),
+    ("base", "ggml_free", [ggml_context_p], None),
+    ("base", "ggml_tensor_overhead", [], c_size_t),
+    ("base", "ggml_graph_overhead_custom", [c_size_t, c_bool], c_size_t),
+    ("base", "ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)], ggml_tensor_p),
+    ("base", "ggml_new_graph_custom", [ggml_context_p, c_size_t, c_bool], ggml_cgraph_p),
+    ("base", "ggml_graph_add_node", [ggml_cgraph_p, ggml_tensor_p], None),
+    ("base", "ggml_graph_n_nodes", [ggml_cgraph_p], c_int),
+    ("base", "ggml_nbytes", [ggml_tensor_p], c_size_t),
+    ("base", "ggml_op_name", [c_int], c_char_p),
+    ("base", "ggml_type_name", [c_int], c_char_p),
+    ("base", "ggml_status_to_string", [c_int], c_char_p),
+    ("base", "ggml_get_type_traits", [c_int], POINTER(GgmlTypeTraits)),
+    ("base", "ggml_backend_graph_compute", [ggml_backend_t, ggml_cgraph_p], c_int),
+    ("base", "ggml_backend_free", [ggml_backend_t], None),
+    ("base", "ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t], ggml_backend_buffer_t),
+    ("base", "ggml_backend_buffer_free", [ggml_backend_buffer_t], None),
+    ("cpu", "ggml_backend_cpu_init", [], ggml_backend_t),
+    ("cpu", "ggml_backend_cpu_set_n_threads", [ggml_backend_t, c_int], None),
+    ("cpu", "ggml_get_type_traits_cpu", [c_int], POINTER(GgmlTypeTraitsCpu)),
+]
+
+
+class GgmlLibrary:
+    """The loaded libraries, with every function of `_FUNCTIONS` as an attribute."""
+
+    def __init__(self, base: ctypes.CDLL, cpu: ctypes.CDLL, cpu_path: Path) -> None:
+        self.cpu_path = cpu_path
+        libs = {"base": base, "cpu": cpu}
+        for lib, name, argtypes, restype in _FUNCTIONS:
+            fn = getattr(libs[lib], name)
+            fn.argtypes, fn.restype = argtypes, restype
+            setattr(self, name, fn)
+        expected = GGML_OBJECT_SIZE + ctypes.sizeof(GgmlTensor)
+        if self.ggml_tensor_overhead() != expected:
+            raise OSError(
+                f"{cpu_path.parent}: struct ggml_tensor is not the one of llama.cpp "
+                f"{LLAMA_VERSION} (overhead {self.ggml_tensor_overhead()}, expected {expected})"
+            )
+
+
+def library_dirs() -> list[Path]:
+    """Where the libraries may be, in order: $FLEETD_GGML_LIB_DIR, the build cache of
+    scripts/build-llama.sh, then next to this package (what `fleetctl deploy` ships)."""
+    if os.environ.get("FLEETD_GGML_LIB_DIR"):
+        return [Path(os.environ["FLEETD_GGML_LIB_DIR"])]
+    cache = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd"))
+    return [cache / f"llama.cpp-{LLAMA_VERSION}" / "lib", Path(__file__).with_name("_lib")]
+
+
+def _best_cpu_variant(directory: Path) -> Path | None:
+    """libggml-cpu.so of a native build, else the portable variant this CPU scores highest
+    (GGML_BACKEND_DL builds export `ggml_backend_score`; 0 means it cannot run here)."""
+    native = directory / "libggml-cpu.so"
+    if native.exists():
+        return native
+    best, best_score = None, 0
+    for path in sorted(directory.glob("libggml-cpu-*.so")):
+        try:
+            score_fn = ctypes.CDLL(str(path)).ggml_backend_score
+        except (OSError, AttributeError):
+            continue
+        score_fn.restype = c_int
+        if (score := score_fn()) > best_score:
+            best, best_score = path, score
+    return best
+
+
+def load() -> GgmlLibrary:
+    """Load the libraries from the first directory that has them; OSError says why not."""
+    tried = []
+    for directory in library_dirs():
+        base_path = directory / "libggml-base.so"
+        if not base_path.exists():
+            tried.append(f"{directory}: no libggml-base.so")
+            continue
+        cpu_path = _best_cpu_variant(directory)
+        if cpu_path is None:
+            tried.append(f"{directory}: no libggml-cpu that runs on this CPU")
+            continue
+        # RTLD_GLOBAL: libggml-cpu resolves its libggml-base symbols against this copy.
+        base = ctypes.CDLL(str(base_path), mode=ctypes.RTLD_GLOBAL)
+        return GgmlLibrary(base, ctypes.CDLL(str(cpu_path)), cpu_path)
+    raise OSError("ggml libraries not found (run scripts/build-llama.sh ggml): " + "; ".join(tried))

@@ -1,0 +1,504 @@
+"""What ggml's graph-building functions would have checked, checked before ggml's CPU kernels run.
+
+A node from the wire reaches the kernel without `ggml_mul_mat()` & co. having looked at it. The
+kernels then either stop the process (`GGML_ASSERT`, `GGML_ABORT` on a type they lack) or, worse,
+trust the shapes (MUL_MAT with src0.ne0 != src1.ne0 reads past its input). One rule per op, next
+to the op, mirrors the builder's asserts and the kernel's own; a node whose op has no rule is
+refused. With the extents of every tensor validated (graph.py's rules), a node that passes its
+rule only reads and writes inside its tensors' views.
+
+Index tensors (GET_ROWS, SET_ROWS, MUL_MAT_ID) are the one data-dependent case: the kernels assert
+every index is in range. A rule names them with `needs_indices`; the device checks their values
+before every compute (or proves them in range when ARGSORT/TOP_K of this graph made them).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fleetd.errors import UnsupportedOp
+from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
+from fleetd.wire.ggml import GluOp, UnaryOp, type_name
+
+F32, F16, BF16, I32, I64 = GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64
+FLOATS = frozenset({F32, F16, BF16})
+MAX_ELEMENTS = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class TypeCaps:
+    """What libggml-cpu can do with each type, read from the loaded library's type traits."""
+
+    vec_dot: frozenset[int]  # types MUL_MAT takes as src0
+    vec_dot_type: dict[int, int]  # the type src1 is converted to for that dot product
+    from_float: frozenset[int]  # types CPY/SET_ROWS can write from f32
+    to_float: frozenset[int]  # types GET_ROWS / flash attention can read back
+
+
+@dataclass(frozen=True, slots=True)
+class IndexUse:
+    """`index` holds row numbers that the kernel asserts are in [0, bound)."""
+
+    index: RpcTensor
+    bound: int
+
+
+class Refused(UnsupportedOp):
+    pass
+
+
+Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse] | None"]
+RULES: dict[int, Rule] = {}
+# Tensors of a node (-1: the result, i: src i) that its kernel addresses element by element
+# through nb0. Every other tensor must have packed rows (nb0 == type size), as kernels assert.
+STRIDED: dict[int, tuple[int, ...]] = {}
+ANY_STRIDES = tuple(range(-1, 10))
+
+
+def rule(*ops: GgmlOp, strided: tuple[int, ...] = ()):
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+            STRIDED[op] = strided
+        return fn
+
+    return register
+
+
+def wire_op_name(op: int) -> str:
+    return GgmlOp(op).name if op in GgmlOp._value2member_map_ else f"op {op}"
+
+
+def describe(node: RpcTensor, srcs: list) -> str:
+    parts = [f"{wire_op_name(node.op)} {node.describe()}"]
+    parts += [f"src{i} {type_name(s.type)} ne={list(s.ne)}" for i, s in enumerate(srcs) if s]
+    return ", ".join(parts)
+
+
+def refuse(node: RpcTensor, srcs: list, why: str) -> Refused:
+    return Refused(f"{describe(node, srcs)}: {why} (refused on the ggml device)")
+
+
+def need(cond: bool, node: RpcTensor, srcs: list, why: str) -> None:
+    if not cond:
+        raise refuse(node, srcs, why)
+
+
+def src(node: RpcTensor, srcs: list, i: int) -> RpcTensor:
+    if i >= len(srcs) or srcs[i] is None:
+        raise refuse(node, srcs, f"src{i} missing")
+    return srcs[i]
+
+
+def opt_src(srcs: list, i: int) -> RpcTensor | None:
+    return srcs[i] if i < len(srcs) else None
+
+
+# -- shape predicates, as ggml.c spells them ------------------------------------------------------
+
+
+def nelements(t: RpcTensor) -> int:
+    return t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+
+
+def same_shape(a: RpcTensor, b: RpcTensor) -> bool:
+    return tuple(a.ne) == tuple(b.ne)
+
+
+def can_repeat(small: RpcTensor, big: RpcTensor) -> bool:
+    return all(s > 0 and b % s == 0 for s, b in zip(small.ne, big.ne))
+
+
+def row_size(t: RpcTensor) -> int:
+    tr = TYPE_TRAITS[t.type]
+    return t.ne[0] // tr.blck_size * tr.type_size
+
+
+def contiguous_from(t: RpcTensor, n: int) -> bool:
+    """ggml_is_contiguous_n: dims above n are packed (dims of size 1 do not count)."""
+    tr = TYPE_TRAITS[t.type]
+    next_nb = tr.type_size
+    if t.ne[0] != tr.blck_size and t.nb[0] != next_nb:
+        return False
+    next_nb *= t.ne[0] // tr.blck_size
+    for i in range(1, 4):
+        if t.ne[i] != 1:
+            if i > n:
+                if t.nb[i] != next_nb:
+                    return False
+                next_nb *= t.ne[i]
+            else:
+                next_nb = t.ne[i] * t.nb[i]
+    return True
+
+
+def rows_ascending(t: RpcTensor, _n: int = 1) -> bool:
+    """Rows never overlap and each dim starts past the previous one: a kernel that walks row r
+    at r*nb1 (r < nrows) stays inside the tensor's extent."""
+    return t.nb[1] >= row_size(t) and t.nb[2] >= t.ne[1] * t.nb[1] and t.nb[3] >= t.ne[2] * t.nb[2]
+
+
+def contiguous(t: RpcTensor) -> bool:
+    return contiguous_from(t, 0)
+
+
+def rows_packed(t: RpcTensor) -> bool:
+    """ggml_is_contiguous_rows: each row's elements are adjacent."""
+    return t.ne[0] == TYPE_TRAITS[t.type].blck_size or t.nb[0] == TYPE_TRAITS[t.type].type_size
+
+
+def transposed(t: RpcTensor) -> bool:
+    return t.nb[0] > t.nb[1]
+
+
+def f32_param(node: RpcTensor, slot: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", node.op_params[slot]))[0]
+
+
+def check_types(node, srcs, dst_types, *src_types) -> None:
+    need(node.type in dst_types, node, srcs, f"result type {type_name(node.type)} not taken")
+    for i, types in enumerate(src_types):
+        s = src(node, srcs, i)
+        need(s.type in types, node, srcs, f"src{i} type {type_name(s.type)} not taken")
+
+
+def check_rows_packed(node, srcs, *tensors) -> None:
+    for t in tensors:
+        if not rows_packed(t):
+            raise refuse(node, srcs, f"{t.describe()} rows are not packed (nb0={t.nb[0]})")
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+@rule(GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE)
+def metadata(node, srcs, caps):
+    return None  # the CPU backend skips them: nothing is read or written
+
+
+@rule(GgmlOp.ADD, GgmlOp.SUB, GgmlOp.MUL, GgmlOp.DIV, strided=(1,))
+def binary(node, srcs, caps):
+    # ggml_add_impl & co: b repeats into a, the result has a's shape; binary-ops.cpp takes
+    # f32/f16/bf16 with packed rows for dst and src0, and src1 of dst's type or f32.
+    a, b = src(node, srcs, 0), src(node, srcs, 1)
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(can_repeat(b, a), node, srcs, "src1 does not repeat into src0")
+    need(a.type == node.type and node.type in FLOATS, node, srcs, "src0/result types not taken")
+    need(b.type in (node.type, F32), node, srcs, "src1 type not taken")
+    check_rows_packed(node, srcs, node, a)  # src1 may be strided: walked element by element
+
+
+@rule(GgmlOp.SCALE)
+def scale(node, srcs, caps):
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in (F32, BF16), node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
+
+
+@rule(GgmlOp.RMS_NORM)
+@rule(GgmlOp.NORM, GgmlOp.L2_NORM, strided=(-1, 0))  # ops/norm: these two walk nb0
+def norm(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    if node.op == GgmlOp.RMS_NORM:  # asserts packed rows
+        check_rows_packed(node, srcs, node, a)
+    eps = f32_param(node, 0)
+    need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
+
+
+@rule(GgmlOp.UNARY)
+def unary(node, srcs, caps):
+    a = src(node, srcs, 0)
+    need(0 <= node.op_params[0] < len(UnaryOp), node, srcs, f"unary op {node.op_params[0]}")
+    need(node.type == a.type == F32, node, srcs, "types not taken (f32 only)")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    # gelu/silu & co walk rows as one flat list (i*nb1): fine when the layout only grows;
+    # xielu asserts contiguous_1
+    packed = contiguous_from if node.op_params[0] == UnaryOp.XIELU else rows_ascending
+    need(packed(a, 1) and packed(node, 1), node, srcs, "row layout not taken")
+
+
+@rule(GgmlOp.GLU)
+def glu(node, srcs, caps):
+    # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
+    a, b = src(node, srcs, 0), opt_src(srcs, 1)
+    need(0 <= node.op_params[0] < len(GluOp), node, srcs, f"glu op {node.op_params[0]}")
+    f16_ok = node.op_params[0] != GluOp.SWIGLU_OAI  # f32 only
+    need(node.type == a.type and (a.type == F32 or (a.type == F16 and f16_ok)), node, srcs,
+         "types not taken")
+    need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
+    if b is not None:
+        need(same_shape(a, b) and b.type == a.type, node, srcs, "src1 differs from src0")
+        need(contiguous_from(b, 1), node, srcs, "src1 rows are not packed")
+        need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    else:
+        want = (a.ne[0] // 2, *a.ne[1:])
+        need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+
+
+@rule(GgmlOp.MUL_MAT)
+def mul_mat(node, srcs, caps):
+    # ggml_mul_mat: ggml_can_mul_mat(a, b), !transposed(a), result [a.ne1, b.ne1, b.ne2, b.ne3]
+    # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32 or that dot's own type.
+    a, b = src(node, srcs, 0), src(node, srcs, 1)
+    need(a.ne[0] == b.ne[0], node, srcs, "src0.ne0 != src1.ne0")
+    need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, node, srcs, "src0 does not broadcast")
+    need(not transposed(a), node, srcs, "src0 is transposed")
+    want = (a.ne[1], b.ne[1], b.ne[2], b.ne[3])
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+    need(node.type == F32, node, srcs, "result must be f32")
+    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
+    need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
+    check_rows_packed(node, srcs, node, a, b)
+    need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs, "result is permuted")
+
+
+@rule(GgmlOp.MUL_MAT_ID)
+def mul_mat_id(node, srcs, caps):
+    # ggml_mul_mat_id: as [k, m, n_as], b [k, n_used or 1, n_tokens], ids i32 [n_used, n_tokens]
+    a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
+    need(ids.type == I32, node, srcs, "ids must be i32")
+    need(a.ne[3] == 1 and b.ne[3] == 1, node, srcs, "src0/src1 must be 3-d")
+    need(ids.ne[2] == 1 and ids.ne[3] == 1, node, srcs, "ids must be 2-d")
+    need(ids.ne[1] == b.ne[2], node, srcs, "ids.ne1 != src1.ne2 (tokens)")
+    need(a.ne[0] == b.ne[0], node, srcs, "src0.ne0 != src1.ne0")
+    need(b.ne[1] > 0 and ids.ne[0] % b.ne[1] == 0, node, srcs, "src1 does not broadcast to ids")
+    need(not transposed(a), node, srcs, "src0 is transposed")
+    want = (a.ne[1], ids.ne[0], b.ne[2], 1)
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+    need(node.type == F32, node, srcs, "result must be f32")
+    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
+    need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
+    check_rows_packed(node, srcs, node, a, b, ids)
+    return [IndexUse(ids, a.ne[2])]
+
+
+@rule(GgmlOp.GET_ROWS, strided=(1,))  # row ids are read one by one
+def get_rows(node, srcs, caps):
+    # ggml_get_rows: a [n, rows, ne2, ne3], b i32 [k, ne2, ne3] -> [n, k, ne2, ne3] f32 (i32 a: i32)
+    a, b = src(node, srcs, 0), src(node, srcs, 1)
+    need(b.type == I32, node, srcs, "row ids must be i32")
+    need(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2] and b.ne[3] == 1, node, srcs, "ids do not match")
+    want = (a.ne[0], b.ne[0], b.ne[1], b.ne[2])
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+    need(node.type == (I32 if a.type == I32 else F32), node, srcs, "result type not taken")
+    need(a.type in FLOATS or a.type == I32 or a.type in caps.to_float, node, srcs, "src0 type")
+    check_rows_packed(node, srcs, node, a)
+    return [IndexUse(b, a.ne[1])]
+
+
+@rule(GgmlOp.SET_ROWS, strided=(1,))
+def set_rows(node, srcs, caps):
+    # ggml_set_rows(a, b, c): the node is a view of a; b f32/f16 rows, c i64/i32 row numbers.
+    b, c = src(node, srcs, 0), src(node, srcs, 1)
+    need(node.ne[0] == b.ne[0] and node.ne[2] == b.ne[2] and node.ne[3] == b.ne[3], node, srcs,
+         "src0 does not match the destination")
+    need(b.ne[1] == c.ne[0], node, srcs, "src0.ne1 != number of row ids")
+    need(c.ne[1] > 0 and c.ne[2] > 0 and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0,
+         node, srcs, "row ids do not broadcast")
+    need(c.ne[3] == 1, node, srcs, "row ids must be 3-d")
+    need(b.type in (F32, F16), node, srcs, "src0 must be f32 or f16")
+    need(c.type in (I64, I32), node, srcs, "row ids must be i64 or i32")
+    need(node.type in FLOATS or node.type in caps.from_float, node, srcs, "result type not taken")
+    check_rows_packed(node, srcs, node, b)
+    return [IndexUse(c, node.ne[1])]
+
+
+@rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT, strided=ANY_STRIDES)  # ops/dup walks any strides
+def copy(node, srcs, caps):
+    # ggml_cpy/ggml_cont: same element count; ops/dup: float <-> float at any strides, same type
+    # bytes, f32 -> a quantized type into packed rows, quantized -> f32 packed.
+    a = src(node, srcs, 0)
+    need(nelements(a) == nelements(node), node, srcs, "element counts differ")
+    if node.op == GgmlOp.CONT:
+        need(contiguous(node), node, srcs, "result is not contiguous")
+    quant_a, quant_d = a.type not in TYPE_NOT_QUANT, node.type not in TYPE_NOT_QUANT
+    if not quant_a and not quant_d:
+        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS), node, srcs,
+             "conversion not taken")
+    elif a.type == node.type or quant_d:
+        need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
+        need(a.type == node.type or (a.type in FLOATS and node.type in caps.from_float),
+             node, srcs, "conversion not taken")
+        need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
+        if a.type == node.type:
+            need(contiguous(a), node, srcs, "quantized copy needs contiguous src0")
+    else:
+        need(node.type == F32 and a.type in caps.to_float, node, srcs, "conversion not taken")
+        need(contiguous(a) and contiguous(node), node, srcs, "dequantizing copy needs contiguous")
+
+
+TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16, GgmlType.F64})
+
+
+@rule(GgmlOp.ROPE)
+def rope(node, srcs, caps):
+    # ggml_rope_impl: positions i32, one per token (4 for mrope); n_dims <= ne0; freq factors f32.
+    a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
+    n_dims, mode, n_offs = node.op_params[1], node.op_params[2], node.op_params[15]
+    need(mode in (0, 2), node, srcs, f"rope mode {mode} (normal and neox only)")
+    need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, node, srcs, f"n_dims {n_dims}")
+    need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs,
+         f"n_offs {n_offs}")
+    need(pos.type == I32 and pos.ne[1:] == (1, 1, 1), node, srcs, "positions must be i32 vector")
+    need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
+    if freq is not None:
+        need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
+    need(a.type in (F32, F16) and node.type == a.type, node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    check_rows_packed(node, srcs, node, a, pos)
+
+
+@rule(GgmlOp.SOFT_MAX)
+def soft_max(node, srcs, caps):
+    # ggml_soft_max_impl: a contiguous f32; mask f16/f32 contiguous, ne0 equal, ne1 >= a.ne1,
+    # broadcast over ne2/ne3; sinks f32, one per head (a.ne2).
+    a, mask, sinks = src(node, srcs, 0), opt_src(srcs, 1), opt_src(srcs, 2)
+    check_types(node, srcs, {F32}, {F32})
+    need(contiguous(a) and same_shape(node, a), node, srcs, "src0 contiguous, result of its shape")
+    need(contiguous(node), node, srcs, "result is not contiguous")
+    if mask is not None:
+        need(mask.type in (F16, F32) and contiguous(mask), node, srcs, "mask f16/f32 contiguous")
+        need(mask.ne[0] == a.ne[0] and mask.ne[1] >= a.ne[1], node, srcs, "mask shape")
+        need(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, node, srcs, "mask broadcast")
+    if sinks is not None:
+        need(sinks.type == F32 and sinks.ne[0] >= a.ne[2], node, srcs, "sinks: f32, one per head")
+
+
+@rule(GgmlOp.FLASH_ATTN_EXT)
+def flash_attn_ext(node, srcs, caps):
+    # ggml_flash_attn_ext: q [d, n_q, h, b] f32, k [d, n_kv, h_kv, b], v [dv, n_kv, h_kv, b],
+    # mask f16 contiguous [>= n_kv, >= n_q, ...] -> [dv, h, n_q, b] f32.
+    q, k, v = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
+    mask, sinks = opt_src(srcs, 3), opt_src(srcs, 4)
+    need(q.type == F32, node, srcs, "q must be f32")
+    need(k.ne[0] == q.ne[0], node, srcs, "k.ne0 != q.ne0")
+    need(k.ne[2] > 0 and q.ne[2] % k.ne[2] == 0 and v.ne[2] > 0 and q.ne[2] % v.ne[2] == 0,
+         node, srcs, "heads do not broadcast")
+    need(q.ne[3] == k.ne[3] == v.ne[3], node, srcs, "batch dims differ")
+    need(v.ne[1] == k.ne[1], node, srcs, "k and v lengths differ")
+    need(k.type in caps.vec_dot and caps.vec_dot_type[k.type] in caps.from_float, node, srcs,
+         "k type not taken")
+    need(v.type in (F16, F32) or v.type in caps.to_float, node, srcs, "v type not taken")
+    if mask is not None:
+        need(mask.type == F16 and contiguous(mask), node, srcs, "mask must be contiguous f16")
+        need(mask.ne[0] >= k.ne[1] and mask.ne[1] >= q.ne[1], node, srcs, "mask too small")
+        need(q.ne[2] % mask.ne[2] == 0 and q.ne[3] % mask.ne[3] == 0, node, srcs, "mask broadcast")
+    if sinks is not None:
+        need(sinks.type == F32 and sinks.ne[0] >= q.ne[2], node, srcs, "sinks: f32, one per head")
+    want = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
+    need(tuple(node.ne) == want and node.type == F32, node, srcs, f"result is not f32 {list(want)}")
+    need(contiguous(node), node, srcs, "result is not contiguous")
+    check_rows_packed(node, srcs, q, k, v)
+
+
+@rule(GgmlOp.CLAMP)
+def clamp(node, srcs, caps):
+    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
+
+
+@rule(GgmlOp.MEAN)
+def mean(node, srcs, caps):
+    return sum_rows(node, srcs, caps)
+
+
+@rule(GgmlOp.ARGMAX)
+def argmax(node, srcs, caps):
+    # ggml_argmax: a matrix f32 -> i32 [ne1]
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {I32}, {F32})
+    need(a.ne[2] == 1 and a.ne[3] == 1, node, srcs, "src0 must be a matrix")
+    need(tuple(node.ne) == (a.ne[1], 1, 1, 1), node, srcs, "result shape is not [ne1]")
+
+
+@rule(GgmlOp.CONCAT, strided=ANY_STRIDES)
+def concat(node, srcs, caps):
+    # ggml_concat: 4-byte elements, same type; dims equal except `dim`, which adds up
+    a, b, dim = src(node, srcs, 0), src(node, srcs, 1), node.op_params[0]
+    need(0 <= dim < 4, node, srcs, f"dim {dim}")
+    need(a.type == b.type == node.type and TYPE_TRAITS[a.type].type_size == 4
+         and TYPE_TRAITS[a.type].blck_size == 1, node, srcs, "types not taken (4-byte elements)")
+    want = tuple(a.ne[i] + b.ne[i] if i == dim else a.ne[i] for i in range(4))
+    need(all(a.ne[i] == b.ne[i] for i in range(4) if i != dim), node, srcs, "src shapes differ")
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+
+
+@rule(GgmlOp.PAD, strided=(0,))
+def pad(node, srcs, caps):
+    # ggml_pad_ext: f32, result = src0 + left/right pads per dim; the kernel writes it flat
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    pads = node.op_params[:8]
+    need(all(p >= 0 for p in pads), node, srcs, "negative padding")
+    want = tuple(a.ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4))
+    need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
+    need(contiguous(node), node, srcs, "result is not contiguous")
+    need(node.op_params[8] in (0, 1), node, srcs, "circular flag")
+
+
+@rule(GgmlOp.ADD_ID, strided=(2,))
+def add_id(node, srcs, caps):
+    # ggml_add_id: a [n, n_used, tokens] + b[:, ids] (b [n, n_experts]); ids i32 [n_used, tokens]
+    a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
+    check_types(node, srcs, {F32}, {F32}, {F32}, {I32})
+    need(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], node, srcs,
+         "src shapes do not match ids")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    return [IndexUse(ids, b.ne[1])]
+
+
+@rule(GgmlOp.ARGSORT)
+def argsort(node, srcs, caps):
+    a = src(node, srcs, 0)
+    need(node.op_params[0] in (0, 1), node, srcs, f"sort order {node.op_params[0]}")
+    check_types(node, srcs, {I32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    check_rows_packed(node, srcs, node, a)
+
+
+@rule(GgmlOp.TOP_K)
+def top_k(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {I32}, {F32})
+    need(0 < node.ne[0] <= a.ne[0] and node.ne[1:] == a.ne[1:], node, srcs, "result shape")
+    check_rows_packed(node, srcs, node, a)
+
+
+@rule(GgmlOp.SUM_ROWS)
+def sum_rows(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(tuple(node.ne) == (1, *a.ne[1:]), node, srcs, "result shape is not [1, ne1, ne2, ne3]")
+    check_rows_packed(node, srcs, node, a)
+
+
+def index_producers(op: int) -> bool:
+    """Ops whose i32 results are indices into their src0's rows: in range by construction."""
+    return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
+
+
+def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
+    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads."""
+    fn = RULES.get(node.op)
+    if fn is None:
+        raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
+    strided = STRIDED[node.op]
+    for i, t in enumerate((node, *srcs)):
+        if t is None:
+            continue
+        if i - 1 not in strided and t.nb[0] != TYPE_TRAITS[t.type].type_size:
+            raise refuse(node, srcs, f"{t.describe()} nb0={t.nb[0]}: the kernels take packed rows")
+        if nelements(t) > MAX_ELEMENTS:  # stride-0 shapes stay in bounds but overflow int64 math
+            raise refuse(node, srcs, f"{t.describe()} has more than 2^40 elements")
+        tr = TYPE_TRAITS[t.type]
+        if tr.blck_size > 1 and (t.ne[0] % tr.blck_size or t.nb[0] != tr.type_size):
+            raise refuse(node, srcs, f"{t.describe()} is not made of whole packed blocks")
+    return fn(node, srcs, caps) or []

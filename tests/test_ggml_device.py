@@ -1,0 +1,411 @@
+"""The ggml device (`--device cpu`): ggml's CPU kernels over fleetd's buffers.
+
+- Every op rule of fleetd/compute/ggml/rules.py, broken one at a time, through fleetd's own
+  GraphBuilder/RpcClient: the connection that sent it is closed, the next client is answered;
+  the same graph unbroken computes (so a rule that refuses everything fails here).
+- The graphs that kill the stock ggml-rpc-server (a failed GGML_ASSERT) do not kill fleetd.
+- 100 graph computes from 4 concurrent sessions leave RSS, threads and fds where they were.
+- `llama-completion --temp 0 -n 64` prints byte-identical text through fleetd and the stock
+  server for every family and weight type of tests/test_llama_e2e.py, flash attention on and off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import endpoint
+
+from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
+from fleetd.client.rpc import RpcClient
+from fleetd.compute.device import make_device
+from fleetd.errors import PeerClosed, TransportError
+from fleetd.models import generate
+from fleetd.tools import have_tool, find_tool
+from fleetd.wire import GgmlOp, GgmlType
+
+try:
+    from fleetd.compute.ggml.device import GgmlCpuDevice, load_device
+
+    load_device()
+except OSError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"ggml libraries: {exc}", allow_module_level=True)
+
+F32, F16, I32, I64, Q8_0 = GgmlType.F32, GgmlType.F16, GgmlType.I32, GgmlType.I64, GgmlType.Q8_0
+
+
+class Slab:
+    """Tensors placed one after another in one remote buffer, filled with seeded values."""
+
+    def __init__(self, client: RpcClient, size: int = 1 << 20):
+        self.client, self.g = client, GraphBuilder()
+        self.handle, _ = client.alloc_buffer(size)
+        self.base, self.next = client.buffer_get_base(self.handle), 0
+        self.rng = np.random.default_rng(7)
+
+    def place(self, t: Tensor) -> Tensor:
+        self.g.place(t, self.handle, self.base + self.next)
+        self.next += (t.nbytes + 63) // 64 * 64
+        return t
+
+    def leaf(self, type_, ne, values=None) -> Tensor:
+        t = self.place(self.g.tensor(type_, ne))
+        if values is None:
+            n = int(np.prod(ne))
+            values = self.rng.standard_normal(n).astype(np.float32)
+            if type_ == F16:
+                values = values.astype(np.float16)
+        self.client.set_tensor(t.rpc(), np.ascontiguousarray(values).tobytes())
+        return t
+
+    def node(self, op, type_, ne, srcs, params=()) -> Tensor:
+        t = self.g.tensor(type_, ne)
+        t.op, t.src = op, list(srcs)
+        for i, p in enumerate(params):
+            t.op_params[i] = p
+        return self.place(t)
+
+    def compute(self, *nodes: Tensor) -> None:
+        self.client.graph_compute(self.g.serialize(list(nodes)))
+
+
+# One case per rule: build(slab, bad) returns the nodes; bad=True breaks exactly that rule.
+
+
+def mul_mat_k(s, bad):
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 3), [s.leaf(F32, (8, 4)), s.leaf(F32, (16 if bad else 8, 3))])]
+
+
+def mul_mat_shape(s, bad):
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 5 if bad else 3), [s.leaf(F32, (8, 4)), s.leaf(F32, (8, 3))])]
+
+
+def mul_mat_type(s, bad):
+    return [s.node(GgmlOp.MUL_MAT, F16 if bad else F32, (4, 3), [s.leaf(F32, (8, 4)), s.leaf(F32, (8, 3))])]
+
+
+def mul_mat_id_ids(s, bad):
+    ids = s.leaf(I32, (2, 3), np.array([0, 1, 1, 2, 2, 5 if bad else 0], np.int32))
+    return [s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
+
+
+def ids_view_not_inside_argsort(s, bad):
+    # ids claim to be a view of an ARGSORT of this graph but point at client bytes
+    probs = s.leaf(F32, (3, 3))
+    order = s.node(GgmlOp.ARGSORT, I32, (3, 3), [probs], [1])
+    ids = s.leaf(I32, (2, 3), np.array([0, 1, 1, 2, 2, 7 if bad else 0], np.int32))
+    ids.view_src, ids.op, ids.src = order, GgmlOp.VIEW, [order]
+    return [order, s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
+
+
+def ids_rewritten_before_use(s, bad):
+    # ARGSORT makes in-range ids; a CPY in between may not overwrite them with client bytes
+    order = s.node(GgmlOp.ARGSORT, I32, (3, 3), [s.leaf(F32, (3, 3))], [1])
+    ids = s.g.view_of(order, (2, 3), (4, 12, 36, 36), 0)
+    junk = s.leaf(I32, (3, 3), np.full(9, 7, np.int32))
+    nodes = [order, s.g.cpy(junk, order)] if bad else [order]
+    return nodes + [s.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])]
+
+
+def op_past_enum(s, bad):
+    return [s.node(250 if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
+
+
+def op_without_rule(s, bad):
+    return [s.node(GgmlOp.SQR if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
+
+
+def add_repeat(s, bad):
+    return [s.node(GgmlOp.ADD, F32, (8, 4), [s.leaf(F32, (8, 4)), s.leaf(F32, (3 if bad else 8, 1))])]
+
+
+def mul_result_shape(s, bad):
+    return [s.node(GgmlOp.MUL, F32, (8, 8 if bad else 4), [s.leaf(F32, (8, 4)), s.leaf(F32, (8, 1))])]
+
+
+def rms_norm_type(s, bad):
+    t = F16 if bad else F32
+    return [s.node(GgmlOp.RMS_NORM, t, (8, 2), [s.leaf(t, (8, 2))], [f32_bits(1e-6)])]
+
+
+def get_rows_range(s, bad):
+    rows = s.leaf(I32, (3,), np.array([0, 3, 9 if bad else 1], np.int32))
+    return [s.node(GgmlOp.GET_ROWS, F32, (8, 3), [s.leaf(F32, (8, 4)), rows])]
+
+
+def set_rows_range(s, bad):
+    dst = s.leaf(F16, (8, 4))
+    rows = s.leaf(I64, (2,), np.array([1, -1 if bad else 3], np.int64))
+    node = s.g.view_of(dst, dst.ne, dst.nb, 0)
+    node.op, node.src = GgmlOp.SET_ROWS, [s.leaf(F32, (8, 2)), rows, dst]
+    return [node]
+
+
+def rope_dims(s, bad):
+    pos = s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
+    params = [0, 16 if bad else 8, 2, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0]
+    return [s.node(GgmlOp.ROPE, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
+
+
+def soft_max_mask(s, bad):
+    mask = s.leaf(F32, (4 if bad else 8, 2))
+    return [s.node(GgmlOp.SOFT_MAX, F32, (8, 2), [s.leaf(F32, (8, 2)), mask], [f32_bits(1.0), 0])]
+
+
+def flash_attn_kv(s, bad):
+    q, k = s.leaf(F32, (64, 1, 2)), s.leaf(F16, (64, 32, 2))
+    v, mask = s.leaf(F16, (64, 16 if bad else 32, 2)), s.leaf(F16, (32, 1))
+    return [s.node(GgmlOp.FLASH_ATTN_EXT, F32, (64, 2, 1), [q, k, v, mask], [f32_bits(0.125), 0, 0, 0])]
+
+
+def glu_shape(s, bad):
+    return [s.node(GgmlOp.GLU, F32, (8 if bad else 4, 2), [s.leaf(F32, (8, 2))], [2, 0])]
+
+
+def unary_op(s, bad):
+    return [s.node(GgmlOp.UNARY, F32, (8,), [s.leaf(F32, (8,))], [99 if bad else 10])]
+
+
+def cpy_count(s, bad):
+    dst = s.leaf(F16, (8, 3 if bad else 2))
+    return [s.g.cpy(s.leaf(F32, (8, 2)), dst)]
+
+
+def cpy_quant_block(s, bad):
+    # f32 rows of 16 into q8_0 (blocks of 32): the quantizer would write past the row
+    dst = s.leaf(Q8_0, (32, 1), np.zeros(34, np.uint8))
+    return [s.g.cpy(s.leaf(F32, (16 if bad else 32, 1)), dst)]
+
+
+def outside_buffer(s, bad):
+    node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
+    if bad:
+        node.data = s.base + (1 << 20) - 16  # 32 bytes from 16 before the end
+    return [node]
+
+
+CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_inside_argsort,
+         ids_rewritten_before_use, op_past_enum, op_without_rule,
+         add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
+         soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
+         outside_buffer]
+
+
+@pytest.fixture(scope="module")
+def ggml_server():
+    from fleetd.server import Server, ServerConfig
+
+    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"]))
+    srv.start()
+    assert isinstance(srv.state.devices[0], GgmlCpuDevice)
+    yield srv
+    srv.stop()
+
+
+def send(server_endpoint: str, case, bad: bool) -> bool:
+    """True when the graph computed (and a GET_TENSOR answered), False when the server closed."""
+    with RpcClient(server_endpoint).open() as c:
+        s = Slab(c)
+        nodes = case(s, bad)
+        try:
+            s.compute(*nodes)
+            c.get_tensor(nodes[0].rpc())
+            return True
+        except (PeerClosed, TransportError, ConnectionError):
+            return False
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
+def test_rule_refuses_the_broken_graph_and_serves_the_next(ggml_server, case):
+    ep = endpoint(ggml_server)
+    assert send(ep, case, bad=False), f"{case.__name__}: the valid graph was refused"
+    assert not send(ep, case, bad=True), f"{case.__name__}: the broken graph was computed"
+    assert send(ep, case, bad=False), "fleetd did not answer the next client"
+
+
+def test_results_are_ggml_kernels(ggml_server):
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+        w, x = s.leaf(F32, (8, 4)), s.leaf(F32, (8, 3))
+        y = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x])
+        s.compute(y)
+        wv = np.frombuffer(c.get_tensor(w.rpc()), np.float32).reshape(4, 8)
+        xv = np.frombuffer(c.get_tensor(x.rpc()), np.float32).reshape(3, 8)
+        got = np.frombuffer(c.get_tensor(y.rpc()), np.float32).reshape(3, 4)
+        np.testing.assert_allclose(got, xv @ wv.T, rtol=1e-5)
+        c.set_tensor(x.rpc(), np.ones(24, np.float32).tobytes())
+        c.graph_recompute()  # the stored ggml graph, new input bytes
+        got = np.frombuffer(c.get_tensor(y.rpc()), np.float32).reshape(3, 4)
+        np.testing.assert_allclose(got, np.ones((3, 8), np.float32) @ wv.T, rtol=1e-5)
+
+
+def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):
+    assert type(make_device("numpy")).__name__ == "NumpyDevice"
+    monkeypatch.setenv("FLEETD_GGML_LIB_DIR", str(tmp_path))  # no libraries there
+    with caplog.at_level("WARNING", logger="fleetd"):
+        dev = make_device("cpu")
+    assert type(dev).__name__ == "NumpyDevice"
+    assert [r.message for r in caplog.records if "numpy device" in r.message]
+
+
+def test_buffers_are_aligned_for_ggml():
+    dev = load_device()
+    for size in (1, 33, 4097, 1 << 20):
+        assert dev.alloc(size).ctypes.data % 32 == 0
+
+
+PORTABLE = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd")) / "llama.cpp-0.3.36" / "lib-portable"
+
+
+@pytest.mark.skipif(not list(PORTABLE.glob("libggml-cpu-*.so")), reason="no portable build "
+                    "(FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml)")
+def test_portable_build_loads_the_variant_this_cpu_scores_best():
+    # A process of its own: this one already holds the native libggml-base.
+    code = """if 1:
+        import numpy as np
+        from fleetd.client.graph import GraphBuilder
+        from fleetd.compute.buffers import BufferRegistry
+        from fleetd.compute.device import make_device
+        from fleetd.wire import GgmlType
+        dev, reg = make_device("cpu"), BufferRegistry()
+        buf = reg.alloc(0, dev, 4096, owner=1)
+        g = GraphBuilder()
+        w = g.tensor(GgmlType.F32, (8, 4), buf.handle, buf.base)
+        x = g.tensor(GgmlType.F32, (8, 3), buf.handle, buf.base + 256)
+        y = g.place(g.mul_mat(w, x), buf.handle, buf.base + 512)
+        buf.array[:128] = np.arange(32, dtype=np.float32).view(np.uint8)
+        buf.array[256:352] = np.ones(24, np.float32).view(np.uint8)
+        dev.build_plan(g.serialize([y]), reg).run()
+        got = buf.array[512:560].view(np.float32).reshape(3, 4)
+        assert (got == np.arange(32, dtype=np.float32).reshape(4, 8).sum(1)).all(), got
+        print(type(dev).__name__, dev.lib.cpu_path.name)
+    """
+    env = dict(os.environ, FLEETD_GGML_LIB_DIR=str(PORTABLE))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    kind, lib_name = out.stdout.split()
+    assert kind == "GgmlCpuDevice" and lib_name.startswith("libggml-cpu-"), out.stdout + out.stderr
+
+
+def _proc_counts() -> tuple[int, int, int]:
+    status = Path("/proc/self/status").read_text()
+    rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+    threads = int(next(line for line in status.splitlines() if line.startswith("Threads")).split()[1])
+    return rss, threads, len(os.listdir("/proc/self/fd"))
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# Threads of this process that are not Python threads (BLAS, the ggml library): counted once.
+NATIVE_ONLY = native_threads() - threading.active_count()
+
+
+def settle() -> None:
+    """Wait until every session the clients closed has ended and its OS thread exited."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        sessions = [t for t in threading.enumerate() if t.name.startswith("fleetd-session")]
+        if not sessions and native_threads() - threading.active_count() <= NATIVE_ONLY:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"sessions still running: {threading.enumerate()}")
+
+
+def test_concurrent_sessions_do_not_leak(ggml_server):
+    ep = endpoint(ggml_server)
+
+    def session(n: int, errors: list) -> None:
+        try:
+            with RpcClient(ep).open() as c:
+                s = Slab(c, 1 << 22)
+                w, x = s.leaf(F32, (256, 256)), s.leaf(F32, (256, 8))
+                y = s.node(GgmlOp.MUL_MAT, F32, (256, 8), [w, x])
+                z = s.node(GgmlOp.SOFT_MAX, F32, (256, 8), [y], [f32_bits(1.0), 0])
+                for _ in range(n):
+                    s.compute(z)  # a new plan (ggml context, graph) every time
+                c.get_tensor(z.rpc())
+                c.free_buffer(s.handle)
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    def run(n: int) -> None:
+        errors: list = []
+        threads = [threading.Thread(target=session, args=(n, errors)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        settle()
+
+    run(5)  # warm up: backends, work buffers, allocator pools
+    rss0, threads0, fds0 = _proc_counts()
+    run(25)  # 100 graph computes
+    rss1, threads1, fds1 = _proc_counts()
+    assert threads1 == threads0 and fds1 == fds0, (threads0, threads1, fds0, fds1)
+    assert rss1 - rss0 < 16 * 1024, f"RSS grew {rss1 - rss0} KiB over 100 graph computes"
+    device = ggml_server.state.devices[0]
+    assert device.live_plans == 0, f"{device.live_plans} ggml contexts outlived their sessions"
+    assert device.backends.created <= 4, f"{device.backends.created} CPU backends for 4 sessions"
+
+
+# -- against the stock server -------------------------------------------------------------------
+
+STOCK_KILLERS = [mul_mat_shape, mul_mat_type, op_past_enum, get_rows_range]
+
+
+@pytest.mark.stock
+@pytest.mark.skipif(not have_tool("ggml-rpc-server"), reason="stock tools not built")
+@pytest.mark.parametrize("case", STOCK_KILLERS, ids=lambda f: f.__name__)
+def test_graph_that_kills_stock_does_not_kill_fleetd(stock_server, ggml_server, case):
+    stock = stock_server()
+    send(stock, case, bad=True)
+    assert stock_server.proc.wait(timeout=30) != 0, "the stock server survived: not a killer"
+    assert not send(endpoint(ggml_server), case, bad=True)
+    assert send(endpoint(ggml_server), case, bad=False)
+
+
+ARCHS = ["llama", "qwen3", "qwen3moe", "gemma3"]
+TYPES = ["f32", "f16", "q8_0", "q4_k"]
+PROMPT = "the time of their first new"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models")
+    for arch in ARCHS:
+        for type_name in TYPES:
+            generate(arch, type_name, out)
+    return out
+
+
+def complete(model: Path, server: str, fa: str) -> bytes:
+    args = [str(find_tool("llama-completion")), "-m", str(model), "--rpc", server, "-ngl", "99",
+            "-p", PROMPT, "-n", "64", "--temp", "0", "-t", "1", "-no-cnv", "-fa", fa, "--seed", "1"]
+    for _ in range(3):  # its asynchronous log thread can lose the tail on a busy machine
+        proc = subprocess.run(args, capture_output=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+        if proc.stdout.endswith(b"\n\n"):
+            break
+    return proc.stdout
+
+
+@pytest.mark.stock
+@pytest.mark.skipif(not have_tool("llama-completion"), reason="stock tools not built")
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_completion_byte_identical_to_stock(models, stock_server, ggml_server, arch, type_name):
+    model = models / f"{arch}-{type_name}.gguf"
+    stock = stock_server()
+    for fa in ("off", "on"):
+        want = complete(model, stock, fa)
+        got = complete(model, endpoint(ggml_server), fa)
+        assert len(want) > len(PROMPT)  # some models end early with [end of text]
+        assert got == want, f"{arch}-{type_name} -fa {fa}:\n stock {want!r}\nfleetd {got!r}"
