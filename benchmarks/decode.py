@@ -29,7 +29,7 @@ from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
 # ~100M-parameter variants ("-bench"): big enough that kernels, not per-op overhead, dominate.
-DEFAULT_MODELS = ["llama-f32-bench", "llama-q8_0-bench", "llama-q4_k-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
+DEFAULT_MODELS = ["llama-q4_k-bench", "llama-q8_0-bench", "llama-f16-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
 
 
 def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
@@ -85,25 +85,40 @@ def ensure_models(models_dir: Path, names: list[str]) -> None:
         generate(arch, type_name, models_dir, size)
 
 
-def table(results: list[dict]) -> str:
-    head = (f"{'model':20} {'test':4} {'stock t/s':>10} {'fleetd t/s':>11} {'ratio':>6} "
-            f"{'stock MiB':>10} {'fleetd MiB':>11}")
+def table(results: list[dict], arms: list[str]) -> str:
+    """One row per model and test: t/s of every arm, fleetd arms as a ratio to stock, peak RSS."""
+    fleetd = [a for a in arms if a != "stock"]
+    head = f"{'model':20} {'test':4} {'stock t/s':>10}"
+    head += "".join(f" {a + ' t/s':>11} {'ratio':>6}" for a in fleetd)
+    head += "".join(f" {a + ' MiB':>11}" for a in arms)
     lines = [head, "-" * len(head)]
     for r in results:
         for kind in ("pp", "tg"):
-            s, f = r["stock"].get(kind), r["fleetd"].get(kind)
-            ratio = f / s if s and f else float("nan")
-            line = f"{r['model']:20} {kind:4} {s or 0:10.1f} {f or 0:11.1f} {ratio:6.2f}"
+            s = r["stock"].get(kind)
+            line = f"{r['model']:20} {kind:4} {s or 0:10.1f}"
+            for a in fleetd:
+                f = r[a].get(kind)
+                line += f" {f or 0:11.1f} {(f / s if s and f else float('nan')):6.2f}"
             if kind == "pp":  # one peak per server and model
-                line += "".join(f" {r[k].get('peak_rss_mib') or 0:{w}.0f}" for k, w in (("stock", 10), ("fleetd", 11)))
+                line += "".join(f" {r[a].get('peak_rss_mib') or 0:11.0f}" for a in arms)
             lines.append(line)
     return "\n".join(lines)
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--devices", default="cpu,numpy",
+                    help="fleetd devices to run beside stock, comma separated (cpu = ggml kernels, numpy)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="servers run in turn this many times, the order reversed each round; medians")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
@@ -112,26 +127,38 @@ def main() -> int:
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
     ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
     args = ap.parse_args()
+    devices = [d for d in args.devices.split(",") if d]
+    if args.rounds < 1 or args.reps < 1 or args.pp < 1 or args.tg < 1 or args.threads < 1:
+        ap.error("--rounds, --reps, --pp, --tg and --threads must be positive")
 
     names = args.models.split(",")
     models_dir = Path(args.models_dir)
     ensure_models(models_dir, names)
+    arms = ["stock", *devices]
     results = []
     for name in names:
-        row = {"model": name}
-        for kind in ("stock", "fleetd"):
-            proc, endpoint = start_server(kind, args.threads, Path(args.log), shlex.split(args.fleetd_args))
-            try:
-                row[kind] = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
-                row[kind]["peak_rss_mib"] = peak_rss_mib(proc.pid)
-            finally:
-                proc.terminate()
-                proc.wait(10)
+        runs: dict[str, list[dict]] = {a: [] for a in arms}
+        for rnd in range(args.rounds):
+            for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+                extra = [] if arm == "stock" else ["--device", arm, *shlex.split(args.fleetd_args)]
+                proc, endpoint = start_server("stock" if arm == "stock" else "fleetd", args.threads,
+                                              Path(args.log), extra)
+                try:
+                    got = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
+                    got["peak_rss_mib"] = peak_rss_mib(proc.pid)
+                    runs[arm].append(got)
+                finally:
+                    proc.terminate()
+                    proc.wait(10)
+        row = {"model": name, "rounds": runs}
+        for arm in arms:
+            row[arm] = {k: median([r[k] for r in runs[arm] if r.get(k)]) for k in ("pp", "tg")}
+            row[arm]["peak_rss_mib"] = max(r["peak_rss_mib"] or 0 for r in runs[arm])
         results.append(row)
-        print(f"{name}: stock {row['stock']} fleetd {row['fleetd']}", flush=True)
-    print(table(results))
-    meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps,
-            "cpus": os.cpu_count(), "fleetd_args": args.fleetd_args, "results": results}
+        print(f"{name}: " + ", ".join(f"{a} {row[a]}" for a in arms), flush=True)
+    print(table(results, arms))
+    meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps, "rounds": args.rounds,
+            "cpus": os.cpu_count(), "devices": devices, "fleetd_args": args.fleetd_args, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(meta, indent=1))
     return 0

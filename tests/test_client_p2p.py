@@ -71,13 +71,14 @@ def client_stats(stderr: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in STATS_LINE.finditer(table)}
 
 
-def complete(model: Path, rpc: list[str], p2p: str, n: int = 64) -> tuple[str, dict[str, int]]:
+def complete(model: Path, rpc: list[str], p2p: str, n: int = 64) -> tuple[bytes, dict[str, int]]:
     args = [str(COMPLETION), "-m", str(model), "--rpc", ",".join(rpc), "-ngl", "99", "-sm", "layer",
             "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", "-no-cnv", "--seed", "1"]
     env = dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1")
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, client_stats(proc.stderr)
+    proc = subprocess.run(args, capture_output=True, timeout=240, env=env, check=False)
+    stderr = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 0, stderr[-3000:]
+    return proc.stdout, client_stats(stderr)  # the text as bytes: a tiny model prints any byte
 
 
 def servers_with_control(fleetd_server, n: int):
@@ -184,8 +185,11 @@ def test_peer_write_never_overtakes_a_slow_destination(fleetd_server, model):
         direct_text, client = complete(model, eps, "1", n=24)
     finally:
         proxy.close()
-    assert client.get("COPY_TENSOR_TO", 0) > 0  # the direct path did run, through the proxy
-    assert client.get("PEER_BARRIER", 0) > 0    # and the destination was fenced before each push
+    # The direct path did run, through the proxy. The client fences the destination with a
+    # PEER_BARRIER only when it left commands there unanswered (llama's decode usually ends a
+    # step with a GET_TENSOR, which answers for everything before it): either way no push may
+    # land before the destination ran what was queued, so the text is the hub's.
+    assert client.get("COPY_TENSOR_TO", 0) > 0
     assert direct_text == hub_text
 
 
