@@ -13,14 +13,16 @@ def tools_dir() -> Path:
     return root / f"llama.cpp-{LLAMA_VERSION}" / "bin"
 
 
-def find_tool(name: str) -> Path:
-    """Path of a pinned tool; raises FileNotFoundError naming the build script when missing."""
-    path = tools_dir() / name
+def _find(directory: Path, name: str, build: str) -> Path:
+    path = directory / name
     if path.is_file() and os.access(path, os.X_OK):
         return path
-    raise FileNotFoundError(
-        f"{name} not found in {tools_dir()}: run scripts/build-llama.sh (about 20 min on 2 cores)"
-    )
+    raise FileNotFoundError(f"{name} not found in {directory}: run {build}")
+
+
+def find_tool(name: str) -> Path:
+    """Path of a pinned stock tool; raises FileNotFoundError naming the build script when missing."""
+    return _find(tools_dir(), name, "scripts/build-llama.sh (about 20 min on 2 cores)")
 
 
 def have_tool(name: str) -> bool:
@@ -37,9 +39,4 @@ def p2p_tools_dir() -> Path:
 
 
 def find_p2p_tool(name: str) -> Path:
-    path = p2p_tools_dir() / name
-    if path.is_file() and os.access(path, os.X_OK):
-        return path
-    raise FileNotFoundError(
-        f"{name} not found in {p2p_tools_dir()}: run scripts/build-llama-p2p.sh (10-20 min on 2 cores)"
-    )
+    return _find(p2p_tools_dir(), name, "scripts/build-llama-p2p.sh (10-20 min on 2 cores)")
