@@ -318,7 +318,10 @@ def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 
     if not fleet:
         raise FleetError("the fleet has no nodes")
     for tool in ("llama-bench", "llama-batched-bench", "llama-completion"):
-        find_p2p_tool(tool)  # FileNotFoundError names the build script
+        try:
+            find_p2p_tool(tool)
+        except FileNotFoundError as exc:  # names the build script
+            raise FleetError(str(exc)) from None
     rpc = ",".join(n.spec.rpc_endpoint for n in fleet)
     total_steps, done = rounds * len(ARMS) * 3, 0
 
