@@ -5,7 +5,7 @@ other over a switch, every link rate-limited with `tc tbf` in both directions.
     root namespace (coordinator: fleetctl, the llama tools)
       fl<L>c<j>  10.211.L.4j+1/30 ──veth, --coordinator-link──  coord0 10.211.L.4j+2/30  ┐
                                                                                        │ fl<L>n<j>
-      fl<L>sw: bridge br, ports p<j> ──veth, --peer-link──  peer0 10.210.L.11+j/24      ┘
+      fl<L>sw: bridge sw0, ports p<j> ──veth, --peer-link──  peer0 10.210.L.11+j/24      ┘
 
 Each node's fleetd binds its peer address 10.210.L.11+j; the root namespace routes that /32
 over the node's coordinator link, so the coordinator's traffic takes the coordinator links and
@@ -100,6 +100,7 @@ class Lab:
         self.state_path = self.dir / STATE_FILE
         self.nodes_file = self.dir / "nodes.txt"
         self.state: dict = {}
+        self._procs: list[subprocess.Popen] = []  # the fleetd this process started (up)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class Lab:
 
     @staticmethod
     def _free_index() -> int:
-        names = set(_sh("ip", "netns", "list").stdout.split())
+        names = _netns_names()
         links = _sh("ip", "-o", "link", "show").stdout
         for i in range(MAX_LABS):
             if f"fl{i}sw" not in names and f" fl{i}c0@" not in links:
@@ -160,8 +161,8 @@ class Lab:
         switch = f"fl{i}sw"
         self._record("namespaces", switch)
         _sh("ip", "netns", "add", switch)
-        _sh("ip", "link", "add", "br", "type", "bridge", ns=switch)
-        _sh("ip", "link", "set", "br", "up", ns=switch)
+        _sh("ip", "link", "add", "sw0", "type", "bridge", ns=switch)
+        _sh("ip", "link", "set", "sw0", "up", ns=switch)
         subnet = f"{PEER_NET}.{i}.0/24"
         lab_nodes = []
         for j in range(count):
@@ -181,7 +182,7 @@ class Lab:
             _sh("ip", "route", "replace", f"{address}/32", "via", coord_node, "dev", root_end)
             # the peer link: node end "peer0", switch end p<j> on the bridge
             _sh("ip", "link", "add", f"p{j}", "type", "veth", "peer", "name", "peer0", "netns", ns, ns=switch)
-            _sh("ip", "link", "set", f"p{j}", "master", "br", "up", ns=switch)
+            _sh("ip", "link", "set", f"p{j}", "master", "sw0", "up", ns=switch)
             _sh("ip", "addr", "add", f"{address}/24", "dev", "peer0", ns=ns)
             _sh("ip", "link", "set", "peer0", "up", ns=ns)
             for dev, where, bits in ((root_end, None, coord_bits), ("coord0", ns, coord_bits),
@@ -209,25 +210,34 @@ class Lab:
             # the pid is fleetd's
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        self._procs.append(proc)
         self._record("pids", proc.pid)
 
     def _wait_ready(self, lab_nodes: list[LabNode]) -> None:
         fleet = Fleet.load(self.nodes_file)
         deadline = time.monotonic() + START_TIMEOUT_S
-        for node, n in zip(fleet, lab_nodes, strict=True):
+        for node, n, proc in zip(fleet, lab_nodes, self._procs, strict=True):
             endpoint = f"{n.address}:{DEFAULT_RPC_PORT}"
             for what, check in (("HELLO", lambda e=endpoint: RpcClient(e, Timeout(connect=1.0, read=2.0)).open().close()),
                                 ("the control API", node.status)):
                 while True:
+                    if proc.poll() is not None:
+                        raise FleetError(f"lab: {n.name}: fleetd exited with {proc.returncode}: {self._log_tail(n)}")
                     try:
                         check()
                         break
                     except Exception as exc:  # not up yet: retried until the deadline
                         if time.monotonic() > deadline:
-                            tail = (self.dir / f"{n.name}.log").read_text(errors="replace").strip().splitlines()[-1:]
                             raise FleetError(f"lab: {n.name} ({endpoint}): no answer to {what} within "
-                                             f"{START_TIMEOUT_S:g}s: {exc} {tail}") from None
+                                             f"{START_TIMEOUT_S:g}s: {exc} ({self._log_tail(n)})") from None
                         time.sleep(0.1)
+
+    def _log_tail(self, n: LabNode) -> str:
+        try:
+            lines = (self.dir / f"{n.name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "no output"
 
     # -- down --------------------------------------------------------------------------------
 
@@ -244,7 +254,10 @@ class Lab:
         for pid in pids:
             _signal(pid, signal.SIGKILL)
             removed.append(f"fleetd pid {pid}")
-        existing = set(_sh("ip", "netns", "list").stdout.split())
+        for proc in self._procs:
+            _reap(proc)
+        self._procs = []
+        existing = _netns_names()
         for ns in reversed(self.state.get("namespaces", [])):
             if ns not in existing:
                 continue
@@ -261,6 +274,18 @@ class Lab:
             path.unlink(missing_ok=True)
         self.state = {}
         return removed
+
+
+def _netns_names() -> set[str]:
+    """`ip netns list` prints "name (id: 3)" once a namespace has an id."""
+    return {line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines() if line.strip()}
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _alive(pid: int) -> bool:
