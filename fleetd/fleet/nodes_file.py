@@ -138,7 +138,7 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             kw[key] = value
         else:
             raise NodesFileError(
-                f"{where}: unknown key {key!r} (known: rpc_port, control_port, devices, name, via_netns)"
+                f"{where}: unknown key {key!r} (known: rpc_port, control_port, devices, name)"
             )
     return NodeSpec(host=host, user=user, ssh_port=ssh_port, line=lineno, **kw)
 
