@@ -307,6 +307,16 @@ def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> lis
     return why
 
 
+def _beyond_spread(hub: ArmSummary, direct: ArmSummary, metric: str) -> str:
+    """Whether the two arms' min..max ranges over rounds overlap (with one round they are points)."""
+    (h_lo, h_hi), (d_lo, d_hi) = hub.spread[metric], direct.spread[metric]
+    if d_lo > h_hi:
+        return "faster beyond the spread"
+    if d_hi < h_lo:
+        return "slower beyond the spread"
+    return "within the spread"
+
+
 def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 128, n_gen: int = 32,
                  progress: Progress | None = None, timeout: float = TOOL_TIMEOUT_S) -> ModelAbResult:
     """Both arms over `rounds` rounds; see the module docstring. Raises ValueError for bad
@@ -354,7 +364,8 @@ def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 
     elif not direct_ran:
         verdict = "same text, but the direct path never ran: " + "; ".join(why)
     else:
-        gains = ", ".join(f"{METRIC_LABELS[m]} x{arms['direct'].median[m] / arms['hub'].median[m]:.2f}"
+        gains = ", ".join(f"{METRIC_LABELS[m]} x{arms['direct'].median[m] / arms['hub'].median[m]:.2f} "
+                          f"({_beyond_spread(arms['hub'], arms['direct'], m)})"
                           for m in METRICS if arms["hub"].median[m])
         verdict = (f"same text in every cell (md5 {arms['hub'].md5[:12]}); direct vs hub: {gains}; "
                    f"{arms['direct'].copies_ok} peer copies")
