@@ -133,3 +133,14 @@ def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
     fractions = [f for _, f in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
     json.dumps(result.as_dict())  # the --json document is JSON
+
+
+@needs_tools
+def test_model_ab_p2p_off_on_the_nodes_is_no_success(tmp_path, model):
+    with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
+        assert local.fleet.map(lambda n: n.set_p2p(False)).ok
+        result = run_model_ab(local.fleet, model, rounds=1, n_prompt=16, n_gen=4)
+    assert result.ok and not result.direct_ran
+    assert result.arms["direct"].per_step["client"].get("COPY_TENSOR_TO", {}).get("count", 0) == 0
+    assert "never ran" in result.verdict
+    assert any("P2P is off on local-0" in why for why in result.why_not_direct), result.why_not_direct

@@ -204,16 +204,20 @@ def _batched(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout
     return {"batched_tps": rows[-1]["s"], "batched": rows}
 
 
-def _complete(model: Path, rpc: str, arm: str, n: int, timeout: float) -> tuple[str, dict]:
+def _complete(fleet: Fleet, model: Path, rpc: str, arm: str, n: int, timeout: float) -> tuple[str, dict, dict]:
+    """Greedy text: (stdout, the client's GGML_RPC_STATS, the nodes' counter deltas)."""
     args = [*_rpc_args(model, rpc), "-p", PROMPT, "-n", str(n), "--temp", "0", "--seed", "1",
             "-no-cnv", "--no-warmup"]
     # llama.cpp logs through an asynchronous thread that can drop the tail of the output at
     # exit on a busy machine; a complete run ends with a blank line, so rerun (at most twice).
+    # The counters are those of the last run alone.
     for _ in range(3):
+        before = _snapshot(fleet)
         p = _run("llama-completion", args, arm, timeout)
+        delta = _delta(before, _snapshot(fleet))
         if p.stdout.endswith("\n\n"):
             break
-    return p.stdout, client_stats(p.stderr, "llama-completion")
+    return p.stdout, client_stats(p.stderr, "llama-completion"), delta
 
 
 def _per_step(short: tuple[dict, dict], long: tuple[dict, dict], steps: int) -> dict:
@@ -258,14 +262,12 @@ def _cell(fleet: Fleet, model: Path, rpc: str, arm: str, n_prompt: int, n_gen: i
     step(f"{arm}: llama-batched-bench")
     cell.update(_batched(model, rpc, arm, n_prompt, n_gen, timeout))
     step(f"{arm}: llama-completion")
-    mid = _snapshot(fleet)
-    _, short_client = _complete(model, rpc, arm, 1, timeout)
-    mid2 = _snapshot(fleet)
-    text, long_client = _complete(model, rpc, arm, n_gen, timeout)
+    _, short_client, short_nodes = _complete(fleet, model, rpc, arm, 1, timeout)
+    text, long_client, long_nodes = _complete(fleet, model, rpc, arm, n_gen, timeout)
     after = _snapshot(fleet)
     cell["md5"] = hashlib.md5(text.encode()).hexdigest()
     cell["text_chars"] = len(text)
-    cell["per_step"] = _per_step((short_client, _delta(mid, mid2)), (long_client, _delta(mid2, after)), n_gen - 1)
+    cell["per_step"] = _per_step((short_client, short_nodes), (long_client, long_nodes), n_gen - 1)
     cell["nodes"] = _delta(before, after)  # the whole cell: copies and fallbacks by reason
     cell["nodes_without_counters"] = sorted(
         name for name, v in after.items() if isinstance(v, Exception) or isinstance(before.get(name), Exception))
