@@ -58,6 +58,7 @@ def model(tmp_path_factory):
     (["--model", "m.gguf", "--n-prompt", "-3"], "--n-prompt -3: must be in 1..4096"),
     (["--steps", "1"], "--steps 1: must be in 2..1000"),
     (["--workload", "model"], "--workload model needs --model"),
+    (["--timeout", "0"], "--timeout 0: must be above 0"),
     (["--model", "/nonexistent.gguf"], "--model /nonexistent.gguf: no such file"),
 ])
 def test_bad_numbers_exit_2_with_one_line(capsys, argv, message):

@@ -75,6 +75,9 @@ def cmd_ab(args) -> int:
         value = getattr(args, attr)
         if value is not None and not low <= value <= high:
             return _usage_error(f"{flag} {value}: must be in {low}..{high}")
+    for flag, value in (("--timeout", args.timeout), ("--connect-timeout", args.connect_timeout)):
+        if not 0 < value <= 3600:
+            return _usage_error(f"{flag} {value:g}: must be above 0 and at most 3600 seconds")
     workload = args.workload or ("model" if args.model else "synthetic")
     if workload == "model" and args.model is None:
         return _usage_error("--workload model needs --model GGUF")

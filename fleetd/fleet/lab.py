@@ -244,6 +244,8 @@ class Lab:
     def down(self) -> list[str]:
         """Remove everything the state file lists (what is already gone is skipped); what was removed."""
         self.state = self.state or self._load()
+        if self.state and os.geteuid() != 0:
+            raise FleetError("lab: removing network namespaces needs root")
         removed = []
         pids = [p for p in self.state.get("pids", []) if _is_lab_fleetd(p)]
         for pid in pids:
@@ -264,11 +266,11 @@ class Lab:
             # anything still running in our namespace is ours (a stray tool, a child)
             for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
                 _signal(int(pid), signal.SIGKILL)
-            _sh("ip", "netns", "del", ns, check=False)
-            removed.append(f"netns {ns}")
+            if _sh("ip", "netns", "del", ns, check=False).returncode == 0:
+                removed.append(f"netns {ns}")
         for link in self.state.get("links", []):  # gone with their peers, unless the move failed
-            if _sh("ip", "link", "show", link, check=False).returncode == 0:
-                _sh("ip", "link", "del", link, check=False)
+            if (_sh("ip", "link", "show", link, check=False).returncode == 0
+                    and _sh("ip", "link", "del", link, check=False).returncode == 0):
                 removed.append(f"link {link}")
         for path in (self.state_path, self.nodes_file):
             path.unlink(missing_ok=True)
