@@ -87,8 +87,9 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         chart = tmp_path / "ab.png"
         code = main(["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--json", "--chart", str(chart)])
-        doc = json.loads(capsys.readouterr().out)
-    assert code == 0, doc["verdict"]
+        out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out)
     assert doc["ok"] and doc["direct_ran"]
     assert set(doc["arms"]) == {"hub", "direct"}
     hub, direct = doc["arms"]["hub"], doc["arms"]["direct"]

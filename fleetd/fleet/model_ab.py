@@ -196,11 +196,17 @@ def _bench(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: 
 
 def _batched(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: float) -> dict:
     ctx = BATCH_SEQUENCES * (n_prompt + n_gen) + 16
-    p = _run("llama-batched-bench", [*_rpc_args(model, rpc), "-c", str(ctx), "-npp", str(n_prompt),
-                                     "-ntg", str(n_gen), "-npl", str(BATCH_SEQUENCES)], arm, timeout)
-    rows = parse_batched_table(p.stdout + "\n" + p.stderr)
-    if not rows:
-        raise FleetError("llama-batched-bench: no result table in its output")
+    args = [*_rpc_args(model, rpc), "-c", str(ctx), "-npp", str(n_prompt), "-ntg", str(n_gen),
+            "-npl", str(BATCH_SEQUENCES)]
+    # The table goes through llama.cpp's asynchronous log thread, which can drop it at exit on
+    # a busy machine (as llama-completion's tail, below): rerun, at most twice.
+    for _ in range(3):
+        p = _run("llama-batched-bench", args, arm, timeout)
+        rows = parse_batched_table(p.stdout + "\n" + p.stderr)
+        if rows:
+            break
+    else:
+        raise FleetError("llama-batched-bench: no result table in its output (3 runs)")
     return {"batched_tps": rows[-1]["s"], "batched": rows}
 
 
