@@ -37,7 +37,10 @@ class Dims:
 
 TINY = Dims()  # the end-to-end tests: seconds per model on two cores
 BENCH = Dims(n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_layer=8, n_ff_expert=768)  # ~100M params
-SIZES = {"tiny": TINY, "bench": BENCH}
+# The lab's model: a hidden state wide enough that moving it costs link time (n_embd 2048, 8 KiB
+# per token in f32), few layers so it generates in seconds and loads over a slow link (~50 MB f16).
+WIDE = Dims(n_embd=2048, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=3)
+SIZES = {"tiny": TINY, "bench": BENCH, "wide": WIDE}
 # Random weights make chaotic models: rounding-level differences between two correct servers
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream
 # dominates) and wide logit and router margins keep the models decisive, as trained ones are.

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress
 
 from fleetd.ctl.options import by_name, fleet_args, open_fleet
 from fleetd.errors import FleetError
 from fleetd.fleet.ab import compare
+from fleetd.fleet.chart import write_bar_chart
 from fleetd.fleet.local import START_TIMEOUT_S, LocalFleet
+from fleetd.fleet.model_ab import run_model_ab
 from fleetd.fleet.node import Fleet
-from fleetd.fleet.render import ab_steps_text, ab_table, ab_verdict, stats_table, status_table
+from fleetd.fleet.render import (
+    ab_steps_text, ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
+    model_ab_table, model_ab_verdict, stats_table, status_table,
+)
 from fleetd.transport import free_port, wait_listening
 
 
@@ -27,23 +34,57 @@ def _print_ab(doc: dict) -> None:
 
 # -- ab ----------------------------------------------------------------------------------------
 
-AB_HELP = "A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO)"
+AB_HELP = ("A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO); "
+           "synthetic stages, or a real model with --model")
 
 
 def configure_ab(p) -> None:
     fleet_args(p)
-    p.add_argument("--rows", type=int, default=32, help="hidden state rows (default 32, as the seed)")
-    p.add_argument("--n-embd", type=int, default=5120, help="hidden size (default 5120, as the seed)")
-    p.add_argument("--layers", type=int, help="layers in total (default 2 per stage)")
-    p.add_argument("--steps", type=int, default=5, help="steps per run (default 5, ABBA order)")
+    p.add_argument("--workload", choices=("synthetic", "model"),
+                   help="synthetic: fleetd's own matmul stages (the default without --model); "
+                        "model: the patched llama.cpp tools on --model (the default with it)")
+    p.add_argument("--model", type=Path, metavar="GGUF",
+                   help="run llama-bench, llama-batched-bench and llama-completion on this model "
+                        "through the nodes (tools from scripts/build-llama-p2p.sh)")
+    p.add_argument("--rounds", type=int, default=3, help="model: rounds, ABBA order (default 3)")
+    p.add_argument("--n-prompt", type=int, default=128, help="model: prompt tokens (default 128)")
+    p.add_argument("--n-gen", type=int, default=32, help="model: generated tokens (default 32)")
+    p.add_argument("--chart", type=Path, metavar="PNG", help="model: also write the chart to this PNG file")
+    p.add_argument("--rows", type=int, default=32, help="synthetic: hidden state rows (default 32, as the seed)")
+    p.add_argument("--n-embd", type=int, default=5120, help="synthetic: hidden size (default 5120, as the seed)")
+    p.add_argument("--layers", type=int, help="synthetic: layers in total (default 2 per stage)")
+    p.add_argument("--steps", type=int, default=5, help="synthetic: steps per run (default 5, ABBA order)")
     p.add_argument("--no-local", action="store_true",
-                   help="no coordinator stage: every stage is a node (default: the coordinator's "
-                        "numpy device is the last stage, like RPC0,RPC1,CUDA0)")
+                   help="synthetic: no coordinator stage: every stage is a node (default: the "
+                        "coordinator's numpy device is the last stage, like RPC0,RPC1,CUDA0)")
+
+
+# Every number ab takes: (flag, attribute, lowest, highest); outside -> one line, exit 2.
+AB_RANGES = (("--rounds", "rounds", 1, 50), ("--n-prompt", "n_prompt", 1, 4096), ("--n-gen", "n_gen", 2, 1024),
+             ("--rows", "rows", 1, 4096), ("--n-embd", "n_embd", 1, 65536), ("--layers", "layers", 1, 1024),
+             ("--steps", "steps", 2, 1000))
+
+
+def _usage_error(message: str) -> int:
+    print(f"fleetctl ab: error: {message}", file=sys.stderr)
+    return 2
 
 
 def cmd_ab(args) -> int:
-    if args.steps < 2:
-        raise FleetError("--steps must be at least 2 (the first step is a full GRAPH_COMPUTE)")
+    for flag, attr, low, high in AB_RANGES:
+        value = getattr(args, attr)
+        if value is not None and not low <= value <= high:
+            return _usage_error(f"{flag} {value}: must be in {low}..{high}")
+    for flag, value in (("--timeout", args.timeout), ("--connect-timeout", args.connect_timeout)):
+        if not 0 < value <= 3600:
+            return _usage_error(f"{flag} {value:g}: must be above 0 and at most 3600 seconds")
+    workload = args.workload or ("model" if args.model else "synthetic")
+    if workload == "model" and args.model is None:
+        return _usage_error("--workload model needs --model GGUF")
+    if workload == "synthetic" and args.model is not None:
+        return _usage_error("--model runs the model workload, not --workload synthetic")
+    if workload == "model":
+        return _cmd_model_ab(args)
     with open_fleet(args) as fleet:
         doc = compare(fleet, args.layers, args.rows, args.n_embd, args.steps, not args.no_local)
     if args.json:
@@ -51,6 +92,39 @@ def cmd_ab(args) -> int:
     else:
         _print_ab(doc)
     return 0 if doc["outputs_identical"] else 1
+
+
+def _cmd_model_ab(args) -> int:
+    if not args.model.is_file():
+        return _usage_error(f"--model {args.model}: no such file")
+    console = Console(stderr=True)
+    with open_fleet(args) as fleet:
+        if args.json:
+            result = run_model_ab(fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen)
+        else:
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task("A/B", total=1.0)
+                result = run_model_ab(
+                    fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen,
+                    progress=lambda step, fraction: bar.update(task, completed=fraction, description=step))
+    doc = result.as_dict()
+    if args.chart is not None:
+        write_bar_chart(args.chart, f"hub vs direct: {doc['stages']} rpc stages, {args.model.name}",
+                        model_ab_chart_panels(doc))
+        doc["chart"] = str(args.chart)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        out = Console()
+        out.print(model_ab_table(doc))
+        out.print(model_ab_steps_table(doc))
+        out.print(model_ab_bars(doc))
+        out.print(model_ab_verdict(doc))
+        if args.chart is not None:
+            out.print(f"chart: {args.chart}")
+    if not result.ok:
+        print(f"fleetctl ab: {result.verdict}", file=sys.stderr)
+    return 0 if result.ok else 1
 
 
 # -- demo: a local fleet on loopback -----------------------------------------------------------

@@ -16,6 +16,7 @@ from fleetd import __version__
 from fleetd.ctl import ab_commands as ab
 from fleetd.ctl import control_commands as control
 from fleetd.ctl import deploy_commands as deploy
+from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import tui_command
 from fleetd.errors import FleetdError
 from fleetd.fleet.nodes_file import NODES_FILE_HELP
@@ -42,6 +43,7 @@ SUBCOMMANDS = (
     Subcommand("inventory", deploy.INVENTORY_HELP, deploy.configure_inventory, deploy.cmd_inventory),
     Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
     Subcommand("demo", ab.DEMO_HELP, ab.configure_demo, ab.cmd_demo),
+    Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}

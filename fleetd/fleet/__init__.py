@@ -8,6 +8,9 @@ it imports neither):
     node.py            Node (one host: SSH, control API) and Fleet (all of them, in parallel)
     remote.py, agent.py, deploy.py   run things on nodes; deploy, health check, roll back
     ab.py              the A/B runner: hub vs direct over the fleet (fleetd.pipeline)
+    model_ab.py        the same with a real model and the patched llama.cpp tools
+    chart.py           a bar chart as a PNG file (numpy and zlib)
+    lab.py, netns.py   an emulated network: fleetd in network namespaces, tc-rated links
     local.py           LocalFleet: fleetd processes on loopback (demo, benchmarks, tests)
     render.py          pure renderers: rich tables and text for all of the above
 """

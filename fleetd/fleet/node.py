@@ -86,6 +86,10 @@ class Node:
     def _open_control(self):
         port = self.spec.control_port
         t = self.ssh_options.connect_timeout
+        if self.spec.via_netns:  # a lab node (fleetctl lab): loopback inside its namespace
+            from fleetd.fleet.netns import connect_in_netns
+
+            return connect_in_netns(self.spec.via_netns, ("127.0.0.1", port), t)
         if self.is_local:
             try:
                 return socket.create_connection(("127.0.0.1", port), timeout=t)

@@ -16,7 +16,7 @@ appended. A bad line raises FleetError naming the file, the line number and the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleetd.errors import FleetError
@@ -51,6 +51,7 @@ class NodeSpec:
     devices: tuple[str, ...] = ("cpu",)
     name: str = ""
     line: int = field(default=0, compare=False)
+    via_netns: str = ""  # the control API is reached inside this network namespace (fleetctl lab)
 
     @property
     def is_local(self) -> bool:
@@ -127,6 +128,10 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             if not devs or bad:
                 raise NodesFileError(f"{where}: devices {value!r}: expected e.g. cpu or cuda:0,cuda:1")
             kw[key] = devs
+        elif key == "via_netns":
+            if not _HOST.match(value):
+                raise NodesFileError(f"{where}: via_netns {value!r}: not a namespace name")
+            kw[key] = value
         elif key == "name":
             if not _NAME.match(value):
                 raise NodesFileError(f"{where}: name {value!r}: use letters, digits and _ . : - /")
@@ -179,5 +184,5 @@ def _name(specs: list[NodeSpec], source: str) -> list[NodeSpec]:
                 f"{source}:{s.line}: node name {name!r} already used on line {seen[name]} (add name=...)"
             )
         seen[name], endpoints[ep] = s.line, s.line
-        out.append(NodeSpec(s.host, s.user, s.ssh_port, s.rpc_port, s.control_port, s.devices, name, s.line))
+        out.append(replace(s, name=name))
     return out

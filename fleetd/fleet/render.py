@@ -246,3 +246,75 @@ def lifecycle_table(command: str, rows: Mapping[str, dict]) -> Table:
     for node, v in rows.items():
         table.add_row(node, v.get("error") and f"[red]{v['error']}[/]" or v.get("status", ""))
     return table
+
+
+# -- A/B on a real model (fleetd.fleet.model_ab) -----------------------------------------------
+
+MODEL_AB_METRICS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "batched tok/s"}
+
+
+def model_ab_table(doc: dict) -> Table:
+    """ModelAbResult.as_dict(): per arm the median and min..max over rounds, copies, md5."""
+    s = doc["settings"]
+    table = Table(title=f"hub vs direct: {doc['stages']} RPC stages, {doc['model'].rsplit('/', 1)[-1]}, "
+                        f"{s['rounds']} rounds, pp {s['n_prompt']}, tg {s['n_gen']}, "
+                        f"{s['batch_sequences']} sequences")
+    table.add_column("")
+    for arm in doc["arms"]:
+        table.add_column(arm, justify="right")
+    for key, label in MODEL_AB_METRICS.items():
+        table.add_row(f"{label} (median, min..max)", *(
+            f"{a['median'][key]:.2f} ({a['spread'][key][0]:.2f}..{a['spread'][key][1]:.2f})"
+            for a in doc["arms"].values()))
+    table.add_row("peer copies counted by nodes", *(str(a["copies_ok"]) for a in doc["arms"].values()))
+    table.add_row("fallbacks counted by nodes", *(
+        ", ".join(f"{r} {n}" for r, n in a["fallbacks"].items()) or "0" for a in doc["arms"].values()))
+    table.add_row("greedy text md5", *(a["md5"][:12] for a in doc["arms"].values()))
+    return table
+
+
+def model_ab_steps_table(doc: dict) -> Table:
+    """Per decode step: the commands and bytes on the coordinator's links (the client's
+    GGML_RPC_STATS) and the commands the nodes served (/v1/stats)."""
+    from fleetd.fleet.model_ab import STEP_COMMANDS
+
+    table = Table(title="per decode step (llama-completion -n N minus -n 1, over N-1 steps)")
+    table.add_column("")
+    for arm in doc["arms"]:
+        table.add_column(arm, justify="right")
+    steps = {arm: a["per_step"] for arm, a in doc["arms"].items()}
+    for cmd in STEP_COMMANDS:
+        table.add_row(f"coordinator {cmd}", *(f"{s['client'].get(cmd, {}).get('count', 0):.2f}" for s in steps.values()))
+    for cmd in STEP_COMMANDS:
+        table.add_row(f"nodes {cmd}", *(f"{s['nodes'].get(cmd, 0):.2f}" for s in steps.values()))
+    table.add_row("coordinator link bytes", *(fmt_bytes(s["coordinator_bytes"]) for s in steps.values()))
+    table.add_row("peer link bytes", *(fmt_bytes(s["peer_bytes"]) for s in steps.values()))
+    return table
+
+
+def model_ab_bars(doc: dict, width: int = 40) -> Table:
+    """The terminal plot: one bar per arm and metric, scaled to the metric's largest max."""
+    table = Table(title="tok/s, median (bar) and min..max over rounds", show_header=False, box=None)
+    for col in ("metric", "arm", "bar", "value"):
+        table.add_column(col)
+    styles = ("blue", "dark_orange", "green", "magenta")
+    for key, label in MODEL_AB_METRICS.items():
+        peak = max(a["spread"][key][1] for a in doc["arms"].values()) or 1.0
+        for i, (arm, a) in enumerate(doc["arms"].items()):
+            n = round(width * a["median"][key] / peak)
+            bar = Text("█" * n + " " * (width - n), style=styles[i % len(styles)])
+            lo, hi = a["spread"][key]
+            table.add_row(label if i == 0 else "", arm, bar, f"{a['median'][key]:.2f} ({lo:.2f}..{hi:.2f})")
+    return table
+
+
+def model_ab_verdict(doc: dict) -> Text:
+    if not doc["ok"]:
+        return Text(doc["verdict"], style="bold red")
+    return Text(doc["verdict"], style="bold green" if doc["direct_ran"] else "bold yellow")
+
+
+def model_ab_chart_panels(doc: dict) -> dict:
+    """{metric label: {arm: (median, min, max)}}: what fleetd.fleet.chart draws."""
+    return {label: {arm: (a["median"][key], *a["spread"][key]) for arm, a in doc["arms"].items()}
+            for key, label in MODEL_AB_METRICS.items()}

@@ -1,0 +1,56 @@
+"""fleetctl lab up|down: an emulated network of fleetd nodes on this machine (fleetd.fleet.lab)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fleetd.fleet.lab import MAX_NODES, Lab, fmt_rate, parse_rate
+
+LAB_HELP = "an emulated network on this machine: fleetd in network namespaces, tc-rated links"
+DEFAULT_DIR = Path("/tmp/fleetd-lab")
+
+
+def configure_lab(p) -> None:
+    sub = p.add_subparsers(dest="lab_command", metavar="up|down", required=True)
+    up = sub.add_parser("up", help="build the namespaces and links, start fleetd in each, write a nodes file")
+    up.add_argument("--nodes", type=int, default=3, help=f"fleetd nodes, 1..{MAX_NODES} (default 3)")
+    up.add_argument("--coordinator-link", default="200mbit", metavar="RATE",
+                    help="rate of each node's link to the coordinator, both ways (default 200mbit)")
+    up.add_argument("--peer-link", default="2gbit", metavar="RATE",
+                    help="rate of each node's link to the others, both ways (default 2gbit)")
+    up.add_argument("--threads", type=int, default=1, help="threads per fleetd (default 1)")
+    down = sub.add_parser("down", help="stop the lab's fleetd and remove its namespaces and links")
+    for q in (up, down):
+        q.add_argument("--dir", type=Path, default=DEFAULT_DIR,
+                       help=f"the lab's state, nodes file and logs (default {DEFAULT_DIR})")
+
+
+def _usage_error(message: str) -> int:
+    print(f"fleetctl lab: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_lab(args) -> int:
+    lab = Lab(args.dir)
+    if args.lab_command == "down":
+        removed = lab.down()
+        print(f"lab in {args.dir}: " + (f"removed {', '.join(removed)}" if removed else "nothing to remove"))
+        return 0
+    if not 1 <= args.nodes <= MAX_NODES:
+        return _usage_error(f"--nodes {args.nodes}: must be in 1..{MAX_NODES}")
+    if not 1 <= args.threads <= 64:
+        return _usage_error(f"--threads {args.threads}: must be in 1..64")
+    try:
+        coord, peer = parse_rate(args.coordinator_link), parse_rate(args.peer_link)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    nodes = lab.up(args.nodes, coord, peer, args.threads)
+    print(f"lab up: {len(nodes)} nodes, coordinator links {fmt_rate(coord)}, peer links {fmt_rate(peer)}")
+    for n in nodes:
+        print(f"  {n.name}  rpc {n.address}:50052  netns {n.netns}  coordinator link {n.coordinator_link}")
+    print(f"nodes file: {lab.nodes_file}")
+    print(f"  fleetctl status {lab.nodes_file}")
+    print(f"  fleetctl ab {lab.nodes_file} --model MODEL.gguf")
+    print(f"  fleetctl lab down --dir {args.dir}")
+    return 0

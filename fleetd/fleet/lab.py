@@ -1,0 +1,316 @@
+"""An emulated network on this machine: N fleetd nodes in network namespaces, the coordinator
+(this process, the root namespace) reaching each over a link of its own, the nodes reaching each
+other over a switch, every link rate-limited with `tc tbf` in both directions.
+
+    root namespace (coordinator: fleetctl, the llama tools)
+      fl<L>c<j>  10.211.L.4j+1/30 ──veth, --coordinator-link──  coord0 10.211.L.4j+2/30  ┐
+                                                                                       │ fl<L>n<j>
+      fl<L>sw: bridge sw0, ports p<j> ──veth, --peer-link──  peer0 10.210.L.11+j/24      ┘
+
+Each node's fleetd binds its peer address 10.210.L.11+j; the root namespace routes that /32
+over the node's coordinator link, so the coordinator's traffic takes the coordinator links and
+node-to-node traffic (COPY_TENSOR_TO) the switch. The switch lives in a namespace of its own:
+nothing in the root namespace is attached to it, nothing is forwarded anywhere else.
+
+The control API stays on each namespace's 127.0.0.1 (fleetd binds it to loopback only), and
+the nodes file says `via_netns=fl<L>n<j>`: fleetd.fleet.node opens the control connection
+inside that namespace (fleetd/fleet/netns.py). The RPC endpoints are plain addresses.
+
+Everything is recorded in `<dir>/lab.json` before it is made, so `down` (idempotent) removes
+all of it, also after a failed `up`. Needs root, iproute2 and the sch_tbf module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetd.client import RpcClient
+from fleetd.errors import FleetError
+from fleetd.fleet.node import Fleet
+from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+from fleetd.transport import Timeout
+
+MAX_NODES = 16
+MAX_LABS = 50
+RATE_RANGE_BIT = (1_000_000, 40_000_000_000)  # 1 mbit .. 40 gbit
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+CMD_TIMEOUT_S = 30.0
+STATE_FILE = "lab.json"
+PEER_NET, COORD_NET = "10.210", "10.211"
+# tbf's queue: long enough that TCP at the full rate does not lose packets to it.
+TBF_LATENCY = "100ms"
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|k|m|g)?$", re.I)
+_UNITS = {"bit": 1, "kbit": 1e3, "k": 1e3, "mbit": 1e6, "m": 1e6, "gbit": 1e9, "g": 1e9}
+
+
+def parse_rate(text: str) -> int:
+    """"200mbit", "2gbit", "2g" -> bits per second; ValueError (one line) outside 1 mbit..40 gbit."""
+    m = _RATE.match(text.strip())
+    if not m:
+        raise ValueError(f"rate {text!r}: expected e.g. 200mbit or 2gbit")
+    bits = int(float(m.group(1)) * _UNITS[(m.group(2) or "bit").lower()])
+    low, high = RATE_RANGE_BIT
+    if not low <= bits <= high:
+        raise ValueError(f"rate {text!r}: must be in 1mbit..40gbit")
+    return bits
+
+
+def fmt_rate(bits: int) -> str:
+    return f"{bits / 1e9:g}gbit" if bits >= 1e9 else f"{bits / 1e6:g}mbit"
+
+
+@dataclass
+class LabNode:
+    name: str
+    netns: str
+    address: str
+    coordinator_link: str  # the root namespace's end
+
+
+def _sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    p = subprocess.run(full, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    if check and p.returncode != 0:
+        raise FleetError(f"lab: {' '.join(full)}: {(p.stderr or p.stdout).strip() or f'exit {p.returncode}'}")
+    return p
+
+
+def _tbf(dev: str, bits: int, ns: str | None) -> None:
+    # burst: 4 ms at the rate, at least 64 KiB (a GSO packet); a smaller bucket caps TCP below it.
+    burst = max(64 * 1024, int(bits / 8 * 0.004))
+    _sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(bits), "burst", str(burst),
+        "latency", TBF_LATENCY, ns=ns)
+
+
+class Lab:
+    """The lab described by `<dir>/lab.json`; `up()` builds it, `down()` removes it."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.state_path = self.dir / STATE_FILE
+        self.nodes_file = self.dir / "nodes.txt"
+        self.state: dict = {}
+        self._procs: list[subprocess.Popen] = []  # the fleetd this process started (up)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _load(self) -> dict:
+        try:
+            return json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, json.JSONDecodeError) as exc:
+            raise FleetError(f"lab state {self.state_path}: unreadable: {exc}") from None
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2))
+        tmp.replace(self.state_path)
+
+    def _record(self, kind: str, value) -> None:
+        """Written down before it is made: a crash between the two leaves nothing unlisted."""
+        self.state.setdefault(kind, []).append(value)
+        self._save()
+
+    @property
+    def exists(self) -> bool:
+        return self.state_path.exists()
+
+    # -- up ----------------------------------------------------------------------------------
+
+    def up(self, nodes: int, coordinator_bits: int, peer_bits: int, threads: int = 1,
+           python: str = sys.executable) -> list[LabNode]:
+        if not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
+        if os.geteuid() != 0:
+            raise FleetError("lab: network namespaces need root")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.exists:
+            raise FleetError(f"lab: {self.state_path} exists: run fleetctl lab down --dir {self.dir} first")
+        index = self._free_index()
+        self.state = {"index": index, "coordinator_bits": coordinator_bits, "peer_bits": peer_bits,
+                      "namespaces": [], "links": [], "pids": [], "nodes": []}
+        self._save()
+        try:
+            lab_nodes = self._build(index, nodes, coordinator_bits, peer_bits, threads, python)
+        except BaseException:
+            self.down()
+            raise
+        return lab_nodes
+
+    @staticmethod
+    def _free_index() -> int:
+        names = _netns_names()
+        links = _sh("ip", "-o", "link", "show").stdout
+        for i in range(MAX_LABS):
+            if f"fl{i}sw" not in names and f" fl{i}c0@" not in links:
+                return i
+        raise FleetError(f"lab: {MAX_LABS} labs already up on this machine")
+
+    def _build(self, i: int, count: int, coord_bits: int, peer_bits: int, threads: int, python: str) -> list[LabNode]:
+        switch = f"fl{i}sw"
+        self._record("namespaces", switch)
+        _sh("ip", "netns", "add", switch)
+        _sh("ip", "link", "add", "sw0", "type", "bridge", ns=switch)
+        _sh("ip", "link", "set", "sw0", "up", ns=switch)
+        subnet = f"{PEER_NET}.{i}.0/24"
+        lab_nodes = []
+        for j in range(count):
+            ns, root_end = f"fl{i}n{j}", f"fl{i}c{j}"
+            address = f"{PEER_NET}.{i}.{11 + j}"
+            coord_root, coord_node = f"{COORD_NET}.{i}.{4 * j + 1}", f"{COORD_NET}.{i}.{4 * j + 2}"
+            self._record("namespaces", ns)
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "set", "lo", "up", ns=ns)
+            # the coordinator link: root end here, the other end moved into the node
+            self._record("links", root_end)
+            _sh("ip", "link", "add", root_end, "type", "veth", "peer", "name", "coord0", "netns", ns)
+            _sh("ip", "addr", "add", f"{coord_root}/30", "dev", root_end)
+            _sh("ip", "link", "set", root_end, "up")
+            _sh("ip", "addr", "add", f"{coord_node}/30", "dev", "coord0", ns=ns)
+            _sh("ip", "link", "set", "coord0", "up", ns=ns)
+            _sh("ip", "route", "replace", f"{address}/32", "via", coord_node, "dev", root_end)
+            # the peer link: node end "peer0", switch end p<j> on the bridge
+            _sh("ip", "link", "add", f"p{j}", "type", "veth", "peer", "name", "peer0", "netns", ns, ns=switch)
+            _sh("ip", "link", "set", f"p{j}", "master", "sw0", "up", ns=switch)
+            _sh("ip", "addr", "add", f"{address}/24", "dev", "peer0", ns=ns)
+            _sh("ip", "link", "set", "peer0", "up", ns=ns)
+            for dev, where, bits in ((root_end, None, coord_bits), ("coord0", ns, coord_bits),
+                                     ("peer0", ns, peer_bits), (f"p{j}", switch, peer_bits)):
+                _tbf(dev, bits, where)
+            lab_nodes.append(LabNode(f"lab-{j}", ns, address, root_end))
+        self.state["nodes"] = [n.__dict__ for n in lab_nodes]
+        self._save()
+        for j, n in enumerate(lab_nodes):
+            self._start_fleetd(j, n, subnet, threads, python)
+        self.nodes_file.write_text(
+            f"# fleetctl lab: {count} nodes, coordinator links {fmt_rate(coord_bits)}, "
+            f"peer links {fmt_rate(peer_bits)}; control API inside each namespace\n"
+            + "".join(f"{n.address} rpc_port={DEFAULT_RPC_PORT} control_port={DEFAULT_CONTROL_PORT} "
+                      f"via_netns={n.netns} name={n.name}\n" for n in lab_nodes))
+        self._wait_ready(lab_nodes)
+        return lab_nodes
+
+    def _start_fleetd(self, j: int, n: LabNode, subnet: str, threads: int, python: str) -> None:
+        args = ["ip", "netns", "exec", n.netns, python, "-m", "fleetd.server", "--host", n.address,
+                "--port", str(DEFAULT_RPC_PORT), "--control-port", str(DEFAULT_CONTROL_PORT),
+                "--peer-allow", subnet, "--threads", str(threads), "--log-level", "warning"]
+        with open(self.dir / f"{n.name}.log", "wb") as log:
+            # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
+            # the pid is fleetd's
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        self._procs.append(proc)
+        self._record("pids", proc.pid)
+
+    def _wait_ready(self, lab_nodes: list[LabNode]) -> None:
+        fleet = Fleet.load(self.nodes_file)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for node, n, proc in zip(fleet, lab_nodes, self._procs, strict=True):
+            endpoint = f"{n.address}:{DEFAULT_RPC_PORT}"
+            for what, check in (("HELLO", lambda e=endpoint: RpcClient(e, Timeout(connect=1.0, read=2.0)).open().close()),
+                                ("the control API", node.status)):
+                while True:
+                    if proc.poll() is not None:
+                        raise FleetError(f"lab: {n.name}: fleetd exited with {proc.returncode}: {self._log_tail(n)}")
+                    try:
+                        check()
+                        break
+                    except Exception as exc:  # not up yet: retried until the deadline
+                        if time.monotonic() > deadline:
+                            raise FleetError(f"lab: {n.name} ({endpoint}): no answer to {what} within "
+                                             f"{START_TIMEOUT_S:g}s: {exc} ({self._log_tail(n)})") from None
+                        time.sleep(0.1)
+
+    def _log_tail(self, n: LabNode) -> str:
+        try:
+            lines = (self.dir / f"{n.name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "no output"
+
+    # -- down --------------------------------------------------------------------------------
+
+    def down(self) -> list[str]:
+        """Remove everything the state file lists (what is already gone is skipped); what was removed."""
+        self.state = self.state or self._load()
+        if self.state and os.geteuid() != 0:
+            raise FleetError("lab: removing network namespaces needs root")
+        removed = []
+        pids = [p for p in self.state.get("pids", []) if _is_lab_fleetd(p)]
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+            removed.append(f"fleetd pid {pid}")
+        for proc in self._procs:
+            _reap(proc)
+        self._procs = []
+        existing = _netns_names()
+        for ns in reversed(self.state.get("namespaces", [])):
+            if ns not in existing:
+                continue
+            # anything still running in our namespace is ours (a stray tool, a child)
+            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                _signal(int(pid), signal.SIGKILL)
+            if _sh("ip", "netns", "del", ns, check=False).returncode == 0:
+                removed.append(f"netns {ns}")
+        for link in self.state.get("links", []):  # gone with their peers, unless the move failed
+            if (_sh("ip", "link", "show", link, check=False).returncode == 0
+                    and _sh("ip", "link", "del", link, check=False).returncode == 0):
+                removed.append(f"link {link}")
+        for path in (self.state_path, self.nodes_file):
+            path.unlink(missing_ok=True)
+        self.state = {}
+        return removed
+
+
+def _netns_names() -> set[str]:
+    """`ip netns list` prints "name (id: 3)" once a namespace has an id."""
+    return {line.split()[0] for line in _sh("ip", "netns", "list").stdout.splitlines() if line.strip()}
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie of ours counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _is_lab_fleetd(pid: int) -> bool:
+    """The pid is still the fleetd we started (not a reused pid)."""
+    try:
+        return b"fleetd.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,148 @@
+"""fleetctl ab --model: the patched llama.cpp tools through a fleet, hub vs direct.
+
+- On a local fleet of fleetd: the same greedy text in both arms, one COPY_TENSOR_TO per decode
+  step at the one RPC-to-RPC boundary (counted by the nodes), one GET_TENSOR and one SET_TENSOR
+  fewer at the coordinator; the --json document's shape; a PNG chart.
+- A mixed fleet (a stock ggml-rpc-server as the second stage): the same text, and a verdict
+  that says the direct path never ran and why, never a green one.
+- Bad numbers: one line, exit 2, before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from fleetd.ctl.main import main
+from fleetd.fleet.chart import png_bytes
+from fleetd.fleet.local import LocalFleet
+from fleetd.fleet.model_ab import parse_batched_table, run_model_ab
+from fleetd.fleet.node import Fleet, Node
+from fleetd.fleet.nodes_file import NodeSpec
+from fleetd.models import generate
+from fleetd.tools import find_p2p_tool, find_tool
+from fleetd.transport import free_port, wait_listening
+
+SMALL = ["--rounds", "1", "--n-prompt", "16", "--n-gen", "6"]
+
+
+def _tools_missing() -> str | None:
+    try:
+        for tool in ("llama-bench", "llama-batched-bench", "llama-completion"):
+            find_p2p_tool(tool)
+        find_tool("ggml-rpc-server")
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
+def needs_tools(test):
+    """The patched tools (scripts/build-llama-p2p.sh) and the stock ggml-rpc-server; bounded."""
+    missing = _tools_missing()
+    for mark in (pytest.mark.stock, pytest.mark.timeout(600),
+                 pytest.mark.skipif(missing is not None, reason=missing or "")):
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return generate("llama", "f16", tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "m.gguf", "--rounds", "0"], "--rounds 0: must be in 1..50"),
+    (["--model", "m.gguf", "--n-gen", "1"], "--n-gen 1: must be in 2..1024"),
+    (["--model", "m.gguf", "--n-prompt", "-3"], "--n-prompt -3: must be in 1..4096"),
+    (["--steps", "1"], "--steps 1: must be in 2..1000"),
+    (["--workload", "model"], "--workload model needs --model"),
+    (["--timeout", "0"], "--timeout 0: must be above 0"),
+    (["--model", "/nonexistent.gguf"], "--model /nonexistent.gguf: no such file"),
+])
+def test_bad_numbers_exit_2_with_one_line(capsys, argv, message):
+    assert main(["ab", "nodes.txt", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fleetctl ab: error:") and message in err and "\n" not in err
+
+
+def test_batched_table_parse():
+    text = ("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
+            "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
+            "|    16 |      6 |    4 |     88 |    0.512 |   125.00 |    0.300 |    80.00 |    0.812 |   108.37 |\n")
+    (row,) = parse_batched_table(text)
+    assert row["b"] == 4 and row["s"] == 108.37 and row["s_pp"] == 125.0
+
+
+def test_png_is_a_png():
+    import numpy as np
+
+    data = png_bytes(np.zeros((3, 5, 3), np.uint8))
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82")
+
+
+@needs_tools
+def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsys):
+    with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
+        chart = tmp_path / "ab.png"
+        code = main(["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--json", "--chart", str(chart)])
+        out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["ok"] and doc["direct_ran"]
+    assert set(doc["arms"]) == {"hub", "direct"}
+    hub, direct = doc["arms"]["hub"], doc["arms"]["direct"]
+    assert hub["md5"] == direct["md5"]
+    for arm in (hub, direct):
+        assert set(arm["median"]) == set(arm["spread"]) == {"pp_tps", "tg_tps", "batched_tps"}
+        assert all(lo <= arm["median"][k] <= hi and arm["median"][k] > 0 for k, (lo, hi) in arm["spread"].items())
+    # per decode step: one boundary (RPC0 -> RPC1), one push by the nodes, none on the hub path
+    assert direct["per_step"]["nodes"]["COPY_TENSOR_TO"] == 1
+    assert hub["per_step"]["nodes"].get("COPY_TENSOR_TO", 0) == 0
+    assert direct["copies_ok"] > 0 and hub["copies_ok"] == 0
+    hub_client, direct_client = hub["per_step"]["client"], direct["per_step"]["client"]
+    assert hub_client["GET_TENSOR"]["count"] - direct_client["GET_TENSOR"]["count"] == 1
+    assert hub_client["SET_TENSOR"]["count"] - direct_client["SET_TENSOR"]["count"] == 1
+    assert direct["per_step"]["coordinator_bytes"] < hub["per_step"]["coordinator_bytes"]
+    (rnd,) = doc["rounds"]
+    assert rnd["order"] == ["hub", "direct"] and [c["arm"] for c in rnd["cells"]] == ["hub", "direct"]
+    assert chart.read_bytes().startswith(b"\x89PNG") and doc["chart"] == str(chart)
+
+
+@needs_tools
+def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
+    port = free_port()
+    stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(port, 30)
+        with LocalFleet(1, tmp_path, server_args=["--threads", "1"]) as local:
+            # the stock server has no control API: its control port is one nothing listens on
+            stock_node = Node(NodeSpec("localhost", rpc_port=port, control_port=free_port(), name="stock"))
+            fleet = Fleet([*local.fleet, stock_node])
+            seen = []
+            result = run_model_ab(fleet, model, rounds=1, n_prompt=16, n_gen=6,
+                                  progress=lambda step, fraction: seen.append((step, fraction)))
+    finally:
+        stock.terminate()
+        stock.wait(10)
+    assert result.ok  # the same text in both arms
+    assert result.arms["hub"].md5 == result.arms["direct"].md5
+    assert not result.direct_ran and result.arms["direct"].copies_ok == 0
+    assert "never ran" in result.verdict and "identical" not in result.verdict
+    assert any("stock" in why and "no control API" in why for why in result.why_not_direct), result.why_not_direct
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+    json.dumps(result.as_dict())  # the --json document is JSON
+
+
+@needs_tools
+def test_model_ab_p2p_off_on_the_nodes_is_no_success(tmp_path, model):
+    with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
+        assert local.fleet.map(lambda n: n.set_p2p(False)).ok
+        result = run_model_ab(local.fleet, model, rounds=1, n_prompt=16, n_gen=4)
+    assert result.ok and not result.direct_ran
+    assert result.arms["direct"].per_step["client"].get("COPY_TENSOR_TO", {}).get("count", 0) == 0
+    assert "never ran" in result.verdict
+    assert any("P2P is off on local-0" in why for why in result.why_not_direct), result.why_not_direct
