@@ -1,0 +1,50 @@
+"""HistoryPanel: one node's last minutes as sparklines, one line per series (commands/s, bytes
+in/s, bytes out/s, peer bytes/s), each with its latest value and its peak."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from fleetd.fleet.render import fmt_bytes, fmt_count, spark_text
+from tui.history import History
+
+# (History series, label, formatter, colour)
+LINES = (
+    ("commands_per_s", "commands/s", lambda v: fmt_count(v, 1), "cyan"),
+    ("request_bytes_per_s", "bytes in/s", fmt_bytes, "green"),
+    ("response_bytes_per_s", "bytes out/s", fmt_bytes, "blue"),
+    ("peer_bytes_per_s", "peer bytes/s", fmt_bytes, "magenta"),
+)
+LABELS_WIDTH = 34  # label, latest and peak columns with their padding
+
+
+class HistoryPanel(Static):
+    DEFAULT_CSS = """
+    HistoryPanel { height: auto; }
+    """
+
+    history: reactive[History | None] = reactive(None, always_update=True)
+
+    def watch_history(self, history: History | None) -> None:
+        self.update(self.render_history(history, max(10, self.size.width - LABELS_WIDTH)))
+
+    def on_resize(self) -> None:
+        self.watch_history(self.history)
+
+    @staticmethod
+    def render_history(history: History | None, width: int):
+        if history is None or not len(history):
+            return Text("no history yet", style="dim")
+        t = Table.grid(padding=(0, 1))
+        t.add_column(width=12)
+        t.add_column()
+        t.add_column(justify="right", width=10)
+        t.add_column(justify="right", width=10)
+        for series, label, fmt, colour in LINES:
+            values = history.series(series)
+            t.add_row(label, spark_text(values, width, colour), fmt(values[-1]),
+                      Text(f"max {fmt(max(values))}", style="dim"))
+        return t
