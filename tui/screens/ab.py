@@ -22,10 +22,10 @@ from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
-from textual.binding import BindingType
-from textual.containers import Horizontal, Vertical
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, DataTable, Footer, Header, Input, Label, Select, Static
+from textual.widgets import Button, DataTable, Footer, Header, Input, Label, OptionList, Select, Static
 from textual.worker import get_current_worker
 
 from fleetd.fleet.ab import compare
@@ -159,7 +159,7 @@ def chart_table(run: AbRun) -> Table:
 class AbScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
         ("escape", "app.pop_screen", "Back"),
-        ("enter", "run", "Run"),
+        Binding("enter", "run", "Run", priority=True),
         ("e", "export", "Export JSON"),
     ]
     pauses_polling = True  # the dashboard stops polling while this screen is up: it measures
@@ -178,21 +178,23 @@ class AbScreen(Screen):
         with Vertical(id="ab-form"):
             with Horizontal(classes="ab-line"):
                 yield Label("workload")
-                yield Select(WORKLOADS, value="synthetic", allow_blank=False, id="workload")
+                yield Select(WORKLOADS, value="synthetic", allow_blank=False, id="workload", compact=True)
                 yield Label("model")
-                yield Input(self.settings.model, placeholder="path/to/model.gguf", id="model")
+                yield Input(self.settings.model, placeholder="path/to/model.gguf", id="model", compact=True)
             with Horizontal(classes="ab-line"):
                 for field_id, label, _, _ in FIELDS:
                     yield Label(label)
-                    yield Input(str(getattr(self.settings, field_id)), type="integer", id=field_id)
-                yield Button("Run A/B", id="ab-run", variant="primary")
+                    yield Input(str(getattr(self.settings, field_id)), type="integer", id=field_id,
+                                compact=True)
+                yield Button("Run A/B", id="ab-run", variant="primary", compact=True)
         yield Static(Text(f"hub vs direct over {len(self.fleet)} node(s): Enter or Run", style="dim"),
                      id="ab-state")
-        yield Static(id="ab-verdict")
-        with Horizontal(id="ab-results"):
-            yield Static(id="ab-table")
-            yield Static(id="ab-chart")
-        yield DataTable(id="ab-history", cursor_type="row")
+        with VerticalScroll(id="ab-body"):
+            yield Static(id="ab-verdict")
+            with Vertical(id="ab-results"):
+                yield Static(id="ab-chart")
+                yield Static(id="ab-table")
+            yield DataTable(id="ab-history", cursor_type="row")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -201,6 +203,13 @@ class AbScreen(Screen):
         for label in ("#", "When", "Workload", "Took", "Verdict", "Speed-up"):
             history.add_column(label)
         self.query_one("#ab-run", Button).focus()  # so the app's keys (q) work at once
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # Enter runs from anywhere on the form (an input, the button) but still opens and picks in
+        # the workload list; the footer hides Run while that list has the focus.
+        if action == "run" and isinstance(self.focused, (Select, OptionList)):
+            return False
+        return True
 
     def _form(self) -> dict | str:
         """The form's values for the chosen workload, or a one-line error."""
@@ -224,10 +233,6 @@ class AbScreen(Screen):
                 return f"model: {model}: no such file"
             values["model"] = str(Path(model).expanduser())
         return values
-
-    @on(Input.Submitted)
-    def _submitted(self) -> None:
-        self.action_run()
 
     @on(Button.Pressed, "#ab-run")
     def _pressed(self) -> None:
@@ -287,6 +292,7 @@ class AbScreen(Screen):
     def _finished(self, outcome: AbRun | BaseException) -> None:
         self.running = False
         self.query_one("#ab-run", Button).disabled = False
+        self.query_one("#ab-run", Button).focus()  # disabling it moved the focus into the form
         for part in ("#ab-verdict", "#ab-results"):
             self.query_one(part).remove_class("old")
         state = self.query_one("#ab-state", Static)

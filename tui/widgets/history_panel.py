@@ -18,7 +18,7 @@ LINES = (
     ("response_bytes_per_s", "bytes out/s", fmt_bytes, "blue"),
     ("peer_bytes_per_s", "peer bytes/s", fmt_bytes, "magenta"),
 )
-LABELS_WIDTH = 34  # label, latest and peak columns with their padding
+LABEL_WIDTH, VALUE_WIDTH, PEAK_WIDTH = 12, 11, 14
 
 
 class HistoryPanel(Static):
@@ -29,7 +29,7 @@ class HistoryPanel(Static):
     history: reactive[History | None] = reactive(None, always_update=True)
 
     def watch_history(self, history: History | None) -> None:
-        self.update(self.render_history(history, max(10, self.size.width - LABELS_WIDTH)))
+        self.update(self.render_history(history, self.content_size.width))
 
     def on_resize(self) -> None:
         self.watch_history(self.history)
@@ -38,13 +38,14 @@ class HistoryPanel(Static):
     def render_history(history: History | None, width: int):
         if history is None or not len(history):
             return Text("no history yet", style="dim")
+        spark = max(8, width - LABEL_WIDTH - VALUE_WIDTH - PEAK_WIDTH - 3)
         t = Table.grid(padding=(0, 1))
-        t.add_column(width=12)
-        t.add_column()
-        t.add_column(justify="right", width=10)
-        t.add_column(justify="right", width=10)
+        t.add_column(width=LABEL_WIDTH, no_wrap=True)
+        t.add_column(width=spark, no_wrap=True, overflow="crop")
+        t.add_column(justify="right", width=VALUE_WIDTH, no_wrap=True)
+        t.add_column(justify="right", width=PEAK_WIDTH, no_wrap=True)
         for series, label, fmt, colour in LINES:
             values = history.series(series)
-            t.add_row(label, spark_text(values, width, colour), fmt(values[-1]),
+            t.add_row(label, spark_text(values, spark, colour), fmt(values[-1]),
                       Text(f"max {fmt(max(values))}", style="dim"))
         return t

@@ -17,7 +17,7 @@ from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.render import fmt_bytes, fmt_count, fmt_duration, p2p_text, spark_text
 from tui.history import Rates
 
-SPARK_WIDTH = 12
+SPARK_WIDTH = 10
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,13 @@ class Column:
 
 
 COLUMNS = (
-    Column("node", "Node", 1, 12), Column("host", "Host", 8, 16), Column("state", "State", 1, 9),
-    Column("version", "Version", 7, 8), Column("rpc", "RPC", 7, 6), Column("p2p", "P2P", 1, 10),
+    Column("node", "Node", 1, 12), Column("host", "Host", 8, 16), Column("state", "State", 1, 5),
+    Column("version", "Version", 7, 8), Column("rpc", "RPC", 7, 6), Column("p2p", "P2P", 1, 3),
     Column("sessions", "Sess", 5, 4), Column("uptime", "Uptime", 7, 7),
     Column("commands", "Commands", 4, 9), Column("commands_per_s", "Cmd/s", 2, 8),
-    Column("bytes_per_s", "Bytes/s", 2, 12), Column("history", "Cmd/s history", 3, SPARK_WIDTH),
+    Column("bytes_per_s", "Bytes/s", 2, 11), Column("history", "History", 3, SPARK_WIDTH),
     Column("copies", "Copies", 6, 7), Column("fallbacks", "Fallb.", 6, 6),
-    Column("seen", "Seen", 2, 6), Column("latency", "Poll", 3, 6),
+    Column("seen", "Seen", 2, 5), Column("latency", "Poll", 3, 5),
 )
 CELL_PADDING = 2  # DataTable's one space each side
 
@@ -89,7 +89,7 @@ def row_cells(row: NodeRow) -> dict[str, object]:
     cells.update(
         state=Text("stale", style="bold yellow") if row.stale else Text("up", style="bold green"),
         version=st.version, rpc=f":{st.rpc_port}",
-        p2p=Text("switching…", style="italic") if row.p2p_pending else p2p_text(st.p2p),
+        p2p=Text("…", style="italic") if row.p2p_pending else p2p_text(st.p2p),
         sessions=str(len(st.sessions)), uptime=fmt_duration(st.uptime_seconds),
     )
     if row.stats is not None:
