@@ -130,7 +130,7 @@ def status_table(answers: Mapping[str, NodeStatus | BaseException],
     return t
 
 
-def memory_bar(used: int, total: int, width: int = 20) -> Text:
+def memory_bar(used: int, total: int, width: int = 12) -> Text:
     """`used` of `total` as a bar: what is already allocated on a device, for a layer split."""
     filled = 0 if total <= 0 else round(width * min(1.0, used / total))
     return Text.assemble(("█" * filled, "magenta"), ("░" * (width - filled), "dim"))
@@ -158,8 +158,10 @@ def fallbacks_table(stats: NodeStats) -> Table:
     t.add_row("bytes pushed", fmt_bytes(peer.bytes_pushed))
     t.add_row("bytes confirmed", fmt_bytes(peer.bytes_confirmed))
     t.add_row("links opened", fmt_count(peer.links_opened))
+    if peer.fallbacks:
+        t.add_row(Text("fallbacks by reason", style="italic"), "", end_section=False)
     for r, n in peer.fallbacks.items():
-        t.add_row(f"fallback: {r}", Text(fmt_count(n), style="yellow" if n else "dim"))
+        t.add_row(f"  {r}", Text(fmt_count(n), style="yellow" if n else "dim"))
     return t
 
 

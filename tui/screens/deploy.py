@@ -154,7 +154,7 @@ class DeployScreen(Screen):
 
     def _deployed(self, outcomes: list[NodeOutcome]) -> None:
         self.busy, self.outcomes = False, outcomes
-        by_name = {n.name: n for n in self.targets}
+        by_name = {n.name: n for n in self.fleet}
         for o in outcomes:
             i = self._index(by_name[o.node])
             self.query_one(f"#bar-{i}", ProgressBar).update(progress=len(STEPS))

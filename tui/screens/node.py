@@ -9,7 +9,6 @@ timer, so there is still one poll per node however many screens show it.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, ClassVar
 
 from rich.console import Group
@@ -24,10 +23,10 @@ from textual.worker import get_current_worker
 
 from fleetd.fleet.control_docs import NodeStatus
 from fleetd.fleet.deploy import Deployer
-from fleetd.fleet.render import (devices_table, fallbacks_table, fmt_duration, p2p_text, reason,
-                                 sessions_table)
-from tui.widgets import Counters, HistoryPanel
-from tui.widgets.counters import CounterSample
+from fleetd.fleet.render import (command_table, devices_table, fallbacks_table, fmt_duration, p2p_text,
+                                 reason, sessions_table)
+from tui.widgets import HistoryPanel
+from tui.widgets.counters import per_command
 from tui.widgets.node_table import fmt_age
 
 if TYPE_CHECKING:
@@ -55,10 +54,10 @@ class NodeScreen(Screen):
         with VerticalScroll(id="node-body"):
             yield Static(id="node-summary")
             yield HistoryPanel(id="node-history")
+            yield Static(id="node-commands")
             with Horizontal(id="node-counters"):
-                yield Counters(id="node-commands")
                 yield Static(id="node-peer")
-            yield Static(id="node-devices")
+                yield Static(id="node-devices")
             yield Static(id="node-sessions")
             yield Static(Text("log: fetching…", style="dim"), id="node-log")
         yield Footer()
@@ -77,13 +76,13 @@ class NodeScreen(Screen):
         spec = self.node.spec
         where = f"{spec.target}  rpc {spec.rpc_endpoint}  control 127.0.0.1:{spec.control_port}"
         self.query_one("#node-history", HistoryPanel).history = self.dashboard.histories[self.key]
-        commands = self.query_one("#node-commands", Counters)
+        commands = self.query_one("#node-commands", Static)
         if sample is None:
             self.query_one("#node-summary", Static).update(Text.assemble((self.node.name, "bold"), "  ", where,
                                                                          ("\nnot answered yet", "dim")))
-            commands.sample = CounterSample(self.node.name, None)
+            commands.update("")
             return
-        age = fmt_age(time.monotonic() - sample.at)
+        age = fmt_age(self.dashboard.clock() - sample.at)
         poll = f"{sample.latency * 1000:.0f} ms" if sample.latency is not None else "?"
         stale = self.dashboard.is_stale(self.key)
         seen = Text(f"last answered {age} ago, poll took {poll}", style="bold yellow" if stale else "dim")
@@ -96,7 +95,8 @@ class NodeScreen(Screen):
                                   "  P2P ", p2p_text(st.p2p))
         self.query_one("#node-summary", Static).update(
             Text.assemble((self.node.name, "bold"), "  ", where, "\n", state, "\n", seen))
-        commands.sample = CounterSample(self.node.name, sample.stats, sample.rates)
+        commands.update(command_table(sample.stats, per_command(sample.rates)) if sample.stats is not None
+                        else Text("no counters", style="dim"))
         peer = self.query_one("#node-peer", Static)
         peer.update(fallbacks_table(sample.stats) if sample.stats is not None else "")
         if isinstance(st, NodeStatus):
