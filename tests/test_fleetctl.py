@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -91,7 +92,8 @@ def test_status_and_stats_of_two_nodes_through_ssh(fleet2, ssh_server, capsys):
         assert rc == 0
         ca, cb = doc["a"]["stats"]["total"]["commands"], doc["b"]["stats"]["total"]["commands"]
         assert ca["SET_TENSOR"]["count"] == 1 and ca["SET_TENSOR"]["request_bytes"] == 9 + 296 + 1 + 8 + 4096
-        assert cb["SET_TENSOR"]["count"] == 0 and cb["HELLO"]["count"] == 0
+        # status asked HELLO on each RPC port too (a closed RPC port is not "up").
+        assert cb["SET_TENSOR"]["count"] == 0 and cb["HELLO"]["count"] == 1 and ca["HELLO"]["count"] == 2
         [session] = doc["a"]["stats"]["sessions"]
         assert session["peer"] == local and session["commands"]["SET_TENSOR"]["count"] == 1
 
@@ -209,8 +211,12 @@ def test_stats_watch_is_bounded_by_count(fleet2, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3
     assert all(set(json.loads(line)["nodes"]) == {"a", "b"} for line in lines)
+    # Not a terminal (capsys): one text line per sample, the last one ended too.
     assert main(["stats", *args, "--watch", "--count", "2", "--interval", "0.05"]) == 0
-    assert "RPC commands" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and len(out.splitlines()) == 2
+    assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ a [\d ]+ commands", line) for line in out.splitlines())
+    assert "/s" in out.splitlines()[1] and "; b " in out
 
 
 def test_flip_p2p_while_a_pipeline_runs(fleet2, capsys):
@@ -318,16 +324,16 @@ def test_nodes_file_format():
 def test_bad_nodes_file_line_names_the_line(tmp_path, capsys, line, message):
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(f"gpu0\n# ok so far\n{line}\n")
-    assert main(["status", str(nodes)]) == 1
+    assert main(["status", str(nodes)]) == 2  # the operator's input: a usage error, fleetctl(1)
     err = capsys.readouterr().err
-    assert err.startswith("NodesFileError: ") and message in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("fleetctl status: error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_or_empty_nodes_file(tmp_path, capsys):
-    assert main(["status", str(tmp_path / "nope.txt")]) == 1
-    assert "NodesFileError: nodes file" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nope.txt")]) == 2
+    assert "fleetctl status: error: nodes file" in capsys.readouterr().err
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
-    assert main(["stats", str(tmp_path / "empty.txt")]) == 1
+    assert main(["stats", str(tmp_path / "empty.txt")]) == 2
     assert "no nodes in it" in capsys.readouterr().err
 
 

@@ -109,21 +109,20 @@ def _device_text(d: Device) -> str:
 def status_table(answers: Mapping[str, NodeStatus | BaseException],
                  hosts: Mapping[str, str] | None = None) -> Table:
     """One row per node from GET /v1/status; a down node's row says down, its reason goes below.
-    `hosts` ({name: [user@]host[:port]}) adds a Host column, so a node named with `name=` still
-    shows where it is."""
+    `hosts` ({name: [user@]host[:port]}) puts the host under a node's name when they differ, so
+    a node named with `name=` still shows where it is."""
     t = Table(title="fleetd nodes", title_justify="left")
-    cols = ("Node", *(("Host",) if hosts else ()), "State", "Version", "RPC", "P2P", "Devices", "Uptime",
-            "Sessions")
-    for col in cols:
+    for col in ("Node", "State", "Version", "RPC", "P2P", "Devices", "Uptime", "Sessions"):
         t.add_column(col, justify="right" if col in ("Uptime", "Sessions") else "left",
                      style="bold" if col == "Node" else None, no_wrap=col != "Devices")
     for name, st in answers.items():
-        host = (hosts.get(name, ""),) if hosts else ()
+        host = (hosts or {}).get(name, name)
+        label = name if host == name else Text.assemble(name, "\n", (host, "dim not bold"))
         if isinstance(st, BaseException):
-            t.add_row(name, *host, Text("down", style="bold red"), *[""] * (len(cols) - 2 - len(host)))
+            t.add_row(label, Text("down", style="bold red"), *[""] * (len(t.columns) - 2))
             continue
         t.add_row(
-            name, *host, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
+            label, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
             ", ".join(_device_text(d) for d in st.devices), fmt_duration(st.uptime_seconds),
             str(len(st.sessions)),
         )
