@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fleetd import __version__
 from fleetd.ctl import ab_commands as ab
 from fleetd.ctl import control_commands as control
+from fleetd.ctl import demo_command as demo
 from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import tui_command
 from fleetd.errors import FleetdError
@@ -48,7 +49,7 @@ SUBCOMMANDS = (
     Subcommand("uninstall", deploy.UNINSTALL_HELP, deploy.configure_lifecycle, deploy.cmd_uninstall),
     Subcommand("inventory", deploy.INVENTORY_HELP, deploy.configure_inventory, deploy.cmd_inventory),
     Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
-    Subcommand("demo", ab.DEMO_HELP, ab.configure_demo, ab.cmd_demo),
+    Subcommand("demo", demo.DEMO_HELP, demo.configure_demo, demo.cmd_demo),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{sub.prog}: error: {bad}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return COMMANDS[args.command].run(args)
+        code = COMMANDS[args.command].run(args)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return code
     except NodesFileError as exc:  # the operator's input, like a bad flag
         if args.debug:
             raise

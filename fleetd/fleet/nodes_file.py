@@ -30,7 +30,7 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # The one rule for which nodes are reached without SSH; the README and fleetctl(1) say the same.
 LOCAL_RULE = ("localhost, 127.0.0.1 and [::1], written without a user and without an SSH port, "
               "are reached directly over loopback, without SSH; every other node (127.0.0.2, "
-              "root@localhost, localhost:22 too) goes through SSH.")
+              "root@localhost, localhost:2222 too) goes through SSH.")
 
 NODES_FILE_HELP = f"""\
 nodes file: one node per line, '#' starts a comment, blank lines are ignored:
