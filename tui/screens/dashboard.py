@@ -12,7 +12,9 @@ change and is dropped (`is_cancelled`).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar
@@ -35,6 +37,9 @@ from tui.widgets.node_table import SPARK_WIDTH
 
 # A node is stale when its last answer is older than this many poll intervals.
 STALE_INTERVALS = 2
+# The latency shown is the median of the last polls: one slow answer on a busy machine does not
+# flip the cell (and redraw the table) every second.
+LATENCY_POLLS = 5
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class Sample:
     status: NodeStatus | BaseException
     stats: NodeStats | None
     at: float  # time.monotonic() when the answer arrived
-    latency: float | None = None  # seconds the poll took
+    latency: float | None = None  # seconds the polls took (median of the last LATENCY_POLLS)
     rates: Rates | None = None  # since the poll before, when both had counters
 
 
@@ -68,6 +73,8 @@ class DashboardScreen(Screen):
         self.p2p_pending: set[str] = set()
         self._polls: dict[str, Worker] = {}
         self.clock = time.monotonic  # what ages are measured with (the snapshot tests fix it)
+        self._down_shown = ""
+        self._latencies: dict[str, deque[float]] = {}
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -139,7 +146,10 @@ class DashboardScreen(Screen):
         rates = None
         if before is not None and before.stats is not None and stats is not None:
             rates = rates_between(before.stats, stats, at - before.at)
-        self.samples[key] = Sample(status, stats, at, latency, rates)
+        recent = self._latencies.setdefault(key, deque(maxlen=LATENCY_POLLS))
+        if latency is not None:
+            recent.append(latency)
+        self.samples[key] = Sample(status, stats, at, statistics.median(recent) if recent else None, rates)
         self.histories[key].add(at, rates)
         self._show(key)
 
@@ -163,6 +173,7 @@ class DashboardScreen(Screen):
         history = self.histories[key].series("commands_per_s")[-SPARK_WIDTH:]
         return replace(row, status=sample.status, stats=sample.stats, rates=sample.rates,
                        history=tuple(history), seen_seconds=round(now - sample.at, 1),
+                       fresh_seconds=1.5 * self.interval,
                        latency_seconds=sample.latency, stale=self.is_stale(key, now))
 
     def _show_row(self, key: str) -> None:
@@ -170,10 +181,12 @@ class DashboardScreen(Screen):
 
     def _show(self, key: str) -> None:
         self._show_row(key)
-        self.query_one("#down", Static).update(down_text({
-            self.nodes[k].name: s.status for k, s in self.samples.items()
-            if isinstance(s.status, BaseException)
-        }) or "")
+        down = down_text({self.nodes[k].name: s.status for k, s in self.samples.items()
+                          if isinstance(s.status, BaseException)})
+        plain = down.plain if down is not None else ""
+        if plain != self._down_shown:  # a new line under the table is a layout pass: only on change
+            self._down_shown = plain
+            self.query_one("#down", Static).update(down or "")
         if key == self.query_one(NodeTable).selected_key:
             self._show_selected()
 
@@ -188,8 +201,10 @@ class DashboardScreen(Screen):
         status = sample.status if sample is not None else None
         p2p = status.p2p if isinstance(status, NodeStatus) else None
         toggle.node_key, toggle.node_name = key, name
-        counters.border_title = f"{name}: commands since the last reset"
-        history.border_title = f"{name}: the last minutes"
+        for widget, title in ((counters, f"{name}: commands since the last reset"),
+                              (history, f"{name}: the last minutes")):
+            if widget.border_title != title:  # setting it, even to the same, repaints
+                widget.border_title = title
         toggle.enabled = p2p.enabled if p2p is not None and p2p.served else None
         toggle.pending = key in self.p2p_pending
         counters.sample = (CounterSample(name, sample.stats, sample.rates)

@@ -38,7 +38,9 @@ class Counters(Static):
 
     # always_update: two samples of an idle node compare equal but still deserve a redraw
     # (the Count/s column goes back to 0).
-    sample: reactive[CounterSample | None] = reactive(None, always_update=True)
+    sample: reactive[CounterSample | None] = reactive(None, always_update=True, repaint=False)
+    _shape: tuple | None = None
+    _shown: tuple | None = None
 
     def watch_sample(self, sample: CounterSample | None) -> None:
         if sample is None:
@@ -46,7 +48,14 @@ class Counters(Static):
         elif sample.stats is None:
             self.update(Text(f"{sample.node}: no counters (down or not answered yet)", style="dim"))
         else:
-            self.update(Group(
-                command_table(sample.stats, per_command(sample.rates)),
-                activity_table({sample.node: sample.stats}),
-            ))
+            rates = per_command(sample.rates)
+            shown = (sample.node, sample.stats.total, sample.stats.peer, rates)
+            if shown == self._shown:
+                return  # an idle node: the same numbers, no redraw
+            # The same commands in the same rows: the height is the same, no layout pass.
+            shape = (sample.node, tuple(sample.stats.total.used()), rates is not None)
+            self.update(Group(command_table(sample.stats, rates), activity_table({sample.node: sample.stats})),
+                        layout=shape != self._shape)
+            self._shape, self._shown = shape, shown
+            return
+        self._shape = self._shown = None

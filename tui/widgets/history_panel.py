@@ -21,24 +21,41 @@ LINES = (
 LABEL_WIDTH, VALUE_WIDTH, PEAK_WIDTH = 12, 11, 14
 
 
+def spark_width(width: int) -> int:
+    return max(8, width - LABEL_WIDTH - VALUE_WIDTH - PEAK_WIDTH - 3)
+
+
 class HistoryPanel(Static):
     DEFAULT_CSS = """
     HistoryPanel { height: auto; }
     """
 
-    history: reactive[History | None] = reactive(None, always_update=True)
+    # repaint=False: the watcher redraws, and only when what it would draw changed.
+    history: reactive[History | None] = reactive(None, always_update=True, repaint=False)
+
+    _shown: tuple | None = None  # what the last update drew: an idle node's lines stay the same
 
     def watch_history(self, history: History | None) -> None:
-        self.update(self.render_history(history, self.content_size.width))
+        width = self.content_size.width
+        tail = spark_width(width)
+        shown = (id(history), width, None if history is None else
+                 tuple(tuple(history.series(series)[-tail:]) for series, *_ in LINES))
+        if shown == self._shown:
+            return
+        # Four lines once there is a history: a layout pass only when that changes.
+        layout = self._shown is None or (self._shown[2] is None) != (shown[2] is None)
+        self._shown = shown
+        self.update(self.render_history(history, width), layout=layout)
 
     def on_resize(self) -> None:
+        self._shown = None
         self.watch_history(self.history)
 
     @staticmethod
     def render_history(history: History | None, width: int):
         if history is None or not len(history):
             return Text("no history yet", style="dim")
-        spark = max(8, width - LABEL_WIDTH - VALUE_WIDTH - PEAK_WIDTH - 3)
+        spark = spark_width(width)
         t = Table.grid(padding=(0, 1))
         t.add_column(width=LABEL_WIDTH, no_wrap=True)
         t.add_column(width=spark, no_wrap=True, overflow="crop")

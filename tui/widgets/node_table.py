@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.render import fmt_bytes, fmt_count, fmt_duration, p2p_text, spark_text
@@ -63,20 +65,43 @@ class NodeRow:
     p2p_pending: bool = False
     history: tuple[float, ...] = ()  # commands/s of the recent polls, oldest first
     seen_seconds: float | None = None  # since the last answer (an up or a down one)
+    fresh_seconds: float = 1.5  # an answer younger than this shows as "now"
     latency_seconds: float | None = None  # how long the last poll took
     stale: bool = False  # no answer for two poll intervals: the values shown are old
 
 
-def fmt_age(seconds: float | None) -> str:
+def fmt_age(seconds: float | None, fresh: float = 1.0) -> str:
+    """How long ago a node last answered: "now" within `fresh` seconds (the poll interval and a
+    half: a healthy node's cell stays the same from poll to poll, so the idle dashboard does not
+    redraw it), else whole seconds and up."""
     if seconds is None:
         return ""
-    return f"{seconds:.1f}s" if seconds < 10 else fmt_duration(seconds)
+    return "now" if seconds < fresh else fmt_duration(seconds)
+
+
+def fmt_uptime(seconds: float) -> str:
+    """Uptime to the minute past the first minute: one redraw a minute, not one a second."""
+    if seconds < 60:
+        return fmt_duration(seconds)
+    return f"{int(seconds) // 60}m" if seconds < 3600 else fmt_duration(seconds)
+
+
+def fmt_latency(seconds: float | None) -> str:
+    """A poll's latency to one significant figure from 10 ms up ("<10ms", "30ms", "200ms"): what
+    tells a loaded link from a healthy one, without a redraw for every millisecond of jitter."""
+    if seconds is None:
+        return ""
+    ms = seconds * 1000
+    if ms < 10:
+        return "<10ms"
+    digits = len(str(int(ms))) - 1
+    return f"{round(ms, -digits):.0f}ms" if ms < 10_000 else f"{seconds:.0f}s"
 
 
 def row_cells(row: NodeRow) -> dict[str, object]:
     cells: dict[str, object] = {c.key: "" for c in COLUMNS}
-    cells.update(node=row.name, host=row.host, seen=fmt_age(row.seen_seconds),
-                 latency="" if row.latency_seconds is None else f"{row.latency_seconds * 1000:.0f}ms")
+    cells.update(node=row.name, host=row.host, seen=fmt_age(row.seen_seconds, row.fresh_seconds),
+                 latency=fmt_latency(row.latency_seconds))
     if row.stale:
         cells["seen"] = Text(cells["seen"], style="bold yellow")
     if row.status is None:
@@ -90,7 +115,7 @@ def row_cells(row: NodeRow) -> dict[str, object]:
         state=Text("stale", style="bold yellow") if row.stale else Text("up", style="bold green"),
         version=st.version, rpc=f":{st.rpc_port}",
         p2p=Text("…", style="italic") if row.p2p_pending else p2p_text(st.p2p),
-        sessions=str(len(st.sessions)), uptime=fmt_duration(st.uptime_seconds),
+        sessions=str(len(st.sessions)), uptime=fmt_uptime(st.uptime_seconds),
     )
     if row.stats is not None:
         cells.update(commands=fmt_count(row.stats.total.command_count),
@@ -102,6 +127,12 @@ def row_cells(row: NodeRow) -> dict[str, object]:
     if row.history:
         cells["history"] = spark_text(row.history, SPARK_WIDTH)
     return cells
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, Text) and isinstance(b, Text):
+        return a.plain == b.plain and a.style == b.style and a.spans == b.spans
+    return type(a) is type(b) and a == b
 
 
 class NodeTable(DataTable):
@@ -132,15 +163,23 @@ class NodeTable(DataTable):
             self._set_columns(columns)
 
     def show(self, key: str, row: NodeRow) -> None:
-        if self._rows.get(key) == row:
+        before = self._rows.get(key)
+        if before == row:
             return  # nothing new: no redraw (the idle dashboard's CPU)
         self._rows[key] = row
         cells = row_cells(row)
         if key not in self.rows:
             self.add_row(*(cells[c.key] for c in self.columns_shown), key=key)
             return
+        old = row_cells(before) if before is not None else {}
         for c in self.columns_shown:
-            self.update_cell(key, c.key, cells[c.key], update_width=True)
+            cell = cells[c.key]
+            if c.key in old and _same(old[c.key], cell):
+                continue
+            # Widths are measured again only when a cell outgrows its column: a re-measure
+            # means a layout pass, the costliest part of a refresh.
+            wider = cell_len(str(cell)) > self.columns[ColumnKey(c.key)].content_width
+            self.update_cell(key, c.key, cell, update_width=wider)
 
     def row_of(self, key: str) -> NodeRow | None:
         return self._rows.get(key)
