@@ -73,10 +73,12 @@ class NodeRow:
 def fmt_age(seconds: float | None, fresh: float = 1.0) -> str:
     """How long ago a node last answered: "now" within `fresh` seconds (the poll interval and a
     half: a healthy node's cell stays the same from poll to poll, so the idle dashboard does not
-    redraw it), else whole seconds and up."""
+    redraw it), else the age itself."""
     if seconds is None:
         return ""
-    return "now" if seconds < fresh else fmt_duration(seconds)
+    if seconds < fresh:
+        return "now"
+    return f"{seconds:.1f}s" if seconds < 10 else fmt_duration(seconds)
 
 
 def fmt_uptime(seconds: float) -> str:
