@@ -200,7 +200,7 @@ class AbScreen(Screen):
     def on_mount(self) -> None:
         history = self.query_one("#ab-history", DataTable)
         history.border_title = "runs (e: export JSON)"
-        for label in ("#", "When", "Workload", "Took", "Verdict", "Speed-up"):
+        for label in ("#", "When", "Workload", "Took", "Outputs", "Speed-up", "Direct arm"):
             history.add_column(label)
         self.query_one("#ab-run", Button).focus()  # so the app's keys (q) work at once
 
@@ -313,9 +313,13 @@ class AbScreen(Screen):
         self.query_one("#ab-table", Static).update(ab_table(run.doc) if run.workload == "synthetic"
                                                    else self._model_table(run))
         self.query_one("#ab-chart", Static).update(chart_table(run))
+        same = run.doc.get("outputs_identical", run.doc.get("ok"))
         self.query_one("#ab-history", DataTable).add_row(
-            str(len(self.history)), time.strftime("%H:%M:%S", time.localtime(run.started)), run.workload,
-            f"{run.seconds:.1f}s", Text(run.verdict[:48], style="green" if run.ok else "red"), run.speedup)
+            str(len(self.history)), time.strftime("%H:%M:%SZ", time.gmtime(run.started)), run.workload,
+            f"{run.seconds:.1f}s", Text("identical", style="green") if same else Text("DIFFERENT", style="bold red"),
+            run.speedup or "-",
+            Text("copied", style="green") if not run.warning else Text(
+                "never copied" if "never" in run.warning else "fell back", style="yellow"))
 
     @staticmethod
     def _model_table(run: AbRun) -> Table:
