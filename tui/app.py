@@ -10,11 +10,13 @@ Screens: the dashboard (always at the bottom), a node's detail (Enter), deploy a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import BindingType
+from textual.screen import Screen
 
 from fleetd.fleet.node import Fleet
 from tui.screens.ab import AbScreen, AbSettings
@@ -44,6 +46,23 @@ class FleetApp(App):
         # Installed, so leaving the A/B screen keeps its last result and history for the next visit.
         self.install_screen(AbScreen(self.fleet, self.ab_settings), "ab")
         self.push_screen(DashboardScreen(self.fleet, self.interval))
+
+    @property
+    def dashboard(self) -> DashboardScreen | None:
+        return next((s for s in self.screen_stack if isinstance(s, DashboardScreen)), None)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        board = self.dashboard
+        if board is None:
+            return
+        yield SystemCommand("Deploy", "Deploy fleetd to the nodes (the deploy screen, d)", board.action_show_deploy)
+        yield SystemCommand("Node detail", "The selected node in detail (Enter)", board.action_show_node)
+        yield SystemCommand("P2P on every node", "Switch peer copy on every node that answers (P)",
+                            board.action_toggle_fleet_p2p)
+        yield SystemCommand("Reset counters", "Zero the counters of every node, after asking (r)",
+                            board.action_reset_stats)
+        yield SystemCommand("A/B", "Hub vs direct, synthetic or a model (a)", self.action_show_ab)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "show_ab" and isinstance(self.screen, AbScreen):

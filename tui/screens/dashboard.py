@@ -31,6 +31,8 @@ from fleetd.fleet.node import Fleet, FleetResult, Node
 from fleetd.fleet.render import down_text, reason
 from tui.history import History, Rates, rates_between
 from tui.screens.confirm import ConfirmScreen
+from tui.screens.deploy import DeployScreen
+from tui.screens.node import NodeScreen
 from tui.widgets import Counters, HistoryPanel, NodeRow, NodeTable, PeerToggle
 from tui.widgets.counters import CounterSample
 from tui.widgets.node_table import SPARK_WIDTH
@@ -227,15 +229,11 @@ class DashboardScreen(Screen):
         return self.nodes[key] if key is not None else None
 
     def action_show_node(self) -> None:
-        from tui.screens.node import NodeScreen
-
         key = self.query_one(NodeTable).selected_key
         if key is not None:
             self.app.push_screen(NodeScreen(self, key))
 
     def action_show_deploy(self) -> None:
-        from tui.screens.deploy import DeployScreen
-
         self.app.push_screen(DeployScreen(self.fleet, self.selected_node))
 
     # -- P2P switch --------------------------------------------------------------------------

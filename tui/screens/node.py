@@ -9,7 +9,8 @@ timer, so there is still one poll per node however many screens show it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Protocol
 
 from rich.console import Group
 from rich.text import Text
@@ -23,14 +24,27 @@ from textual.worker import get_current_worker
 
 from fleetd.fleet.control_docs import NodeStatus
 from fleetd.fleet.deploy import Deployer
+from fleetd.fleet.node import Fleet, Node
 from fleetd.fleet.render import (command_table, devices_table, fallbacks_table, fmt_duration, p2p_text,
                                  reason, sessions_table)
+from tui.history import History
 from tui.widgets import HistoryPanel
 from tui.widgets.counters import per_command
 from tui.widgets.node_table import fmt_age
 
-if TYPE_CHECKING:
-    from tui.screens.dashboard import DashboardScreen
+
+
+class NodeSource(Protocol):
+    """What this screen reads from the screen that polls (the dashboard)."""
+
+    fleet: Fleet
+    interval: float
+    nodes: Mapping[str, Node]
+    samples: Mapping
+    histories: Mapping[str, History]
+    clock: Callable[[], float]
+
+    def is_stale(self, key: str) -> bool: ...
 
 LOG_LINES = 20
 LOG_REFRESH_S = 5.0
@@ -42,7 +56,7 @@ class NodeScreen(Screen):
         ("l", "refresh_log", "Reload log"),
     ]
 
-    def __init__(self, dashboard: DashboardScreen, key: str) -> None:
+    def __init__(self, dashboard: NodeSource, key: str) -> None:
         super().__init__()
         self.dashboard = dashboard
         self.key = key
