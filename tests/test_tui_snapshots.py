@@ -78,6 +78,13 @@ def make_app(tmp_path) -> FleetApp:
     return FleetApp(Fleet.load(nodes_file(tmp_path)), interval=1.0, screenshot=tmp_path)
 
 
+async def all_done(pilot) -> None:
+    """Until every worker (a cancelled one too: a thread runs to its end) has finished."""
+    while any(not w.is_finished for w in pilot.app.workers):
+        await pilot.pause(0.05)
+    await pilot.pause(0.1)
+
+
 async def feed(pilot) -> DashboardScreen:
     """Stop polling and give the dashboard fixed answers: two nodes up, one down."""
     app = pilot.app
@@ -86,7 +93,11 @@ async def feed(pilot) -> DashboardScreen:
     assert isinstance(screen, DashboardScreen)
     screen._timer.stop()
     app.workers.cancel_all()
+    # A poll that answered just before the cancel may still hand its answer over: let every
+    # worker end and every answer land, then replace them all.
+    await all_done(pilot)
     screen.samples.clear()
+    screen._latencies.clear()
     for h in screen.histories.values():
         h.points.clear()
     t0 = 1000.0
@@ -117,6 +128,7 @@ def test_node_screen(snap_compare, tmp_path):
         await pilot.app.push_screen(node)
         await pilot.pause()
         pilot.app.workers.cancel_all()  # the log comes from the line below, not from SSH
+        await all_done(pilot)
         node._show_log([f"2026-12-01 22:0{i}:00 fleetd.server INFO session {i} from 10.0.0.9 closed"
                         for i in range(6)])
         await pilot.pause()
