@@ -108,7 +108,7 @@ async def feed(pilot) -> DashboardScreen:
                       NodeStats.parse(stats_doc(i, 40)), at, 0.012)
         screen.polled("1", NodeStatus.parse(status_doc(50052, 1, p2p=False, allocated=9 << 30)),
                       NodeStats.parse(stats_doc(i, 7, fallbacks=3)), at, 0.034)
-    screen.polled("2", ControlUnreachable("ssh you@10.0.0.13:22: no route to host"), None, t0 + POLLS, 3.1)
+    screen.polled("2", ControlUnreachable("ssh you@127.0.0.13:9: connection refused"), None, t0 + POLLS, 3.1)
     await pilot.pause()
     return screen
 
