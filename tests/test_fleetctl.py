@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,7 +93,8 @@ def test_status_and_stats_of_two_nodes_through_ssh(fleet2, ssh_server, capsys):
         assert rc == 0
         ca, cb = doc["a"]["stats"]["total"]["commands"], doc["b"]["stats"]["total"]["commands"]
         assert ca["SET_TENSOR"]["count"] == 1 and ca["SET_TENSOR"]["request_bytes"] == 9 + 296 + 1 + 8 + 4096
-        assert cb["SET_TENSOR"]["count"] == 0 and cb["HELLO"]["count"] == 0
+        # status asked HELLO on each RPC port too (a closed RPC port is not "up").
+        assert cb["SET_TENSOR"]["count"] == 0 and cb["HELLO"]["count"] == 1 and ca["HELLO"]["count"] == 2
         [session] = doc["a"]["stats"]["sessions"]
         assert session["peer"] == local and session["commands"]["SET_TENSOR"]["count"] == 1
 
@@ -209,8 +212,12 @@ def test_stats_watch_is_bounded_by_count(fleet2, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3
     assert all(set(json.loads(line)["nodes"]) == {"a", "b"} for line in lines)
+    # Not a terminal (capsys): one text line per sample, the last one ended too.
     assert main(["stats", *args, "--watch", "--count", "2", "--interval", "0.05"]) == 0
-    assert "RPC commands" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and len(out.splitlines()) == 2
+    assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ a [\d ]+ commands", line) for line in out.splitlines())
+    assert "/s" in out.splitlines()[1] and "; b " in out
 
 
 def test_flip_p2p_while_a_pipeline_runs(fleet2, capsys):
@@ -318,16 +325,16 @@ def test_nodes_file_format():
 def test_bad_nodes_file_line_names_the_line(tmp_path, capsys, line, message):
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(f"gpu0\n# ok so far\n{line}\n")
-    assert main(["status", str(nodes)]) == 1
+    assert main(["status", str(nodes)]) == 2  # the operator's input: a usage error, fleetctl(1)
     err = capsys.readouterr().err
-    assert err.startswith("NodesFileError: ") and message in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("fleetctl status: error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_or_empty_nodes_file(tmp_path, capsys):
-    assert main(["status", str(tmp_path / "nope.txt")]) == 1
-    assert "NodesFileError: nodes file" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nope.txt")]) == 2
+    assert "fleetctl status: error: nodes file" in capsys.readouterr().err
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
-    assert main(["stats", str(tmp_path / "empty.txt")]) == 1
+    assert main(["stats", str(tmp_path / "empty.txt")]) == 2
     assert "no nodes in it" in capsys.readouterr().err
 
 
@@ -369,3 +376,261 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
                        env=env, timeout=60)
     assert p.returncode == 1 and p.stdout.count("\n") == 1
     assert "127.0.0.1:" in json.loads(p.stdout)["error"]
+
+
+# -- the operator's rough edges (issue 13) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stats", "N", "--interval", "-1"], "--interval -1: must be above 0"),
+    (["stats", "N", "--watch", "--count", "0"], "--count 0: must be at least 1"),
+    (["status", "N", "--timeout", "0"], "--timeout 0: must be above 0"),
+    (["status", "N", "--connect-timeout", "-2"], "--connect-timeout -2: must be above 0"),
+    (["ab", "N", "--rows", "0"], "--rows 0: must be at least 1"),
+    (["ab", "N", "--rows", "-5"], "--rows -5: must be at least 1"),
+    (["ab", "N", "--n-embd", "0"], "--n-embd 0: must be at least 1"),
+    (["ab", "N", "--steps", "1"], "--steps 1: must be at least 2"),
+    (["ab", "N", "--layers", "-1"], "--layers -1: must be at least 0"),
+    (["logs", "N", "-n", "0"], "--lines 0: must be at least 1"),
+    (["tui", "N", "--interval", "0"], "--interval 0: must be above 0"),
+    (["tui", "N", "--ab-steps", "1"], "--ab-steps 1: must be at least 2"),
+    (["demo", "--nodes", "0"], "--nodes 0: must be at least 1"),
+])
+def test_numeric_options_are_range_checked(argv, message, capsys):
+    assert main(argv) == 2  # before anything is read or reached: N is not even a file
+    err = capsys.readouterr().err
+    assert err == f"fleetctl {argv[0]}: error: {message}\n"
+
+
+def test_a_wrong_flag_prints_the_subcommands_usage(capsys):
+    assert main(["status", "nodes.txt", "--colour"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fleetctl status ") and "--node NAME" in err
+    assert err.rstrip().endswith("fleetctl status: error: unrecognized arguments: --colour")
+
+
+def test_tui_does_not_offer_json(capsys):
+    with pytest.raises(SystemExit):
+        main(["tui", "--help"])
+    assert "--json" not in capsys.readouterr().out
+    assert main(["tui", "nodes.txt", "--json"]) == 2
+    assert "unrecognized arguments: --json" in capsys.readouterr().err
+
+
+def test_json_into_a_closed_pipe_is_quiet(fleetd_server, tmp_path):
+    srv = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port}\n")
+    read, write = os.pipe()
+    os.close(read)  # `| head` that has already gone: the first write fails with EPIPE
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    code = "import sys; from fleetd.ctl import main; sys.exit(main())"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, "status", str(nodes), "--json"], cwd=REPO,
+                              env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1
+
+
+def test_status_checks_hello_on_the_rpc_port(fleetd_server, ssh_server, tmp_path, capsys):
+    a = fleetd_server(control_port=0)
+    closed = free_port()
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='a')}\n"
+                     f"{ssh_server.node_line(rpc_port=closed, control_port=a.control.port, name='norpc')}\n")
+    args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts)]
+    rc, doc = run_json(capsys, "status", *args)
+    assert rc == 1 and doc["a"]["up"] is True
+    # The control API answers for norpc (it is a's), but nothing serves RPC on its port.
+    assert doc["norpc"]["up"] is False
+    assert f"channel to 127.0.0.1:{closed} refused" in doc["norpc"]["error"]
+
+
+def test_node_flag_on_status_and_stats_and_the_host_of_a_named_node(fleet2, ssh_server, capsys):
+    a, b, args = fleet2
+    rc, doc = run_json(capsys, "status", *args, "--node", "b")
+    assert rc == 0 and list(doc) == ["b"]
+    rc, doc = run_json(capsys, "stats", *args, "--node", "a")
+    assert rc == 0 and list(doc) == ["a"]
+    assert main(["status", *args, "--node", "a"]) == 0
+    out = capsys.readouterr().out
+    assert f"{ssh_server.user}@127.0.0.1:{ssh_server.port}" in out  # a named node shows its host
+    assert main(["status", *args, "--node", "nope"]) == 1
+    assert "no node named 'nope' (have: a, b)" in capsys.readouterr().err
+
+
+def test_lifecycle_on_a_fleetd_that_fleetctl_did_not_deploy(fleetd_server, tmp_path, capsys):
+    srv = fleetd_server(control_port=0)  # running, but started by hand (here: by the test)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=byhand\n")
+    root = tmp_path / "root"
+    for command in ("stop", "start", "logs"):
+        rc, doc = run_json(capsys, command, str(nodes), "--root", str(root))
+        assert rc == 1, command
+        err = doc["byhand"]["error"]
+        assert f"fleetd is not deployed here by fleetctl: no {root}/current release link" in err, err
+        assert f"RPC port {srv.address[1]} is held by a program fleetctl did not start" in err
+    assert main(["logs", str(nodes), "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("==> byhand <==\n") and "not deployed here by fleetctl" in out
+
+
+def test_deploy_plan_names_a_fleetd_it_did_not_deploy(fleetd_server, tmp_path):
+    from fleetd.fleet.deploy import Deployer
+    from fleetd.fleet.ssh import NodeError
+
+    srv = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port}\n")
+    with Fleet.load(nodes) as fleet:
+        # The check comes first and fails, so the plan never needs a build.
+        with pytest.raises(NodeError, match=rf"RPC port {srv.address[1]} is held by fleetd \S+, which "
+                                            r"fleetctl did not deploy \(no release under .*root\)"):
+            Deployer(fleet, None, root=str(tmp_path / "root")).plan(fleet[0])
+
+
+class _Listener:
+    """A TCP port that accepts and then closes at once (`close=True`) or says nothing."""
+
+    def __init__(self, close: bool) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held = []
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                if close:
+                    conn.close()
+                else:
+                    self.held.append(conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def stop(self) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def test_ssh_errors_say_what_happened(tmp_path, capsys):
+    closing, silent = _Listener(close=True), _Listener(close=False)
+    try:
+        nodes = tmp_path / "nodes.txt"
+        nodes.write_text(f"me@127.0.0.1:{closing.port} name=closes\nme@127.0.0.1:{silent.port} name=silent\n"
+                         "me@nonexistent.invalid name=nodns\n")
+        rc, doc = run_json(capsys, "status", str(nodes), "--connect-timeout", "1")
+    finally:
+        closing.stop()
+        silent.stop()
+    assert rc == 1
+    assert doc["closes"]["error"].startswith("SshError: ")
+    assert "connection closed before the SSH banner" in doc["closes"]["error"]
+    assert doc["silent"]["error"] == f"ConnectTimeout: ssh me@127.0.0.1:{silent.port}: no SSH banner within 1s"
+    assert "cannot resolve nonexistent.invalid: " in doc["nodns"]["error"]
+
+
+def test_one_rule_for_nodes_reached_without_ssh(capsys):
+    from fleetd.fleet.nodes_file import LOCAL_RULE
+
+    specs = {s.target: s.is_local for s in parse_nodes(
+        "localhost\n127.0.0.1 rpc_port=1\n[::1] rpc_port=2\n127.0.0.2\nroot@localhost rpc_port=3\n"
+        "localhost:2222 rpc_port=4\n")}
+    assert specs == {"localhost": True, "127.0.0.1": True, "[::1]": True, "127.0.0.2": False,
+                     "root@localhost": False, "localhost:2222": False}
+
+    def words(text: str) -> str:
+        return " ".join(text.replace("\\-", "-").replace("\\fB", "").replace("\\fR", "").split())
+
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    help_text = capsys.readouterr().out
+    readme = (REPO / "README.md").read_text()
+    page = (REPO / "man" / "fleetctl.1").read_text()
+    for where, text in (("--help", help_text), ("README.md", readme), ("fleetctl.1", page)):
+        assert words(LOCAL_RULE) in words(text), where
+
+
+def test_fleetctl_page_has_an_options_section():
+    page = (REPO / "man" / "fleetctl.1").read_text()
+    options = page.split(".SH OPTIONS", 1)[1].split("\n.SH ", 1)[0]
+    for flag in (r"\-i", r"\-\-known\-hosts", r"\-\-connect\-timeout", r"\-\-timeout", r"\-V", r"\-\-debug",
+                 r"\-\-json", r"\-\-node"):
+        assert flag in options, flag
+    assert "rpc_port + 100" in page.replace(r"\(pl", "+")
+
+
+def test_tables_share_one_number_format_and_header_case(fleetd_server):
+    from fleetd.fleet.control_docs import NodeStats as Stats
+    from fleetd.fleet.deploy import NodeOutcome
+    from fleetd.fleet.render import activity_table, lifecycle_table, outcome_table, p2p_table, sessions_table
+
+    srv = fleetd_server(control_port=0)
+    node = Node(NodeSpec("localhost", rpc_port=srv.address[1], control_port=srv.control.port, name="n1"))
+    with RpcClient(ep(srv), BOUNDED) as c:
+        for _ in range(3):
+            put_tensor(c, 1 << 20)  # 3 MiB of SET_TENSOR: a request-bytes count with thousands
+        st, stats = node.status(), node.stats()
+        doc = dict(stats.doc)
+        doc["total"] = dict(doc["total"], graph_computes=2_622_752)
+        big = Stats.parse(doc)
+        tables = [status_table({"n1": st}), sessions_table({"n1": st}), stats_table({"n1": big}),
+                  activity_table({"n1": big}), p2p_table({"n1": node.p2p()}),
+                  outcome_table([NodeOutcome("n1", "deployed")]), lifecycle_table("stop", {"n1": {"status": "x"}})]
+    console = Console(width=200, record=True)
+    for t in tables:
+        console.print(t)
+        for col in t.columns:
+            header = str(col.header)
+            assert not header or header[0].isupper() or not header[0].isalpha(), header
+    text = console.export_text()
+    assert "2 622 752" in text and "2,622,752" not in text
+
+
+def test_the_control_port_follows_the_rpc_port():
+    from fleetd.ports import DEFAULT_CONTROL_PORT, control_port_for
+    from fleetd.server.main import _fleetd_parser, resolve_settings
+
+    assert control_port_for(50053) == 50153 and DEFAULT_CONTROL_PORT == 50152
+    by = {s.name: s for s in parse_nodes("gpu1\ngpu1 rpc_port=50053\ngpu2 rpc_port=7000 control_port=7001\n")}
+    assert by["gpu1/50052"].control_port == 50152 and by["gpu1/50053"].control_port == 50153
+    assert by["gpu2"].control_port == 7001
+    assert resolve_settings(_fleetd_parser().parse_args(["--port", "50060"]))["control_port"] == 50160
+    assert resolve_settings(_fleetd_parser().parse_args(["--port", "50060", "--control-port", "0"]))["control_port"] == 0
+    with pytest.raises(FleetError, match=r"rpc_port 65500 \+ 100 is past 65535: give control_port= too"):
+        parse_nodes("gpu1 rpc_port=65500\n")
+
+
+def test_demo_keep_leaves_the_fleet_running_until_ctrl_c(tmp_path):
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    code = "import sys; from fleetd.ctl import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "demo", "--no-llama", "--keep", "--n-embd", "64",
+                             "--steps", "2", "--rows", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # bounded by the test's timeout
+            seen.append(line)
+            if "Ctrl-C stops the fleet" in line:
+                break
+        out = "".join(seen)
+        nodes = Path(re.search(r"nodes file (\S+) \(kept\)", out).group(1))
+        with Fleet.load(nodes) as fleet:  # the fleet is still up after the report
+            assert all(not isinstance(v, Exception) for v in fleet.map(lambda n: n.status()).values())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert nodes.is_file()  # the nodes file stays

@@ -9,10 +9,14 @@ deadline passes, then the test's assert reports what the screen shows.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import threading
 import time
 
 import pytest
+from rich.console import Console
 
 from fleetd import __version__
 from fleetd.client import RpcClient
@@ -23,7 +27,10 @@ from fleetd.transport import free_port
 from fleetd.transport.tcp import Timeout
 from tui.app import FleetApp
 from tui.screens.ab import AbScreen, AbSettings
+from tui.screens.confirm import ConfirmScreen
 from tui.screens.dashboard import DashboardScreen
+from tui.screens.deploy import DeployScreen
+from tui.screens.node import NodeScreen
 from tui.widgets import NodeTable, PeerToggle
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,10 +42,21 @@ BOUNDED = Timeout(connect=5.0, read=10.0)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    """Two fleetd processes for the whole module; tests leave P2P as they found it (on)."""
+def local(tmp_path_factory):
+    """Two fleetd processes for the whole module; tests leave P2P as they found it (on) and every
+    process running."""
     with LocalFleet(2, tmp_path_factory.mktemp("tui-fleet")) as local:
-        yield local.fleet
+        yield local
+
+
+@pytest.fixture(scope="module")
+def fleet(local):
+    return local.fleet
+
+
+def notes(app) -> str:
+    """Every notification the app showed so far, one per line."""
+    return "\n".join(str(n.message) for n in app._notifications)
 
 
 async def settle(pilot, condition, timeout: float = WAIT_S) -> bool:
@@ -99,7 +117,7 @@ def test_traffic_makes_the_counters_move(fleet):
             screen = dashboard(app)
             table = screen.query_one(NodeTable)
             assert await settle(pilot, lambda: cell(table, "1", "commands") != "")
-            before = int(cell(table, "1", "commands").replace(",", ""))
+            before = int(cell(table, "1", "commands").replace(" ", ""))
             sender = threading.Thread(target=traffic)
             sender.start()
             try:
@@ -112,11 +130,14 @@ def test_traffic_makes_the_counters_move(fleet):
                 stop.set()
                 sender.join(WAIT_S)
             assert moved, f"rates stayed at {rates}"
-            assert float(shown_rate.replace(",", "")) > 0
+            assert float(shown_rate.replace(" ", "")) > 0
             assert rates.bytes_per_s > 0 and shown_bytes.endswith("/s") and not shown_bytes.startswith("0 B")
             after_settled = await settle(
-                pilot, lambda: int(cell(table, "1", "commands").replace(",", "")) > before)
+                pilot, lambda: int(cell(table, "1", "commands").replace(" ", "")) > before)
             assert after_settled, cell(table, "1", "commands")
+            # The history kept it: commands/s above 0 in the recent polls, and the row's sparkline.
+            assert max(screen.histories["1"].series("commands_per_s")) > 0
+            assert cell(table, "1", "history").strip() != ""
 
     asyncio.run(scenario())
 
@@ -156,7 +177,7 @@ def test_r_resets_the_counters_on_every_node(fleet):
 
     def commands(table: NodeTable, key: str) -> int | None:
         text = cell(table, key, "commands")
-        return int(text.replace(",", "")) if text else None
+        return int(text.replace(" ", "")) if text else None
 
     async def scenario():
         app = FleetApp(fleet, POLL_S)
@@ -164,6 +185,12 @@ def test_r_resets_the_counters_on_every_node(fleet):
             table = dashboard(app).query_one(NodeTable)
             assert await settle(pilot, lambda: all((commands(table, k) or 0) > 0 for k in ("0", "1")))
             await pilot.press("r")
+            assert isinstance(app.screen, ConfirmScreen)  # it asks first, naming the nodes
+            assert app.screen.question == f"Reset the counters of 2 node(s): {fleet[0].name}, {fleet[1].name}?"
+            await pilot.press("n")
+            await pilot.pause(3 * POLL_S)
+            assert all((commands(table, k) or 0) > 0 for k in ("0", "1"))  # "no" reset nothing
+            await pilot.press("r", "y")
             assert await settle(pilot, lambda: all(commands(table, k) == 0 for k in ("0", "1"))), \
                 [cell(table, k, "commands") for k in ("0", "1")]
 
@@ -197,13 +224,14 @@ def test_a_node_that_does_not_answer_shows_down_with_its_reason(fleet, tmp_path)
         asyncio.run(scenario())
 
 
-def test_ab_screen_runs_hub_and_direct_with_identical_outputs(fleet):
+def test_ab_screen_runs_keeps_a_history_and_exports_it(fleet, tmp_path):
     async def scenario():
         app = FleetApp(fleet, POLL_S, AbSettings(rows=4, n_embd=64, steps=3))
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("a")
             assert isinstance(app.screen, AbScreen)
             screen = app.screen
+            screen.export_dir = tmp_path
             await pilot.click("#ab-run")
             assert await settle(pilot, lambda: screen.result is not None
                                 or "failed" in str(screen.query_one("#ab-state").content), 30)
@@ -211,17 +239,231 @@ def test_ab_screen_runs_hub_and_direct_with_identical_outputs(fleet):
             assert screen.result["outputs_identical"] is True
             assert set(screen.result["arms"]) == {"hub", "direct"}
             assert screen.result["arms"]["direct"]["node_peer_copies"] > 0
-            assert str(screen.query_one("#ab-verdict").content) == "outputs of all runs: identical"
+            run = screen.history[-1]
+            assert run.verdict.startswith("outputs identical; direct vs hub steps/s x")
+            assert run.warning == ""  # the direct arm copied: no fallback warning
+            assert [arm for _, arm, _ in run.chart] == ["hub", "direct", "direct", "hub"]
+
+            # Enter runs again (the footer says so); the old results dim until the new ones come.
+            assert screen.query_one("#ab-run").has_focus
+            await pilot.press("enter")
+            assert screen.query_one("#ab-results").has_class("old") or len(screen.history) == 2
+            assert await settle(pilot, lambda: len(screen.history) == 2, 30), screen.query_one("#ab-state").content
+            assert not screen.query_one("#ab-results").has_class("old")
+            assert screen.query_one("#ab-history").row_count == 2
+
+            await pilot.press("e")
+            [export] = tmp_path.glob("fleetd-ab-*.json")
+            runs = json.loads(export.read_text())
+            assert [r["workload"] for r in runs] == ["synthetic", "synthetic"]
+            assert runs[0]["result"]["outputs_identical"] is True
+
             await pilot.press("escape")
             assert isinstance(app.screen, DashboardScreen)
 
     asyncio.run(scenario())
 
 
+def test_ab_reports_a_direct_arm_that_never_copied(fleet):
+    async def scenario():
+        app = FleetApp(fleet, POLL_S, AbSettings(rows=4, n_embd=64, steps=3))
+        async with app.run_test(size=SIZE) as pilot:
+            for node in fleet:  # the nodes refuse COPY_TENSOR_TO: the direct arm falls back
+                node.set_p2p(False)
+            await pilot.press("a")
+            screen = app.screen
+            await pilot.click("#ab-run")
+            assert await settle(pilot, lambda: screen.history
+                                or "failed" in str(screen.query_one("#ab-state").content), 30)
+            assert screen.history, screen.query_one("#ab-state").content
+            run = screen.history[-1]
+            assert not run.ok
+            assert run.warning.startswith("the direct arm never copied peer to peer")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for node in fleet:
+            node.set_p2p(True)
+
+
+def test_ab_model_workload_says_why_it_cannot_run(fleet, tmp_path):
+    not_a_model = tmp_path / "m.gguf"
+    not_a_model.write_bytes(b"not a gguf")
+
+    async def scenario():
+        app = FleetApp(fleet, POLL_S, AbSettings(model=str(tmp_path / "missing.gguf")))
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("a")
+            screen = app.screen
+            screen.query_one("#workload").value = "model"
+            await pilot.click("#ab-run")
+            assert "no such file" in str(screen.query_one("#ab-state").content)
+            screen.query_one("#model").value = str(not_a_model)
+            await pilot.press("enter")  # the Run key, this time
+            assert await settle(pilot, lambda: "A/B failed" in str(screen.query_one("#ab-state").content), 30), \
+                screen.query_one("#ab-state").content
+            assert not screen.history
+
+    asyncio.run(scenario())
+
+
+def test_stale_after_two_missed_intervals_and_up_again(local):
+    proc, key = local.processes[1], "1"
+
+    async def scenario():
+        app = FleetApp(local.fleet, POLL_S)
+        async with app.run_test(size=SIZE) as pilot:
+            screen = dashboard(app)
+            table = screen.query_one(NodeTable)
+            assert await settle(pilot, lambda: cell(table, key, "state") == "up")
+            assert cell(table, key, "latency").endswith("ms") and (cell(table, key, "seen") == "now" or
+                                                                cell(table, key, "seen").endswith("s"))
+            os.kill(proc.pid, signal.SIGSTOP)  # it stops answering; its sockets stay open
+            try:
+                # Stale long before the control API's 30 s read timeout: two intervals.
+                assert await settle(pilot, lambda: cell(table, key, "state") == "stale"), cell(table, key, "state")
+                assert screen.is_stale(key)
+                assert cell(table, "0", "state") == "up"
+                assert cell(table, key, "seen").endswith("s")  # the age of its last answer
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert await settle(pilot, lambda: cell(table, key, "state") == "up"), cell(table, key, "state")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_fleet_wide_p2p_and_p_on_a_down_node_says_why(fleet, tmp_path):
+    alive = fleet[0].spec
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={alive.rpc_port} control_port={alive.control_port} name=alive\n"
+                     f"localhost rpc_port={free_port()} control_port={free_port()} name=dead\n")
+    with Fleet.load(nodes) as mixed:
+        async def scenario():
+            app = FleetApp(mixed, POLL_S)
+            async with app.run_test(size=SIZE) as pilot:
+                screen = dashboard(app)
+                table = screen.query_one(NodeTable)
+                assert await settle(pilot, lambda: cell(table, "1", "state") == "down"
+                                    and cell(table, "0", "state") == "up")
+                await pilot.press("down", "p")
+                assert "dead is down, nothing switched: ControlUnreachable" in notes(app)
+                await pilot.press("P")  # every node that can: alive only, dead named as skipped
+                assert await settle(pilot, lambda: cell(table, "0", "p2p") == "off"), cell(table, "0", "p2p")
+                assert mixed[0].p2p().enabled is False
+                assert "P2P off on alive" in notes(app) and "skipped: dead is down" in notes(app)
+                await pilot.press("P")
+                assert await settle(pilot, lambda: cell(table, "0", "p2p") == "on"), cell(table, "0", "p2p")
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            fleet[0].set_p2p(True)
+
+
+def test_80x24_keeps_the_essentials_without_horizontal_scroll(fleet):
+    async def scenario():
+        app = FleetApp(fleet, POLL_S)
+        async with app.run_test(size=(80, 24)) as pilot:
+            table = dashboard(app).query_one(NodeTable)
+            assert await settle(pilot, lambda: cell(table, "1", "commands_per_s") != "")
+            shown = {c.key for c in table.columns_shown}
+            assert {"node", "state", "p2p", "commands_per_s", "bytes_per_s", "seen"} <= shown
+            assert "version" not in shown  # given way at 80 columns
+            assert table.virtual_size.width <= table.size.width, (table.virtual_size, table.size)
+            await pilot.resize_terminal(160, 40)
+            assert await settle(pilot, lambda: "version" in {c.key for c in table.columns_shown})
+            assert cell(table, "0", "version") == __version__
+
+    asyncio.run(scenario())
+
+
+def test_node_screen_shows_one_node_in_detail(fleet):
+    node = fleet[0]
+    with RpcClient(node.spec.rpc_endpoint, BOUNDED) as client:
+        client.get_alignment()
+
+        async def scenario():
+            app = FleetApp(fleet, POLL_S)
+            async with app.run_test(size=SIZE) as pilot:
+                table = dashboard(app).query_one(NodeTable)
+                assert await settle(pilot, lambda: cell(table, "0", "state") == "up")
+                await pilot.press("enter")
+                assert isinstance(app.screen, NodeScreen)
+                screen = app.screen
+                assert await settle(pilot, lambda: "GET_ALIGNMENT" in text_of(screen, "#node-commands"))
+                assert "devices" in text_of(screen, "#node-devices")
+                sessions = text_of(screen, "#node-sessions")
+                local = "{}:{}".format(*client.sock.getsockname()[:2])
+                assert local in sessions  # our open RPC connection, by its address
+                assert "fallbacks by reason" in text_of(screen, "#node-peer")
+                # The log comes over the lifecycle path: a LocalFleet node was not deployed by fleetctl.
+                assert await settle(pilot, lambda: screen.log_lines is not None)
+                lines = screen.log_lines
+                assert isinstance(lines, list) or "fleetd is not deployed here by fleetctl" in str(lines), lines
+                await pilot.press("escape")
+                assert isinstance(app.screen, DashboardScreen)
+
+        asyncio.run(scenario())
+
+
+def test_deploy_screen_dry_run_and_lifecycle_ask_first_and_report(fleet):
+    async def scenario():
+        app = FleetApp(fleet, POLL_S)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, lambda: cell(dashboard(app).query_one(NodeTable), "0", "state") == "up")
+            await pilot.press("d")
+            screen = app.screen
+            assert isinstance(screen, DeployScreen)
+            assert [n.name for n in screen.targets] == [fleet[0].name]  # the selected node first
+            await pilot.press("t")
+            assert [n.name for n in screen.targets] == [n.name for n in fleet]
+            await pilot.press("S")
+            assert isinstance(app.screen, ConfirmScreen) and fleet[1].name in app.screen.question
+            await pilot.press("n")
+            assert screen.results is None  # no stop without a yes
+            await pilot.press("n", "y")  # dry run: the same Deployer.plan as fleetctl deploy --dry-run
+            assert await settle(pilot, lambda: screen.outcomes is not None, 120)
+            for o in screen.outcomes:  # their RPC ports are held by fleetd that fleetctl did not start
+                assert o.status == "failed" and "which fleetctl did not deploy" in o.detail, o
+            await pilot.press("L", "y")
+            assert await settle(pilot, lambda: screen.results is not None, 60)
+            assert all("not deployed here by fleetctl" in r["error"] for r in screen.results.values())
+            assert all(node.status() for node in fleet)  # still running
+
+    asyncio.run(scenario())
+
+
+def test_screenshot_key_writes_svg_where_asked(fleet, tmp_path):
+    async def scenario():
+        target = tmp_path / "shots" / "dash.svg"
+        app = FleetApp(fleet, POLL_S, screenshot=target)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("s")
+            assert target.read_text().startswith("<svg") and app.last_screenshot == target
+            app.screenshot_target = tmp_path / "afile"  # a file where a directory should be
+            (tmp_path / "afile").write_text("")
+            assert app.deliver_screenshot() is None  # what the command palette's Screenshot calls
+            await pilot.pause()
+            assert "screenshot not saved: " in notes(app), notes(app)
+
+    asyncio.run(scenario())
+
+
+def text_of(screen, selector: str) -> str:
+    widget = screen.query_one(selector)
+    console = Console(width=200, record=True)
+    console.print(widget.content if hasattr(widget, "content") else widget.render())
+    return console.export_text()
+
+
 def test_fleetctl_tui_rejects_bad_arguments(tmp_path, capsys):
     nodes = tmp_path / "nodes.txt"
     nodes.write_text("localhost\n")
-    assert main(["tui", str(nodes), "--interval", "0"]) == 1
+    assert main(["tui", str(nodes), "--interval", "0"]) == 2
     assert "--interval 0: must be above 0" in capsys.readouterr().err
-    assert main(["tui", str(nodes), "--ab-steps", "1"]) == 1
+    assert main(["tui", str(nodes), "--ab-steps", "1"]) == 2
     assert "--ab-steps 1: must be at least 2" in capsys.readouterr().err

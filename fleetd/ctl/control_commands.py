@@ -14,9 +14,10 @@ import time
 from rich.console import Console, Group
 from rich.live import Live
 
-from fleetd.errors import FleetError
-from fleetd.fleet.node import Fleet, FleetResult
-from fleetd.fleet.render import activity_table, down_text, p2p_table, sessions_table, stats_table, status_table
+from fleetd.fleet.control_docs import NodeStats, NodeStatus
+from fleetd.fleet.node import Fleet, FleetResult, Node
+from fleetd.fleet.render import (activity_table, down_text, fmt_bytes, fmt_count, p2p_table, reason,
+                                 sessions_table, stats_table, status_table)
 from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
 
 # -- status ------------------------------------------------------------------------------------
@@ -24,18 +25,38 @@ from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_
 STATUS_HELP = "version, devices, uptime, sessions and P2P state of every node"
 
 
+def node_arg(p) -> None:
+    p.add_argument("--node", action="append", default=[], metavar="NAME",
+                   help="only this node (its name, host or [user@]host[:port]; repeatable)")
+
+
 def configure_status(p) -> None:
     fleet_args(p)
+    node_arg(p)
+
+
+def _selected(fleet: Fleet, args) -> Fleet:
+    return fleet.select(args.node) if args.node else fleet
+
+
+def status_and_hello(node: Node) -> NodeStatus:
+    """The control API's status, and HELLO on the RPC port: a node whose RPC port is closed is
+    not up, whatever its control API says."""
+    status = node.status()
+    node.hello(status.rpc_host)
+    return status
 
 
 def cmd_status(args) -> int:
     with open_fleet(args) as fleet:
-        result = fleet.map(lambda n: n.status())
+        fleet = _selected(fleet, args)
+        result = fleet.map(status_and_hello)
     if args.json:
         print_json(json_doc(result, "status"))
     else:
         answers = by_name(result)
-        print_renderables(status_table(answers), sessions_table(answers), down_text(answers))
+        hosts = {n.name: n.spec.target for n in result}
+        print_renderables(status_table(answers, hosts), sessions_table(answers), down_text(answers))
     result.raise_on_failure()
     return 0
 
@@ -47,6 +68,7 @@ STATS_HELP = "per-command counts and bytes, graph computes, peer copies and fall
 
 def configure_stats(p) -> None:
     fleet_args(p)
+    node_arg(p)
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count samples)")
     p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between samples (default 2)")
     p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N samples")
@@ -59,12 +81,9 @@ def _stats_view(answers, previous, interval: float | None) -> Group:
 
 
 def cmd_stats(args) -> int:
-    if args.interval <= 0:
-        raise FleetError(f"--interval {args.interval:g}: must be above 0")
-    if args.count is not None and args.count < 1:
-        raise FleetError(f"--count {args.count}: must be 1 or more")
     samples = (args.count or sys.maxsize) if args.watch else 1
     with open_fleet(args) as fleet:
+        fleet = _selected(fleet, args)
         if args.reset:
             fleet.map(lambda n: n.reset_stats()).raise_on_failure()
         if not args.watch:
@@ -78,9 +97,29 @@ def cmd_stats(args) -> int:
         return _watch(fleet, args, samples)
 
 
+def stats_line(at: float, answers, previous, interval: float) -> str:
+    """One sample as one line of text (stats --watch into a pipe or file): per node its commands
+    and bytes since the reset, and commands per second since the sample before."""
+    parts = []
+    for name, st in answers.items():
+        if isinstance(st, BaseException):
+            parts.append(f"{name} down ({reason(st)})")
+            continue
+        before = (previous or {}).get(name)
+        rate = ""
+        if isinstance(before, NodeStats) and before.since == st.since:
+            rate = f" {fmt_count(max(0, st.total.command_count - before.total.command_count) / interval, 1)}/s"
+        parts.append(f"{name} {fmt_count(st.total.command_count)} commands{rate} "
+                     f"{fmt_bytes(st.total.bytes_moved)} peer copies {fmt_count(st.peer.copies_ok)}")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    return f"{stamp} " + "; ".join(parts)
+
+
 def _watch(fleet: Fleet, args, samples: int) -> int:
     previous, result = None, FleetResult()
-    live = None if args.json else Live(console=Console(), auto_refresh=False, transient=False)
+    # A live table only on a terminal; into a pipe or file, one line per sample (JSON with --json).
+    lines = args.json or not sys.stdout.isatty()
+    live = None if lines else Live(console=Console(), auto_refresh=False, transient=False)
     try:
         if live is not None:
             live.start()
@@ -88,13 +127,16 @@ def _watch(fleet: Fleet, args, samples: int) -> int:
             if i:
                 time.sleep(args.interval)
             result = fleet.map(lambda n: n.stats())
-            if args.json:  # one JSON object per line per sample
+            answers = by_name(result)
+            if args.json:
                 sys.stdout.write(json.dumps({"time": time.time(), "nodes": json_doc(result, "stats")}) + "\n")
-                sys.stdout.flush()
+            elif lines:
+                sys.stdout.write(stats_line(time.time(), answers, previous, args.interval) + "\n")
             else:
-                answers = by_name(result)
                 live.update(_stats_view(answers, previous, args.interval), refresh=True)
-                previous = answers
+            if lines:
+                sys.stdout.flush()
+            previous = answers
     except KeyboardInterrupt:
         pass
     finally:
@@ -111,14 +153,12 @@ P2P_HELP = "switch direct server-to-server copy on or off at runtime, or show it
 def configure_p2p(p) -> None:
     p.add_argument("action", choices=["on", "off", "status"], help="switch peer copy on or off, or show it")
     fleet_args(p)
-    p.add_argument("--node", action="append", default=[], metavar="NAME",
-                   help="only this node (its name, host or [user@]host[:port]; repeatable)")
+    node_arg(p)
 
 
 def cmd_p2p(args) -> int:
     with open_fleet(args) as fleet:
-        if args.node:
-            fleet = fleet.select(args.node)
+        fleet = _selected(fleet, args)
         if args.action == "status":
             result = fleet.map(lambda n: n.p2p())
         else:

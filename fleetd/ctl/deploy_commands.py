@@ -110,8 +110,8 @@ def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:
             print(json.dumps(rows, indent=2))
         elif action == "logs":
             for node, v in rows.items():
-                print(f"==> {node} <==")
-                print("\n".join(v.get("lines", [])) or v.get("error", ""))
+                print(f"==> {node} {v.get('path', '')} <==".replace("  <", " <"))
+                print("\n".join(v.get("lines", [])) or v.get("error") or "(nothing logged there yet)")
         else:
             Console().print(lifecycle_table(action, rows))
         return 0 if result.ok else 1

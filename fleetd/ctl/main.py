@@ -2,12 +2,17 @@
 
 Every subcommand is one row of SUBCOMMANDS: its name, its help line, a function that adds its
 arguments to its parser, and `cmd_<name>(args) -> int` over fleetd.fleet. Nothing registers
-itself on import: this table is the whole list.
+itself on import: this table is the whole list. NUMBER_RANGES is the one place numeric options
+are range-checked, for every subcommand that has them.
+
+Exit codes (fleetctl(1)): 0 success; 1 a node failed or outputs differ; 2 a usage error (a bad
+flag or value, a bad nodes file); 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,11 +20,14 @@ from dataclasses import dataclass
 from fleetd import __version__
 from fleetd.ctl import ab_commands as ab
 from fleetd.ctl import control_commands as control
+from fleetd.ctl import demo_command as demo
 from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import tui_command
 from fleetd.errors import FleetdError
-from fleetd.fleet.nodes_file import NODES_FILE_HELP
+from fleetd.fleet.nodes_file import NODES_FILE_HELP, NodesFileError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass(frozen=True)
@@ -42,14 +50,39 @@ SUBCOMMANDS = (
     Subcommand("uninstall", deploy.UNINSTALL_HELP, deploy.configure_lifecycle, deploy.cmd_uninstall),
     Subcommand("inventory", deploy.INVENTORY_HELP, deploy.configure_inventory, deploy.cmd_inventory),
     Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
-    Subcommand("demo", ab.DEMO_HELP, ab.configure_demo, ab.cmd_demo),
+    Subcommand("demo", demo.DEMO_HELP, demo.configure_demo, demo.cmd_demo),
     Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}
 
+# Numeric options by argparse dest: (smallest allowed, whether that value itself is allowed,
+# largest allowed or None). Checked for whichever subcommand has the option.
+NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
+    "interval": (0, False, None), "connect_timeout": (0, False, None), "timeout": (0, False, None),
+    "count": (1, True, None), "lines": (1, True, None),
+    "rows": (1, True, None), "n_embd": (1, True, None), "layers": (0, True, None), "steps": (2, True, None),
+    "ab_rows": (1, True, None), "ab_n_embd": (1, True, None), "ab_steps": (2, True, None),
+    "rounds": (1, True, 50), "n_prompt": (1, True, 4096), "n_gen": (1, True, 4096),
+    "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def range_error(args: argparse.Namespace) -> str | None:
+    """The first numeric option out of its range, as one line; None when all are in range."""
+    for dest, (least, inclusive, most) in NUMBER_RANGES.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value < least or (value == least and not inclusive):
+            return f"{flag} {value:g}: must be {'at least' if inclusive else 'above'} {least:g}"
+        if most is not None and value > most:
+            return f"{flag} {value:g}: must be at most {most:g}"
+    return None
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     p = argparse.ArgumentParser(
         prog="fleetctl", description="Run fleets of fleetd nodes.", epilog=NODES_FILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,24 +90,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("-V", "--version", action="version", version=f"fleetctl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    parsers = {}
     for c in sorted(SUBCOMMANDS, key=lambda c: c.name):  # --help lists them alphabetically
-        c.configure(sub.add_parser(c.name, help=c.help, description=c.help))
-    return p
+        parsers[c.name] = sub.add_parser(c.name, help=c.help, description=c.help)
+        c.configure(parsers[c.name])
+    return p, parsers
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, parsers = build_parser()
+    # parse_known_args: a flag the subcommand does not know is reported with *its* usage,
+    # not the top-level one argparse would print.
+    args, unknown = parser.parse_known_args(argv)
     if not args.command:
-        parser.print_usage(sys.stderr)
-        print("fleetctl: error: a command is required (see fleetctl --help)", file=sys.stderr)
-        return 2
+        return _usage_error(parser, "a command is required (see fleetctl --help)")
+    sub = parsers[args.command]
+    if unknown:
+        return _usage_error(sub, f"unrecognized arguments: {' '.join(unknown)}")
+    bad = range_error(args)
+    if bad:
+        print(f"{sub.prog}: error: {bad}", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        return COMMANDS[args.command].run(args)
+        code = COMMANDS[args.command].run(args)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return code
+    except NodesFileError as exc:  # the operator's input, like a bad flag
+        if args.debug:
+            raise
+        print(f"{sub.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except FleetdError as exc:
         if args.debug:
             raise
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `fleetctl ... | head` closed the pipe: not an error of ours. Point stdout at /dev/null
+        # so the interpreter's final flush does not raise again (the Python docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED

@@ -17,11 +17,12 @@ from fleetd.fleet.render import reason
 from fleetd.fleet.ssh import SshOptions
 
 
-def fleet_args(p: argparse.ArgumentParser) -> None:
+def fleet_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = NODES_FILE_HELP
     p.add_argument("nodes", metavar="NODES", help="nodes file (format below)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    if json_output:
+        p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("-i", "--identity", action="append", default=[], metavar="FILE",
                    help="SSH private key to try first (repeatable; the agent and ~/.ssh are tried too)")
     p.add_argument("--known-hosts", action="append", default=[], metavar="FILE",

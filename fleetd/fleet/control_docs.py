@@ -78,6 +78,7 @@ class Device:
     name: str
     free: int
     total: int
+    kind: str | None = None  # e.g. "cpu", "cuda": what the device computes with, when the daemon says
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class NodeStatus:
             features=features.whole("bits", 0) if features is not None else 0,
             rpc_host=rpc.text("host", "?"),
             rpc_port=rpc.whole("port"),
-            devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"))
+            devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"),
+                                 x.text("kind", None))
                           for i, x in enumerate(d.objs("devices", []))),
             uptime_seconds=d.number("uptime_seconds", 0.0),
             p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),

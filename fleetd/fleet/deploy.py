@@ -229,8 +229,18 @@ class Deployer:
         if state["free_bytes"] < MIN_FREE_BYTES:
             raise NodeError(f"{state['free_bytes'] >> 20} MiB free, need {MIN_FREE_BYTES >> 20} MiB")
         if state["port"] == "busy":
-            raise NodeError(f"RPC port {node.spec.rpc_port} is held by another program")
+            raise NodeError(self._port_holder(node))
         return {"check": f"python {state['python']}, {state['free_bytes'] >> 30} GiB free, port {state['port']}"}
+
+    def _port_holder(self, node: Node) -> str:
+        """Why the RPC port is busy, naming a fleetd that fleetctl did not deploy when it is one."""
+        port, root = node.spec.rpc_port, self.root or default_root(node.spec.user)
+        try:
+            version = node.status().version
+        except Exception:
+            return f"RPC port {port} is held by another program (not a fleetd deployed under {root})"
+        return (f"RPC port {port} is held by fleetd {version}, which fleetctl did not deploy (no "
+                f"release under {root}): stop it first, or give this node another rpc_port")
 
     def deploy(self, node: Node) -> NodeOutcome:
         b = self.build
@@ -323,10 +333,22 @@ class Deployer:
 
     # -- lifecycle commands -----------------------------------------------------------------
 
+    def _not_deployed(self, node: Node, ag: Agent, state: dict) -> NodeError:
+        """fleetd was never deployed under this root: say what was looked for, where, and
+        whether something else holds the RPC port (a fleetd started by hand, say)."""
+        port = node.spec.rpc_port
+        held = (f"; RPC port {port} is held by a program fleetctl did not start"
+                if state["port"] == "busy" else f"; nothing listens on RPC port {port}")
+        return NodeError(f"fleetd is not deployed here by fleetctl: no {ag.root}/current release link "
+                         f"and no {ag.root}/fleetd.pid (--root to look elsewhere){held}")
+
+    def _inspect(self, node: Node, ag: Agent) -> dict:
+        return ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
+
     def current_release(self, node: Node, ag: Agent) -> str:
-        state = ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
+        state = self._inspect(node, ag)
         if state["current"] is None:
-            raise NodeError("fleetd is not deployed here")
+            raise self._not_deployed(node, ag, state)
         return state["current"]
 
     def start(self, node: Node) -> dict:
@@ -341,15 +363,25 @@ class Deployer:
         return {"status": "started", "release": release}
 
     def stop(self, node: Node) -> dict:
-        stopped = self.agent(node)("stop", systemd=self.systemd)["stopped"]
-        return {"status": "stopped" if stopped else "was not running"}
+        ag = self.agent(node)
+        state = self._inspect(node, ag)
+        if state["current"] is None and state["running"] is None:
+            raise self._not_deployed(node, ag, state)
+        stopped = ag("stop", systemd=self.systemd)["stopped"]
+        return {"status": "stopped" if stopped else f"was not running (no {ag.root}/fleetd.pid)"}
 
     def restart(self, node: Node) -> dict:
         self.stop(node)
         return self.start(node) | {"status": "restarted"}
 
     def logs(self, node: Node, lines: int = 50) -> dict:
-        return {"lines": self.agent(node)("logs", lines=lines)["lines"]}
+        ag = self.agent(node)
+        got = ag("logs", lines=lines)["lines"]
+        if not got:
+            state = self._inspect(node, ag)
+            if state["current"] is None:
+                raise self._not_deployed(node, ag, state)
+        return {"lines": got, "path": f"{ag.root}/fleetd.log"}
 
     def uninstall(self, node: Node) -> dict:
         return {"status": "removed", "root": self.agent(node)("uninstall", systemd=self.systemd)["removed"]}

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fleetd.errors import ConnectTimeout, FleetError
+from fleetd.errors import ConnectTimeout, FleetError, ProtocolError, ReadTimeout
 from fleetd.fleet.control_client import ControlConnection, ControlError, exchange, json_answer
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.nodes_file import NodeSpec, load_nodes
 from fleetd.fleet.ssh import ControlUnreachable, SshOptions, open_ssh, open_tunnel
+from fleetd.wire import ClientConnection, Hello
 
 # Parallel SSH sessions at once: enough for a rack, few enough not to trip sshd's MaxStartups
 # (default 10:30:100 drops unauthenticated connections beyond 10).
@@ -84,7 +86,12 @@ class Node:
                 self._client = None
 
     def _open_control(self):
-        port = self.spec.control_port
+        return self._open_port(self.spec.control_port, "control API",
+                               f"is fleetd running with --control-port {self.spec.control_port}?")
+
+    def _open_port(self, port: int, what: str, hint: str, host: str = "127.0.0.1"):
+        """A stream to host:port as the node sees it: plain TCP for a local node, else an SSH
+        direct-tcpip channel."""
         t = self.ssh_options.connect_timeout
         if self.spec.via_netns:  # a lab node (fleetctl lab): loopback inside its namespace
             from fleetd.fleet.netns import connect_in_netns
@@ -92,15 +99,34 @@ class Node:
             return connect_in_netns(self.spec.via_netns, ("127.0.0.1", port), t)
         if self.is_local:
             try:
-                return socket.create_connection(("127.0.0.1", port), timeout=t)
+                return socket.create_connection((host, port), timeout=t)
             except TimeoutError as exc:
-                raise ConnectTimeout(f"control API 127.0.0.1:{port}: no answer within {t:g}s") from exc
+                raise ConnectTimeout(f"{what} {host}:{port}: no answer within {t:g}s") from exc
             except OSError as exc:
-                raise ControlUnreachable(
-                    f"control API 127.0.0.1:{port}: {(exc.strerror or str(exc)).lower()}: "
-                    f"is fleetd running with --control-port {port}?"
-                ) from exc
-        return open_tunnel(self.ssh(), self.spec, port, t)
+                raise ControlUnreachable(f"{what} {host}:{port}: {(exc.strerror or str(exc)).lower()}: {hint}") from exc
+        return open_tunnel(self.ssh(), self.spec, port, t, host)
+
+    def hello(self, bound: str = "0.0.0.0") -> tuple[int, int, int]:
+        """HELLO on the node's RPC port, asked from the node's side (through SSH for a remote
+        node), so `status` says up only when the port clients use answers too. `bound` is the
+        address fleetd reports it listens on; a wildcard is asked on loopback."""
+        port = self.spec.rpc_port
+        host = "127.0.0.1" if bound in ("0.0.0.0", "", "?") else "::1" if bound == "::" else bound
+        where = f"{self.name}: RPC port {host}:{port}"
+        stream = self._open_port(port, "RPC port", f"is fleetd serving RPC on port {port}?", host)
+        conn, request = ClientConnection(), Hello()
+        try:
+            stream.settimeout(self.ssh_options.timeout)
+            stream.sendall(conn.send(request))
+            (size,) = struct.unpack("<Q", _recv_exact(stream, 8))
+            conn.check_response_size(request, size)
+            return tuple(conn.decode_response(request, _recv_exact(stream, size))[:3])
+        except TimeoutError as exc:
+            raise ReadTimeout(f"{where}: no HELLO answer within {self.ssh_options.timeout:g}s") from exc
+        except (OSError, EOFError, ProtocolError) as exc:
+            raise ControlUnreachable(f"{where}: no HELLO answer: {exc or type(exc).__name__}") from exc
+        finally:
+            stream.close()
 
     # -- the control API --------------------------------------------------------------------
 
@@ -136,6 +162,16 @@ class Node:
         if status != 200:
             raise ControlError(f"{self.name}: GET /metrics: HTTP {status}", status)
         return data.decode()
+
+
+def _recv_exact(stream, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = stream.recv(n - len(data))
+        if not chunk:
+            raise EOFError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
 
 
 class FleetResult(dict):

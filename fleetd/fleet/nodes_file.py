@@ -5,10 +5,11 @@
 
     gpu1                                   # ssh as the current user, port 22, all defaults
     root@10.0.0.2:2222 rpc_port=50053 devices=cuda:0,cuda:1
-    localhost rpc_port=50052 control_port=50152   # no user, no ssh port: reached without SSH
+    localhost rpc_port=50053                       # control_port 50153; no user, no ssh port: no SSH
     [fe80::1%eth0]:22 name=edge                    # IPv6 literals in brackets
 
-Defaults: ssh_port 22, rpc_port 50052, control_port 50152, devices cpu. A node is named by
+Defaults: ssh_port 22, rpc_port 50052, control_port rpc_port + 100 (50152), devices cpu. Which
+nodes are reached without SSH: LOCAL_RULE below. A node is named by
 `name=` or by its host (plus `:ssh_port` when not 22); two nodes on one host get `/rpc_port`
 appended. A bad line raises FleetError naming the file, the line number and the bad value.
 """
@@ -16,23 +17,30 @@ appended. A bad line raises FleetError naming the file, the line number and the 
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleetd.errors import FleetError
-from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+from fleetd.ports import CONTROL_PORT_OFFSET, DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT, control_port_for
 
 DEFAULT_SSH_PORT = 22
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
-NODES_FILE_HELP = """\
+# The one rule for which nodes are reached without SSH; the README and fleetctl(1) say the same.
+LOCAL_RULE = ("localhost, 127.0.0.1 and [::1], written without a user and without an SSH port, "
+              "are reached directly over loopback, without SSH; every other node (127.0.0.2, "
+              "root@localhost, localhost:2222 too) goes through SSH.")
+
+NODES_FILE_HELP = f"""\
 nodes file: one node per line, '#' starts a comment, blank lines are ignored:
   [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME]
 e.g.
   gpu1
   root@10.0.0.2:2222 rpc_port=50053 devices=cuda:0,cuda:1
-  localhost control_port=50152      (no user, no ssh port: reached directly, without SSH)
-defaults: ssh_port 22, rpc_port 50052, control_port 50152, devices cpu.
+  localhost rpc_port=50053          (control_port 50153: rpc_port + 100)
+defaults: ssh_port 22, rpc_port {DEFAULT_RPC_PORT}, control_port rpc_port + {CONTROL_PORT_OFFSET}, devices cpu.
+{textwrap.fill(LOCAL_RULE, 96)}
 SSH keys come from the agent or ~/.ssh; host keys must be in ~/.ssh/known_hosts
 (or --known-hosts FILE)."""
 
@@ -140,6 +148,11 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             raise NodesFileError(
                 f"{where}: unknown key {key!r} (known: rpc_port, control_port, devices, name)"
             )
+    if "control_port" not in kw:  # two fleetd on one host (one per GPU) need no control_port= each
+        kw["control_port"] = control_port_for(kw.get("rpc_port", DEFAULT_RPC_PORT))
+        if kw["control_port"] > 65535:
+            raise NodesFileError(f"{where}: rpc_port {kw['rpc_port']} + {CONTROL_PORT_OFFSET} is past "
+                                 "65535: give control_port= too")
     return NodeSpec(host=host, user=user, ssh_port=ssh_port, line=lineno, **kw)
 
 

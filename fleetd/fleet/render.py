@@ -5,6 +5,8 @@ The tables over many nodes take `{node name: answer or the exception its call ra
 node gets a "down" row, and `down_text` lists the reasons under the table (too long for a cell).
 
     status_table, sessions_table   NodeStatus answers (fleetctl status, fleetctl demo)
+    devices_table, fallbacks_table one node's devices and peer copies (the TUI's node screen)
+    fmt_count, spark_text          the one number format; a sparkline of recent values
     stats_table, activity_table    NodeStats answers (fleetctl stats, the TUI's counters)
     p2p_table, p2p_text            P2pState answers (fleetctl p2p, the TUI's node table)
     ab_table, ab_steps_text, ab_verdict   fleetd.fleet.ab.compare's document
@@ -34,6 +36,28 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def fmt_count(n: float, decimals: int = 0) -> str:
+    """A count or rate with thousands grouped by spaces, the one number format of every table
+    (fleetd.pipeline.report's step table groups the same way): 1 312 016, 3 250.5."""
+    return f"{n:,.{decimals}f}".replace(",", " ")
+
+
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def spark_text(values, width: int = 12, style: str = "cyan") -> Text:
+    """The last `width` values as a one-line sparkline, scaled to their own maximum (a run of
+    zeros shows as the lowest block, so an idle node still shows a line)."""
+    tail = list(values)[-width:]
+    if not tail:
+        return Text("")
+    top = max(tail)
+    blocks = "".join(SPARK_BLOCKS[0] if top <= 0 else
+                     SPARK_BLOCKS[min(len(SPARK_BLOCKS) - 1, int(v / top * (len(SPARK_BLOCKS) - 1) + 0.5))]
+                     for v in tail)
+    return Text(blocks.rjust(width, " "), style=style)
 
 
 def fmt_duration(s: float) -> str:
@@ -73,29 +97,70 @@ def _down_row(t: Table, name: str) -> None:
 
 
 def _device_text(d: Device) -> str:
+    name = f"{d.name} ({d.kind})" if d.kind else d.name
     if d.free == d.total:
-        return f"{d.name} {fmt_bytes(d.total)}"
-    return f"{d.name} {fmt_bytes(d.free)} free of {fmt_bytes(d.total)}"
+        return f"{name} {fmt_bytes(d.total)}"
+    return f"{name} {fmt_bytes(d.free)} free of {fmt_bytes(d.total)}"
 
 
 # -- the control API's answers -----------------------------------------------------------------
 
 
-def status_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table:
-    """One row per node from GET /v1/status; a down node's row says down, its reason goes below."""
+def status_table(answers: Mapping[str, NodeStatus | BaseException],
+                 hosts: Mapping[str, str] | None = None) -> Table:
+    """One row per node from GET /v1/status; a down node's row says down, its reason goes below.
+    `hosts` ({name: [user@]host[:port]}) puts the host under a node's name when they differ, so
+    a node named with `name=` still shows where it is."""
     t = Table(title="fleetd nodes", title_justify="left")
     for col in ("Node", "State", "Version", "RPC", "P2P", "Devices", "Uptime", "Sessions"):
         t.add_column(col, justify="right" if col in ("Uptime", "Sessions") else "left",
                      style="bold" if col == "Node" else None, no_wrap=col != "Devices")
     for name, st in answers.items():
+        host = (hosts or {}).get(name, name)
+        label = name if host == name else Text.assemble(name, "\n", (host, "dim not bold"))
         if isinstance(st, BaseException):
-            _down_row(t, name)
+            t.add_row(label, Text("down", style="bold red"), *[""] * (len(t.columns) - 2))
             continue
         t.add_row(
-            name, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
+            label, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
             ", ".join(_device_text(d) for d in st.devices), fmt_duration(st.uptime_seconds),
             str(len(st.sessions)),
         )
+    return t
+
+
+def memory_bar(used: int, total: int, width: int = 12) -> Text:
+    """`used` of `total` as a bar: what is already allocated on a device, for a layer split."""
+    filled = 0 if total <= 0 else round(width * min(1.0, used / total))
+    return Text.assemble(("█" * filled, "magenta"), ("░" * (width - filled), "dim"))
+
+
+def devices_table(status: NodeStatus) -> Table:
+    """One node's devices: kind (when the daemon says), memory allocated against total."""
+    t = Table(title="devices", title_justify="left")
+    for col in ("Device", "Kind", "Allocated", "Free", "Total", ""):
+        t.add_column(col, justify="right" if col in ("Allocated", "Free", "Total") else "left")
+    for d in status.devices:
+        used = max(0, d.total - d.free)
+        t.add_row(f"{d.index}: {d.name}", d.kind or Text("-", style="dim"), fmt_bytes(used),
+                  fmt_bytes(d.free), fmt_bytes(d.total), memory_bar(used, d.total))
+    return t
+
+
+def fallbacks_table(stats: NodeStats) -> Table:
+    """One node's peer copies: pushes, bytes, links, and every fallback reason with its count."""
+    peer = stats.peer
+    t = Table(title="peer copies (COPY_TENSOR_TO)", title_justify="left")
+    t.add_column("Counter")
+    t.add_column("Value", justify="right")
+    t.add_row("copies ok", fmt_count(peer.copies_ok))
+    t.add_row("bytes pushed", fmt_bytes(peer.bytes_pushed))
+    t.add_row("bytes confirmed", fmt_bytes(peer.bytes_confirmed))
+    t.add_row("links opened", fmt_count(peer.links_opened))
+    if peer.fallbacks:
+        t.add_row(Text("fallbacks by reason", style="italic"), "", end_section=False)
+    for r, n in peer.fallbacks.items():
+        t.add_row(f"  {r}", Text(fmt_count(n), style="yellow" if n else "dim"))
     return t
 
 
@@ -108,7 +173,7 @@ def sessions_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table |
     for col in ("Node", "Session", "Peer", "Age", "Commands", "Received", "Sent"):
         t.add_column(col, justify="left" if col in ("Node", "Peer") else "right")
     for name, s in rows:
-        t.add_row(name, str(s.id), s.peer, fmt_duration(s.age_seconds), f"{s.commands:,}",
+        t.add_row(name, str(s.id), s.peer, fmt_duration(s.age_seconds), fmt_count(s.commands),
                   fmt_bytes(s.request_bytes), fmt_bytes(s.response_bytes))
     return t
 
@@ -138,15 +203,29 @@ def stats_table(answers: Mapping[str, NodeStats | BaseException],
                  sum(c.response_bytes for _, c in used))
         rows = [(c, v.count, v.request_bytes, v.response_bytes) for c, v in used] + [("all", *total)]
         for i, (c, count, req, resp) in enumerate(rows):
-            row = [name if i == 0 else "", Text(c, style="bold") if c == "all" else c, f"{count:,}"]
+            row = [name if i == 0 else "", Text(c, style="bold") if c == "all" else c, fmt_count(count)]
             if rate:
                 if before is None:
                     row.append("")
                 else:
                     prev = before.command_count if c == "all" else getattr(before.commands.get(c), "count", 0)
-                    row.append(f"{max(0, count - prev) / interval:,.1f}")
+                    row.append(fmt_count(max(0, count - prev) / interval, 1))
             row += [fmt_bytes(req), fmt_bytes(resp)]
             t.add_row(*row, end_section=(c == "all"))
+    return t
+
+
+def command_table(stats: NodeStats, rates: Mapping[str, tuple[float, float]] | None = None) -> Table:
+    """One node's commands since the last reset: count, bytes in and out, and with `rates`
+    ({command: (count/s, bytes/s)}, from the last two polls) the rate of each."""
+    t = Table(title="RPC commands", title_justify="left")
+    cols = ("Command", "Count", *(("Count/s", "Bytes/s") if rates is not None else ()), "Request", "Response")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "Command" else "right")
+    for name, c in stats.total.used().items():
+        r = (rates or {}).get(name, (0.0, 0.0))
+        live = (fmt_count(r[0], 1), f"{fmt_bytes(r[1])}/s") if rates is not None else ()
+        t.add_row(name, fmt_count(c.count), *live, fmt_bytes(c.request_bytes), fmt_bytes(c.response_bytes))
     return t
 
 
@@ -160,10 +239,10 @@ def activity_table(answers: Mapping[str, NodeStats | BaseException]) -> Table:
             _down_row(t, name)
             continue
         peer = st.peer
-        fallbacks = ", ".join(f"{r} {n:,}" for r, n in peer.fallbacks.items() if n) or "-"
+        fallbacks = ", ".join(f"{r} {fmt_count(n)}" for r, n in peer.fallbacks.items() if n) or "-"
         t.add_row(
-            name, f"{st.total.graph_computes:,}", f"{st.total.compute_seconds:.3f}s",
-            f"{peer.copies_ok:,}", fmt_bytes(peer.bytes_pushed), fmt_bytes(peer.bytes_confirmed), fallbacks,
+            name, fmt_count(st.total.graph_computes), f"{st.total.compute_seconds:.3f}s",
+            fmt_count(peer.copies_ok), fmt_bytes(peer.bytes_pushed), fmt_bytes(peer.bytes_confirmed), fallbacks,
         )
     return t
 
@@ -198,7 +277,7 @@ def ab_table(doc: dict) -> Table:
         ("COPY_TENSOR_TO per step", lambda a: f"{a['per_step']['commands'].get('COPY_TENSOR_TO', 0):.2f}"),
         ("GET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('GET_TENSOR', 0):.2f}"),
         ("SET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('SET_TENSOR', 0):.2f}"),
-        ("coordinator bytes per step", lambda a: f"{a['per_step']['request_bytes'] + a['per_step']['response_bytes']:,.0f}"),
+        ("coordinator bytes per step", lambda a: fmt_count(a['per_step']['request_bytes'] + a['per_step']['response_bytes'])),
         ("peer copies counted by nodes", lambda a: str(a["node_peer_copies"])),
         ("fallbacks counted by nodes", lambda a: str(a["node_fallbacks"])),
         ("seconds per step (median)", lambda a: f"{a['seconds_per_step']:.4f}"),
@@ -228,7 +307,7 @@ OUTCOME_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
 
 def outcome_table(outcomes: list[NodeOutcome]) -> Table:
     table = Table(title="fleetctl deploy")
-    for col in ("node", "status", "release", "previous", "steps"):
+    for col in ("Node", "Status", "Release", "Previous", "Steps"):
         table.add_column(col, overflow="fold")
     for o in outcomes:
         style = OUTCOME_STYLE.get(o.status, "")
@@ -241,8 +320,8 @@ def outcome_table(outcomes: list[NodeOutcome]) -> Table:
 def lifecycle_table(command: str, rows: Mapping[str, dict]) -> Table:
     """One row per node: its status, or its error in red (fleetctl start/stop/restart/uninstall)."""
     table = Table(title=f"fleetctl {command}")
-    table.add_column("node")
-    table.add_column("result")
+    table.add_column("Node")
+    table.add_column("Result")
     for node, v in rows.items():
         table.add_row(node, v.get("error") and f"[red]{v['error']}[/]" or v.get("status", ""))
     return table

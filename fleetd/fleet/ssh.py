@@ -108,30 +108,42 @@ def _translate(what: str, exc: Exception, timeout: float) -> Exception:
         if "not found in known_hosts" in msg:
             return SshError(f"{what}: host key not in known_hosts (add it, e.g. ssh-keyscan, or pass --known-hosts FILE)")
         if "banner" in msg.lower():
-            return ConnectTimeout(f"{what}: no SSH banner within {timeout:g}s ({msg})")
+            # paramiko says "Error reading SSH protocol banner" for both; the cause tells them apart.
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, TimeoutError):
+                return ConnectTimeout(f"{what}: no SSH banner within {timeout:g}s")
+            if isinstance(cause, (EOFError, ConnectionError)):
+                return SshError(f"{what}: connection closed before the SSH banner (not an SSH server, "
+                                "or sshd refused it: MaxStartups, tcp wrappers?)")
+            return SshError(f"{what}: bad SSH banner: {msg}")
         return SshError(f"{what}: {msg}")
     if isinstance(exc, socket.gaierror):
-        return SshError(f"{what}: cannot resolve {exc.strerror or exc}")
+        return SshError(f"{what}: cannot resolve {spec_host(what)}: {exc.strerror or exc}")
     if isinstance(exc, OSError):
         return SshError(f"{what}: {(exc.strerror or str(exc)).lower()}")
     return SshError(f"{what}: {type(exc).__name__}: {exc}")
 
 
-def open_tunnel(client: paramiko.SSHClient, spec: NodeSpec, port: int, timeout: float) -> paramiko.Channel:
-    """A direct-tcpip channel from the node's sshd to 127.0.0.1:port on the node."""
+def spec_host(what: str) -> str:
+    """The host of a `_describe` string ("ssh user@host:port")."""
+    return what.split("@", 1)[-1].rsplit(":", 1)[0]
+
+
+def open_tunnel(client: paramiko.SSHClient, spec: NodeSpec, port: int, timeout: float,
+                host: str = "127.0.0.1") -> paramiko.Channel:
+    """A direct-tcpip channel from the node's sshd to host:port as the node sees it (loopback
+    by default: the control API listens nowhere else)."""
     transport = client.get_transport()
     if transport is None or not transport.is_active():
         raise SshError(f"{_describe(spec)}: connection lost")
     try:
-        return transport.open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
+        return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout)
     except paramiko.ChannelException as exc:
-        raise ControlUnreachable(
-            f"{_describe(spec)}: channel to 127.0.0.1:{port} refused ({exc.text}): "
-            f"is fleetd running there with --control-port {port}?"
-        ) from exc
+        hint = f"is fleetd running there with --control-port {port}?" if host == "127.0.0.1" else "is fleetd running?"
+        raise ControlUnreachable(f"{_describe(spec)}: channel to {host}:{port} refused ({exc.text}): {hint}") from exc
     except paramiko.SSHException as exc:
         if "timeout" in str(exc).lower():
-            raise ConnectTimeout(f"{_describe(spec)}: channel to 127.0.0.1:{port}: no answer within {timeout:g}s") from exc
-        raise SshError(f"{_describe(spec)}: channel to 127.0.0.1:{port}: {exc}") from exc
+            raise ConnectTimeout(f"{_describe(spec)}: channel to {host}:{port}: no answer within {timeout:g}s") from exc
+        raise SshError(f"{_describe(spec)}: channel to {host}:{port}: {exc}") from exc
     except (OSError, EOFError) as exc:
         raise SshError(f"{_describe(spec)}: connection lost opening a channel: {exc}") from exc

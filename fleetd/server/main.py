@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fleetd import __version__
 from fleetd.errors import FleetdError
-from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+from fleetd.ports import DEFAULT_RPC_PORT, control_port_for
 from fleetd.server.config import ServerConfig
 from fleetd.server.daemon import serve_forever
 
@@ -24,7 +24,7 @@ FLEETD_DEFAULTS = {
     "cache_dir": None,
     "threads": None,
     "dequant_cache": None,
-    "control_port": DEFAULT_CONTROL_PORT,
+    "control_port": None,  # --port + 100 (fleetd.ports.control_port_for)
     "p2p": True,
     "peer_allow": None,
     "log_level": "info",
@@ -47,7 +47,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
     p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
                    "(default 0.5x) or a size (2G; 0 for none)")
-    p.add_argument("--control-port", type=int, help=f"loopback control API port, 0 to disable (default {DEFAULT_CONTROL_PORT})")
+    p.add_argument("--control-port", type=int, help="loopback control API port, 0 to disable (default: --port + 100)")
     p.add_argument("--no-p2p", action="store_true", default=None, help="start with peer copy switched off")
     p.add_argument(
         "--peer-allow",
@@ -81,6 +81,8 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "p2p": False if args.no_p2p else None,
     }
     settings.update({k: v for k, v in flags.items() if v is not None})
+    if settings["control_port"] is None:  # two fleetd on one host, one per GPU: their own ports
+        settings["control_port"] = control_port_for(int(settings["port"]))
     if not 0 < int(settings["port"]) < 65536:
         raise ValueError(f"port {settings['port']} outside 1..65535")
     return settings

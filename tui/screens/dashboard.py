@@ -1,15 +1,20 @@
-"""DashboardScreen: every node's state and live counters, the P2P switch, stats reset.
+"""DashboardScreen: every node's state, live rates and their history, staleness, the P2P
+switches (per node and fleet-wide), stats reset.
 
 Polling: a `set_interval` timer starts one thread worker per node (group `poll:<key>`), which
-asks /v1/status and /v1/stats and hands both back with `call_from_thread`. A node whose poll is
-still running is skipped, so a slow or hung node holds one thread, not one per tick. A P2P
-switch or a stats reset re-polls at once; `exclusive=True` then cancels the poll in flight, whose
-answer predates the change and is dropped (`is_cancelled`).
+asks /v1/status and /v1/stats and hands both back with `call_from_thread`, with how long the
+poll took. A node whose poll is still running is skipped, so a slow or hung node holds one
+thread, not one per tick; the same tick marks it stale once its last answer is older than two
+intervals (long before the control API's read timeout gives up). A P2P switch or a stats reset
+re-polls at once; `exclusive=True` then cancels the poll in flight, whose answer predates the
+change and is dropped (`is_cancelled`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar
@@ -22,28 +27,41 @@ from textual.widgets import DataTable, Footer, Header, Static
 from textual.worker import Worker, get_current_worker
 
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
-from fleetd.fleet.node import Fleet, Node
+from fleetd.fleet.node import Fleet, FleetResult, Node
 from fleetd.fleet.render import down_text, reason
-from tui.widgets import Counters, NodeRow, NodeTable, PeerToggle, Rates, rates_between
+from tui.history import History, Rates, rates_between
+from tui.screens.confirm import ConfirmScreen
+from tui.screens.deploy import DeployScreen
+from tui.screens.node import NodeScreen
+from tui.widgets import Counters, HistoryPanel, NodeRow, NodeTable, PeerToggle
 from tui.widgets.counters import CounterSample
+from tui.widgets.node_table import SPARK_WIDTH
+
+# A node is stale when its last answer is older than this many poll intervals.
+STALE_INTERVALS = 2
+# The latency shown is the median of the last polls: one slow answer on a busy machine does not
+# flip the cell (and redraw the table) every second.
+LATENCY_POLLS = 5
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One node's latest poll, and what the rates need from the poll before it."""
+    """One node's latest poll."""
 
     status: NodeStatus | BaseException
     stats: NodeStats | None
     at: float  # time.monotonic() when the answer arrived
-    previous: NodeStats | None = None
-    seconds: float | None = None
-    rates: Rates | None = None
+    latency: float | None = None  # seconds the polls took (median of the last LATENCY_POLLS)
+    rates: Rates | None = None  # since the poll before, when both had counters
 
 
 class DashboardScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
-        ("p", "toggle_p2p", "Toggle P2P"),
-        ("r", "reset_stats", "Reset stats"),
+        ("enter", "show_node", "Node"),
+        ("p", "toggle_p2p", "P2P"),
+        ("P", "toggle_fleet_p2p", "P2P all"),
+        ("r", "reset_stats", "Reset"),
+        ("d", "show_deploy", "Deploy"),
     ]
 
     def __init__(self, fleet: Fleet, interval: float = 1.0) -> None:
@@ -53,34 +71,50 @@ class DashboardScreen(Screen):
         # Row keys are positions in the nodes file: names are not guaranteed to be unique.
         self.nodes: dict[str, Node] = {str(i): node for i, node in enumerate(fleet)}
         self.samples: dict[str, Sample] = {}
+        self.histories: dict[str, History] = {key: History() for key in self.nodes}
         self.p2p_pending: set[str] = set()
         self._polls: dict[str, Worker] = {}
+        self.clock = time.monotonic  # what ages are measured with (the snapshot tests fix it)
+        self._down_shown = ""
+        self._latencies: dict[str, deque[float]] = {}
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield NodeTable(id="nodes")
         yield Static(id="down")
         yield PeerToggle(id="p2p")
+        yield HistoryPanel(id="history")
         yield Counters(id="counters")
         yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one(NodeTable)
-        for key, node in self.nodes.items():
-            table.show(key, NodeRow(node.name))
+        table.fit(self.size.width or self.app.size.width)
+        for key in self.nodes:
+            table.show(key, self._row(key))
         self._show_selected()
         self.poll_all()
-        self._timer = self.set_interval(self.interval, self.poll_all)
+        self._timer = self.set_interval(self.interval, self._tick)
 
-    # Another screen on top (the A/B runner): stop polling, so the A/B has the nodes to itself.
+    def on_resize(self) -> None:
+        self.query_one(NodeTable).fit(self.size.width)
+
+    # The A/B runner measures: it says so with `pauses_polling`, and gets the nodes to itself.
+    # Other screens on top (a node's detail, deploy) keep the data coming.
     def on_screen_suspend(self) -> None:
-        self._timer.pause()
+        if getattr(self.app.screen, "pauses_polling", False):
+            self._timer.pause()
 
     def on_screen_resume(self) -> None:
         self._timer.resume()
         self.poll_all()
 
     # -- polling -----------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self.poll_all()
+        for key in self.nodes:  # ages and staleness move on even when no answer came
+            self._show_row(key)
 
     def poll_all(self) -> None:
         for key in self.nodes:
@@ -97,71 +131,159 @@ class DashboardScreen(Screen):
         """Thread: ask the node; any failure, an answer of another shape too, is the node's
         state, shown with its reason."""
         worker = get_current_worker()
+        started = self.clock()
         try:
             status = node.status()
             stats = node.stats()
         except Exception as exc:
             status, stats = exc, None
-        at = time.monotonic()
+        at = self.clock()
         if not worker.is_cancelled:
-            self.app.call_from_thread(self._polled, key, status, stats, at)
+            self.app.call_from_thread(self.polled, key, status, stats, at, at - started)
 
-    def _polled(self, key: str, status: NodeStatus | BaseException, stats: NodeStats | None, at: float) -> None:
+    def polled(self, key: str, status: NodeStatus | BaseException, stats: NodeStats | None, at: float,
+               latency: float | None = None) -> None:
+        """One node's answer (or failure) arrived at `at`: keep it, its rates and history, show it."""
         before = self.samples.get(key)
-        sample = Sample(status, stats, at)
+        rates = None
         if before is not None and before.stats is not None and stats is not None:
-            seconds = at - before.at
-            sample = replace(sample, previous=before.stats, seconds=seconds,
-                             rates=rates_between(before.stats, stats, seconds))
-        self.samples[key] = sample
+            rates = rates_between(before.stats, stats, at - before.at)
+        recent = self._latencies.setdefault(key, deque(maxlen=LATENCY_POLLS))
+        if latency is not None:
+            recent.append(latency)
+        self.samples[key] = Sample(status, stats, at, statistics.median(recent) if recent else None, rates)
+        self.histories[key].add(at, rates)
         self._show(key)
 
     # -- attributes down ---------------------------------------------------------------------
 
-    def _show(self, key: str) -> None:
+    def is_stale(self, key: str, now: float | None = None) -> bool:
         sample = self.samples.get(key)
-        row = NodeRow(self.nodes[key].name, p2p_pending=key in self.p2p_pending)
-        if sample is not None:
-            row = replace(row, status=sample.status, stats=sample.stats, rates=sample.rates)
-        self.query_one(NodeTable).show(key, row)
-        self.query_one("#down", Static).update(down_text({
-            self.nodes[k].name: s.status for k, s in self.samples.items()
-            if isinstance(s.status, BaseException)
-        }) or "")
+        if sample is None:
+            return False
+        now = self.clock() if now is None else now
+        return now - sample.at > STALE_INTERVALS * self.interval
+
+    def _row(self, key: str) -> NodeRow:
+        node = self.nodes[key]
+        host = node.spec.target if node.spec.target != node.name else ""
+        row = NodeRow(node.name, host, p2p_pending=key in self.p2p_pending)
+        sample = self.samples.get(key)
+        if sample is None:
+            return row
+        now = self.clock()
+        history = self.histories[key].series("commands_per_s")[-SPARK_WIDTH:]
+        return replace(row, status=sample.status, stats=sample.stats, rates=sample.rates,
+                       history=tuple(history), seen_seconds=round(now - sample.at, 1),
+                       fresh_seconds=1.5 * self.interval,
+                       latency_seconds=sample.latency, stale=self.is_stale(key, now))
+
+    def _show_row(self, key: str) -> None:
+        self.query_one(NodeTable).show(key, self._row(key))
+
+    def _show(self, key: str) -> None:
+        self._show_row(key)
+        down = down_text({self.nodes[k].name: s.status for k, s in self.samples.items()
+                          if isinstance(s.status, BaseException)})
+        plain = down.plain if down is not None else ""
+        if plain != self._down_shown:  # a new line under the table is a layout pass: only on change
+            self._down_shown = plain
+            self.query_one("#down", Static).update(down or "")
         if key == self.query_one(NodeTable).selected_key:
             self._show_selected()
 
     def _show_selected(self) -> None:
         key = self.query_one(NodeTable).selected_key
         toggle, counters = self.query_one(PeerToggle), self.query_one(Counters)
+        history = self.query_one(HistoryPanel)
         if key is None:
-            toggle.node_key, counters.sample = None, None
+            toggle.node_key, counters.sample, history.history = None, None, None
             return
         name, sample = self.nodes[key].name, self.samples.get(key)
         status = sample.status if sample is not None else None
         p2p = status.p2p if isinstance(status, NodeStatus) else None
         toggle.node_key, toggle.node_name = key, name
-        counters.border_title = f"{name}: commands since the last reset"
+        for widget, title in ((counters, f"{name}: commands since the last reset"),
+                              (history, f"{name}: the last minutes")):
+            if widget.border_title != title:  # setting it, even to the same, repaints
+                widget.border_title = title
         toggle.enabled = p2p.enabled if p2p is not None and p2p.served else None
         toggle.pending = key in self.p2p_pending
-        counters.sample = (CounterSample(name, sample.stats, sample.previous, sample.seconds)
+        counters.sample = (CounterSample(name, sample.stats, sample.rates)
                            if sample is not None else CounterSample(name, None))
+        history.history = self.histories[key]
 
     @on(DataTable.RowHighlighted, "#nodes")
     def _selection_moved(self) -> None:
         self._show_selected()
 
+    @on(DataTable.RowSelected, "#nodes")
+    def _row_chosen(self) -> None:
+        self.action_show_node()
+
+    # -- other screens -----------------------------------------------------------------------
+
+    @property
+    def selected_node(self) -> Node | None:
+        key = self.query_one(NodeTable).selected_key
+        return self.nodes[key] if key is not None else None
+
+    def action_show_node(self) -> None:
+        key = self.query_one(NodeTable).selected_key
+        if key is not None:
+            self.app.push_screen(NodeScreen(self, key))
+
+    def action_show_deploy(self) -> None:
+        self.app.push_screen(DeployScreen(self.fleet, self.selected_node))
+
     # -- P2P switch --------------------------------------------------------------------------
 
+    def why_not_switchable(self, key: str) -> str | None:
+        """Why `p` cannot switch P2P on this node now, or None when it can."""
+        name, sample = self.nodes[key].name, self.samples.get(key)
+        if key in self.p2p_pending:
+            return f"{name}: a P2P switch is already under way"
+        if sample is None:
+            return f"{name}: not answered yet, so its P2P state is unknown"
+        if isinstance(sample.status, BaseException):
+            return f"{name} is down, nothing switched: {reason(sample.status)}"
+        if not sample.status.p2p.served:
+            return f"{name}: this fleetd does not serve COPY_TENSOR_TO, so P2P cannot be switched"
+        return None
+
     def action_toggle_p2p(self) -> None:
+        key = self.query_one(NodeTable).selected_key
+        if key is None:
+            return
+        why = self.why_not_switchable(key)
+        if why is not None:
+            self.notify(why, severity="warning")
+            return
         self.query_one(PeerToggle).toggle()
 
     def on_peer_toggle_changed(self, event: PeerToggle.Changed) -> None:
-        self.p2p_pending.add(event.node_key)
-        self._show(event.node_key)
-        node = self.nodes[event.node_key]
-        self.run_worker(partial(self._switch_p2p, event.node_key, node, event.enabled),
-                        name=f"p2p {node.name}", group=f"p2p:{event.node_key}", exclusive=True, thread=True)
+        self._switch(event.node_key, event.enabled)
+
+    def action_toggle_fleet_p2p(self) -> None:
+        """Every node that can switch goes the same way: off when all are on, else on."""
+        ready = [k for k in self.nodes if self.why_not_switchable(k) is None]
+        skipped = [self.why_not_switchable(k) for k in self.nodes if k not in ready]
+        if not ready:
+            self.notify("no node can switch P2P now:\n" + "\n".join(skipped), severity="warning")
+            return
+        enabled = not all(self.samples[k].status.p2p.enabled for k in ready)
+        names = ", ".join(self.nodes[k].name for k in ready)
+        self.notify(f"P2P {'on' if enabled else 'off'} on {names}"
+                    + ("\nskipped: " + "; ".join(skipped) if skipped else ""))
+        for key in ready:
+            self._switch(key, enabled)
+
+    def _switch(self, key: str, enabled: bool) -> None:
+        self.p2p_pending.add(key)
+        self._show(key)
+        node = self.nodes[key]
+        self.run_worker(partial(self._switch_p2p, key, node, enabled),
+                        name=f"p2p {node.name}", group=f"p2p:{key}", exclusive=True, thread=True)
 
     def _switch_p2p(self, key: str, node: Node, enabled: bool) -> None:
         worker = get_current_worker()
@@ -189,7 +311,13 @@ class DashboardScreen(Screen):
     # -- stats reset -------------------------------------------------------------------------
 
     def action_reset_stats(self) -> None:
-        self.run_worker(self._reset_stats, name="reset stats", group="reset", exclusive=True, thread=True)
+        names = ", ".join(n.name for n in self.nodes.values())
+        question = f"Reset the counters of {len(self.nodes)} node(s): {names}?"
+        self.app.push_screen(ConfirmScreen(question), self._reset_confirmed)
+
+    def _reset_confirmed(self, yes: bool | None) -> None:
+        if yes:
+            self.run_worker(self._reset_stats, name="reset stats", group="reset", exclusive=True, thread=True)
 
     def _reset_stats(self) -> None:
         worker = get_current_worker()
@@ -197,12 +325,15 @@ class DashboardScreen(Screen):
         if not worker.is_cancelled:
             self.app.call_from_thread(self._stats_reset, result)
 
-    def _stats_reset(self, result) -> None:
+    def _stats_reset(self, result: FleetResult) -> None:
         for node, exc in result.failed.items():
             self.notify(f"{node.name}: stats not reset: {reason(exc)}", severity="error")
+        done = [n.name for n in result.succeeded]
+        if done:
+            self.notify(f"counters reset on {', '.join(done)}")
         for key, node in self.nodes.items():
             if node in result.succeeded:
                 sample = self.samples.get(key)
                 if sample is not None:  # the next rate starts from the reset, not across it
-                    self.samples[key] = replace(sample, stats=None, previous=None, rates=None)
+                    self.samples[key] = replace(sample, stats=None, rates=None)
                 self.poll(key)
