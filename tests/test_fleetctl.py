@@ -82,7 +82,7 @@ def test_status_and_stats_of_two_nodes_through_ssh(fleet2, ssh_server, capsys):
         put_tensor(c)
         local = "{}:{}".format(*c.sock.getsockname()[:2])
         rc, doc = run_json(capsys, "status", *args)
-        assert rc == 0
+        assert rc == 0, doc
         assert list(doc) == ["a", "b"]
         sa, sb = doc["a"]["status"], doc["b"]["status"]
         assert (sa["rpc"]["port"], sb["rpc"]["port"]) == (a.address[1], b.address[1])
@@ -394,7 +394,7 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
     (["logs", "N", "-n", "0"], "--lines 0: must be at least 1"),
     (["tui", "N", "--interval", "0"], "--interval 0: must be above 0"),
     (["tui", "N", "--ab-steps", "1"], "--ab-steps 1: must be at least 2"),
-    (["demo", "--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["demo", "--nodes", "0"], "--nodes 0: must be in 1..64"),
 ])
 def test_numeric_options_are_range_checked(argv, message, capsys):
     assert main(argv) == 2  # before anything is read or reached: N is not even a file

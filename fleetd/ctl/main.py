@@ -63,7 +63,7 @@ NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "count": (1, True, None), "lines": (1, True, None),
     "rows": (1, True, None), "n_embd": (1, True, None), "layers": (0, True, None), "steps": (2, True, None),
     "ab_rows": (1, True, None), "ab_n_embd": (1, True, None), "ab_steps": (2, True, None),
-    "rounds": (1, True, 50), "n_prompt": (1, True, 4096), "n_gen": (1, True, 4096),
+    "rounds": (1, True, 50), "n_prompt": (1, True, 4096), "n_gen": (2, True, 1024),
     "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
 }
 
@@ -75,7 +75,10 @@ def range_error(args: argparse.Namespace) -> str | None:
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue
         flag = "--" + dest.replace("_", "-")
-        if value < least or (value == least and not inclusive):
+        low = value < least or (value == least and not inclusive)
+        if most is not None and inclusive and (low or value > most):
+            return f"{flag} {value:g}: must be in {least:g}..{most:g}"
+        if low:
             return f"{flag} {value:g}: must be {'at least' if inclusive else 'above'} {least:g}"
         if most is not None and value > most:
             return f"{flag} {value:g}: must be at most {most:g}"

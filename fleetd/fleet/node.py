@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from fleetd.fleet.control_client import ControlConnection, ControlError, exchang
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.nodes_file import NodeSpec, load_nodes
 from fleetd.fleet.ssh import ControlUnreachable, SshOptions, open_ssh, open_tunnel
-from fleetd.wire import ClientConnection, Hello
+from fleetd.wire import NEED_DATA, ClientConnection, Hello
 
 # Parallel SSH sessions at once: enough for a rack, few enough not to trip sshd's MaxStartups
 # (default 10:30:100 drops unauthenticated connections beyond 10).
@@ -118,9 +117,12 @@ class Node:
         try:
             stream.settimeout(self.ssh_options.timeout)
             stream.sendall(conn.send(request))
-            (size,) = struct.unpack("<Q", _recv_exact(stream, 8))
-            conn.check_response_size(request, size)
-            return tuple(conn.decode_response(request, _recv_exact(stream, size))[:3])
+            while (reply := conn.next_event()) is NEED_DATA:
+                chunk = stream.recv(64)
+                if not chunk:
+                    raise EOFError("closed before answering HELLO")
+                conn.receive_data(chunk)
+            return tuple(reply.version)
         except TimeoutError as exc:
             raise ReadTimeout(f"{where}: no HELLO answer within {self.ssh_options.timeout:g}s") from exc
         except (OSError, EOFError, ProtocolError) as exc:
@@ -162,16 +164,6 @@ class Node:
         if status != 200:
             raise ControlError(f"{self.name}: GET /metrics: HTTP {status}", status)
         return data.decode()
-
-
-def _recv_exact(stream, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = stream.recv(n - len(data))
-        if not chunk:
-            raise EOFError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
 
 
 class FleetResult(dict):

@@ -73,8 +73,9 @@ def open_ssh(spec: NodeSpec, options: SshOptions) -> paramiko.SSHClient:
         raise SshError(f"{what}: cannot read known_hosts: {exc}") from exc
     t = options.connect_timeout
     try:
+        sock = _wait_for_banner(spec, what, t)
         client.connect(
-            spec.host, spec.ssh_port, username=spec.user or getpass.getuser(),
+            spec.host, spec.ssh_port, username=spec.user or getpass.getuser(), sock=sock,
             key_filename=[str(Path(p).expanduser()) for p in options.identity] or None,
             allow_agent=options.allow_agent, look_for_keys=options.look_for_keys,
             timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
@@ -90,7 +91,30 @@ def open_ssh(spec: NodeSpec, options: SshOptions) -> paramiko.SSHClient:
     return client
 
 
+def _wait_for_banner(spec: NodeSpec, what: str, timeout: float) -> socket.socket:
+    """The TCP connection to sshd once its banner has begun to arrive: no banner in time and a
+    connection closed before it are told apart here, where the cause is certain (paramiko's own
+    banner wait can surface as "No existing session" when its thread fails first)."""
+    sock = socket.create_connection((spec.host, spec.ssh_port), timeout=timeout)
+    try:
+        sock.settimeout(timeout)
+        first = sock.recv(1, socket.MSG_PEEK)
+    except TimeoutError:
+        sock.close()
+        raise ConnectTimeout(f"{what}: no SSH banner within {timeout:g}s") from None
+    except OSError:
+        sock.close()
+        raise
+    if not first:
+        sock.close()
+        raise SshError(f"{what}: connection closed before the SSH banner (not an SSH server, "
+                       "or sshd refused it: MaxStartups, tcp wrappers?)")
+    return sock
+
+
 def _translate(what: str, exc: Exception, timeout: float) -> Exception:
+    if isinstance(exc, (ConnectTimeout, SshError)):
+        return exc
     if isinstance(exc, paramiko.BadHostKeyException):
         return SshError(
             f"{what}: host key does not match known_hosts (got {exc.key.get_name()} "
