@@ -5,22 +5,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
 
-from fleetd.ctl.options import by_name, fleet_args, open_fleet
+from fleetd.ctl.options import fleet_args, open_fleet
 from fleetd.errors import FleetError
 from fleetd.fleet.ab import compare
 from fleetd.fleet.chart import write_bar_chart
-from fleetd.fleet.local import START_TIMEOUT_S, LocalFleet
+from fleetd.fleet.local import START_TIMEOUT_S
 from fleetd.fleet.model_ab import run_model_ab
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import (
     ab_steps_text, ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
-    model_ab_table, model_ab_verdict, stats_table, status_table,
+    model_ab_table, model_ab_verdict,
 )
 from fleetd.transport import free_port, wait_listening
 
@@ -175,42 +174,3 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
 
 
 DEMO_HELP = "start a local fleet on loopback, run llama.cpp and an A/B through it, show stats"
-
-
-def configure_demo(p) -> None:
-    p.add_argument("--nodes", type=int, default=2, help="fleetd processes to start (default 2)")
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--n-embd", type=int, default=1024, help="hidden size of the A/B (default 1024)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp run")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def cmd_demo(args) -> int:
-    console = Console(stderr=args.json)
-    report: dict = {}
-    console.print(f"starting {args.nodes} fleetd nodes on loopback")
-    with tempfile.TemporaryDirectory(prefix="fleetd-demo-") as tmp, LocalFleet(args.nodes, tmp) as local:
-        fleet, workdir = local.fleet, Path(tmp)
-        console.print(f"local fleet: {', '.join(local.endpoints)} (nodes file {local.nodes_file})")
-        console.print(status_table(by_name(fleet.map(lambda n: n.status()))))
-        if not args.no_llama:
-            with console.status("llama-completion on a generated model through the fleet"):
-                report["llama"] = _llama_run(fleet, workdir, console)
-            if report["llama"]:
-                console.print(f"[bold]llama-completion --rpc {','.join(local.endpoints)}[/]")
-                console.print(report["llama"]["output"].strip())
-                same = report["llama"]["same_as_stock"]
-                console.print("(random weights, so the text is noise) same output as the stock "
-                              f"ggml-rpc-server: {'[green]yes[/]' if same else '[red]NO[/]'}")
-        with console.status("A/B: hub path vs direct path"):
-            report["ab"] = compare(fleet, None, args.rows, args.n_embd, args.steps, True)
-        stats = by_name(fleet.map(lambda n: n.stats()))
-        report["stats"] = {k: (v.doc if not isinstance(v, Exception) else str(v)) for k, v in stats.items()}
-        if not args.json:
-            _print_ab(report["ab"])
-            console.print(stats_table(stats))
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    llama_ok = report.get("llama") is None or report["llama"]["same_as_stock"]
-    return 0 if report["ab"]["outputs_identical"] and llama_ok else 1
