@@ -634,3 +634,16 @@ def test_demo_keep_leaves_the_fleet_running_until_ctrl_c(tmp_path):
             proc.kill()
             proc.wait()
     assert nodes.is_file()  # the nodes file stays
+
+
+def test_ab_names_a_down_node_and_checks_layers_against_the_stages(fleetd_server, tmp_path, capsys):
+    srv = fleetd_server(control_port=0)
+    dead = free_port()
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=up\n"
+                     f"127.0.0.1 rpc_port={dead} control_port={free_port()} name=gone\n")
+    assert main(["ab", str(nodes), "--layers", "1"]) == 2  # 2 nodes + the local stage: 3 stages
+    assert capsys.readouterr().err == "fleetctl ab: error: --layers 1: must be at least the number of stages (3)\n"
+    assert main(["ab", str(nodes), "--steps", "2", "--rows", "2", "--n-embd", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "node gone is down" in err and f":{dead}" in err and "Traceback" not in err

@@ -85,6 +85,14 @@ def cmd_ab(args) -> int:
     if workload == "model":
         return _cmd_model_ab(args)
     with open_fleet(args) as fleet:
+        stages = len(fleet) + (0 if args.no_local else 1)
+        if args.layers and args.layers < stages:
+            return _usage_error(f"--layers {args.layers}: must be at least the number of stages ({stages})")
+        down = fleet.map(lambda n: n.hello()).failed
+        if down:
+            for node, exc in down.items():
+                print(f"fleetctl ab: node {node.name} is down: {exc}", file=sys.stderr)
+            return 1
         doc = compare(fleet, args.layers, args.rows, args.n_embd, args.steps, not args.no_local)
     if args.json:
         print(json.dumps(doc, indent=2))
