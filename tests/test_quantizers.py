@@ -129,7 +129,7 @@ def backend_ops():
 
 @pytest.fixture(scope="module")
 def fleetd_process(backend_ops, tmp_path_factory):
-    server = backend_ops.Server("fleetd", tmp_path_factory.mktemp("quantizers-backend-ops"))
+    server = backend_ops.Server("fleetd", tmp_path_factory.mktemp("quantizers-backend-ops"), device="numpy")
     server.ensure()
     yield server
     server.stop()
