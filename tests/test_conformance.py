@@ -63,7 +63,9 @@ def hello_and_device(ep):
             "device_count": c.device_count(),
             "alignment": c.get_alignment(0),
             "max_size": c.get_max_size(0),
-            "free_equals_total": free == total,
+            # stock reports all physical memory free; fleetd what ALLOC_BUFFER would grant
+            # under its memory limit (90% of it by default, fleetd(8) LIMITS)
+            "free_at_most_total": 0 < free <= total,
             "total": total,
         }
 
