@@ -98,7 +98,7 @@ def _listen_network(host: str) -> Network | None:
         return None  # an unresolvable listen host fails at bind(), not here
 
 
-def parse_allow(entries: list[str]) -> list[Network]:
+def parse_allow(entries: list[str], flag: str = "--peer-allow") -> list[Network]:
     """IPs, CIDRs or host names (resolved now) as networks; a bad entry raises ValueError."""
     nets: list[Network] = []
     for entry in entries:
@@ -113,7 +113,7 @@ def parse_allow(entries: list[str]) -> list[Network]:
         try:
             infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise ValueError(f"--peer-allow: cannot resolve {entry!r}: {exc}") from exc
+            raise ValueError(f"{flag}: cannot resolve {entry!r}: {exc}") from exc
         nets.extend(ipaddress.ip_network(info[4][0]) for info in infos)
     return nets
 

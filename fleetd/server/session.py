@@ -108,7 +108,7 @@ class Session:
         self._request_start: float | None = None  # first read of the request in progress
         self._request_got = 0
         self._charged = 0  # bytes charged to the daemon's receive budget
-        self.peer_links = PeerLinks()  # this session's links to COPY_TENSOR_TO destinations
+        self.peer_links = PeerLinks(state.limits.max_peer_links)  # this session's links to COPY_TENSOR_TO destinations
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
 

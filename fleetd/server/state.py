@@ -54,6 +54,9 @@ class SessionTable:
         with self._lock:
             self._by_id.pop(session.id, None)
 
+    def count(self) -> int:
+        return len(self._by_id)
+
     def live(self) -> list[LiveSession]:
         with self._lock:
             return list(self._by_id.values())
