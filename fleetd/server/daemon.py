@@ -185,13 +185,13 @@ class Server:
         daemon has its limit of connections."""
         sessions = self.state.sessions
         if not self.clients.allows(sock, peer[0]):
-            sock.close()
             self._log_refused(logging.WARNING, "refused RPC connection from %s: not in --allow", peer[0])
+            sock.close()
             return
         if sessions.count() >= self.state.limits.max_connections:
-            sock.close()
             self._log_refused(logging.WARNING, "refused RPC connection from %s: %d connections open, "
                               "the limit", peer[0], self.state.limits.max_connections)
+            sock.close()
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = Session(self.state, sock, peer, sessions.new_id())
