@@ -193,7 +193,11 @@ class Server:
                               "the limit", peer[0], self.state.limits.max_connections)
             sock.close()
             return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the client reset already: its business, not the daemon's health
+            sock.close()
+            return
         session = Session(self.state, sock, peer, sessions.new_id())
         sessions.add(session)
         try:

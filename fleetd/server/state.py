@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from fleetd.compute import dequant
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
@@ -109,6 +110,12 @@ class ServerState:
         # Why the accept loop cannot accept right now (None: healthy); /v1/status reports it.
         self.unhealthy: str | None = None
         self.registry.on_free(self._drop_plans_using)
+        # Caches must not keep a freed buffer resident: the dequantisation cache forgets it
+        # (DequantCache.forget(buf), from the compute branch; until then it holds buffers weakly
+        # plus a bounded list of recent views).
+        forget = getattr(dequant.CACHE, "forget", None)
+        if forget is not None:
+            self.registry.on_free(forget)
         self.started = time.time()
         # The RPC address; the daemon sets the bound one (port 0 picks a free port).
         self.address: tuple[str, int] = (config.host, config.port)
