@@ -143,6 +143,7 @@ class Session:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                              _timeval(self.limits.request_timeout))
         floor = self.state.receive_budget.FLOOR
+        idle = self.limits.idle_timeout
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
@@ -152,12 +153,12 @@ class Session:
                     if self._charged:
                         conn.receive_data(b"")  # drop the consumed request before we wait
                         self._charge(conn.held)
-                    if self._recv_timeout != self.limits.idle_timeout:
-                        self._set_recv_timeout(self.limits.idle_timeout)
+                    if self._recv_timeout != idle:
+                        self._set_recv_timeout(idle)
                     try:
                         n = self.sock.recv_into(self._scratch, FIRST_READ)
                     except BlockingIOError:
-                        raise SessionTimeout(f"idle for {self.limits.idle_timeout:g}s") from None
+                        raise SessionTimeout(f"idle for {idle:g}s") from None
                 if n == 0:
                     if conn.buffered:
                         raise ConnectionError("peer closed in the middle of a request")
