@@ -396,7 +396,11 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
             f"COPY_TENSOR: {n} bytes at {ev.dst.data:#x} overflow destination buffer "
             f"[{dst_buf.base:#x}, {dst_buf.base + dst_buf.size:#x})"
         )
-    if n == 0:  # a zero-byte buffer has no array; the stock server answers 1 for the no-op
+    # A zero-byte buffer has no array. Stock: its dummy buffer has no copy hook (answer 0);
+    # copying nothing into a real buffer is a memcpy of 0 bytes (answer 1).
+    if dst_buf.size == 0:
+        return s.respond(CopyTensorReply(0))
+    if n == 0:
         return s.respond(CopyTensorReply(1))
     with s.state.exec_lock:
         dst_buf.array[dst_start : dst_start + n] = src_buf.array[src_start : src_start + n]
