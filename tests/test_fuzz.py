@@ -461,3 +461,49 @@ def test_two_sessions_share_and_free(daemon, data):
         owner.close()
         other.close()
     still_healthy(daemon)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_streams_on_a_live_buffer(daemon, data):
+    """As test_mutated_streams, with the session's real buffer handle and base (handles are
+    random, so a blind stream rarely gets past its first buffer command)."""
+    conn = Conn(daemon.address[1])
+    try:
+        hello(conn)
+        size = data.draw(st.sampled_from([64, 4096]), label="size")
+        handle, _ = struct.unpack("<QQ", conn.call(ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        (base,) = struct.unpack("<Q", conn.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
+        t = tensor(buffer=handle, data=base + data.draw(st.sampled_from([0, 16, size - 16]), label="at"),
+                   ne=(4, 1, 1, 1))
+        out = tensor(id=2, buffer=handle, data=base, ne=(4, 1, 1, 1), op=2, src=(1, 1) + (0,) * 8, flags=16)
+        stream = bytearray(b"".join([
+            frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
+            frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
+            frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + t + out),
+            frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+            frame(COPY_TENSOR, t + out),
+            frame(MEMSET_TENSOR, t + struct.pack("<QQB", 0, 16, 1)),
+            frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
+            frame(FREE_BUFFER, struct.pack("<Q", handle)),
+        ]))
+        for _ in range(data.draw(st.integers(1, 8), label="mutations")):
+            kind = data.draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
+            at = data.draw(st.integers(0, max(0, len(stream) - 1)))
+            if kind == "flip":
+                stream[at] ^= 1 << data.draw(st.integers(0, 7))
+            elif kind == "u64":
+                stream[at:at + 8] = struct.pack("<Q", data.draw(edge_u64))
+            elif kind == "cut":
+                del stream[at:]
+            else:
+                stream[at:at] = data.draw(st.binary(min_size=1, max_size=32))
+            if not stream:
+                break
+        conn.send(bytes(stream))
+        drain_until_closed(conn)
+    except Closed:
+        pass
+    finally:
+        conn.close()
+    still_healthy(daemon)
