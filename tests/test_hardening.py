@@ -617,3 +617,12 @@ def test_limits_from_flags_and_config(tmp_path):
         resolve_settings(_fleetd_parser().parse_args(["--config", str(cfg)]))
     with pytest.raises(ValueError, match="not a number"):
         resolve_settings(_fleetd_parser().parse_args(["--max-memory", "lots"]))
+
+
+def test_receive_budget_refuses_growth_past_its_limit_only():
+    from fleetd.server.state import ReceiveBudget
+    budget = ReceiveBudget(1000)
+    assert budget.charge(0, 600) and budget.charge(0, 400)
+    assert not budget.charge(0, 1) and budget.held == 1000  # refused: nothing charged
+    assert budget.charge(600, 100) and budget.held == 500  # shrinking always succeeds
+    assert budget.charge(100, 0) and budget.charge(400, 0) and budget.held == 0
