@@ -402,15 +402,12 @@ def test_accept_loop_survives_fd_exhaustion(tmp_path):
         try:
             while len(held) < 2 * nofile:  # more than the fds the daemon has
                 c = Conn(port)
-                c.sock.settimeout(1.0)
                 try:
                     c.send(HELLO_FRAME)
                     if len(c.sock.recv(64)) == 0:
-                        break
-                except (Closed, socket.timeout, ConnectionResetError):
-                    break  # not served: the daemon is out of fds
-                finally:
-                    c.sock.settimeout(BOUND_S)
+                        break  # closed unserved: out of fds, the spare fd shed it
+                except (Closed, ConnectionResetError):
+                    break
                 held.append(c)
             assert len(held) < 2 * nofile, "never ran out of fds"
         finally:

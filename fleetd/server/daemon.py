@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import threading
@@ -83,6 +85,9 @@ class Server:
         self._log_refused = RateLimitedLog(REFUSED_LOG_EVERY)
         self._trouble: str | None = None  # the accept failure of the episode under way
         self._backoff = BACKOFF_FIRST
+        # One fd held in reserve: out of fds, it is given up to accept and close the waiting
+        # client (who then sees a close, not a hang), then taken again.
+        self._spare_fd: int | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -120,6 +125,7 @@ class Server:
                 sock.close()
                 raise
         sock.listen(LISTEN_BACKLOG)
+        self._spare_fd = os.open(os.devnull, os.O_RDONLY)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="fleetd-accept", daemon=True)
         self._accept_thread.start()
         log.info(
@@ -146,6 +152,9 @@ class Server:
                 pass
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=5)
+        if self._spare_fd is not None and not (self._accept_thread and self._accept_thread.is_alive()):
+            os.close(self._spare_fd)
+            self._spare_fd = None
 
     def _accept_loop(self) -> None:
         """Never dies: a failure closes what it holds, backs off, and marks the daemon unhealthy
@@ -156,6 +165,8 @@ class Server:
             except (OSError, MemoryError) as exc:  # EMFILE, ENFILE, ENOBUFS, ...
                 if self._stopping.is_set():
                     return
+                if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                    self._shed_one()
                 self._failed(f"cannot accept: {getattr(exc, 'strerror', None) or exc!r}")
                 continue
             try:
@@ -171,6 +182,22 @@ class Server:
                 log.warning("accepting RPC connections again (after: %s)", self._trouble)
                 self._trouble, self._backoff = None, BACKOFF_FIRST
                 self.state.unhealthy = None
+
+    def _shed_one(self) -> None:
+        """Out of fds: close the longest-waiting client with the spare fd's room."""
+        if self._spare_fd is None:
+            return
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            sock, _ = self._listener.accept()
+            sock.close()
+        except OSError:
+            pass
+        try:
+            self._spare_fd = os.open(os.devnull, os.O_RDONLY)
+        except OSError:
+            pass  # taken again on a later episode
 
     def _failed(self, reason: str) -> None:
         if self._trouble is None:
