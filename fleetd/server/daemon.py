@@ -15,7 +15,7 @@ from fleetd import __version__
 from fleetd.errors import TransportError
 from fleetd.server.config import ServerConfig
 from fleetd.server.control import ControlAPI
-from fleetd.server.peer_policy import LOOPBACK, PeerStats, _listen_network, parse_allow
+from fleetd.server.peer_policy import LOOPBACK, PeerStats, listen_network, parse_allow
 from fleetd.server.session import Session
 from fleetd.server.state import ServerState
 from fleetd.wire import PROTOCOL_VERSION
@@ -37,10 +37,10 @@ class ClientPolicy:
         self.default = allow is None
         self.networks = list(LOOPBACK) if allow is None else parse_allow(allow, "--allow")
         if allow is None:
-            own = _listen_network(listen_host)
+            own = listen_network(listen_host)
             if own is not None and not own.is_loopback:
                 self.networks.append(own)
-        self.wildcard = self.default and _listen_network(listen_host) is None
+        self.wildcard = self.default and listen_network(listen_host) is None
 
     def allows(self, sock: socket.socket, ip: str) -> bool:
         addr = ipaddress.ip_address(ip)

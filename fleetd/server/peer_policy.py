@@ -91,7 +91,7 @@ def _neighbourhood(addr: str) -> Network | None:
     return ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False)
 
 
-def _listen_network(host: str) -> Network | None:
+def listen_network(host: str) -> Network | None:
     try:
         return _neighbourhood(socket.gethostbyname(host)) if host else None
     except OSError:
@@ -125,7 +125,7 @@ class PeerPolicy:
         self.default = allow is None
         if allow is None:
             self.networks = list(LOOPBACK)
-            own = _listen_network(listen_host)
+            own = listen_network(listen_host)
             if own is not None:
                 self.networks.append(own)
         else:
