@@ -22,7 +22,6 @@ from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
 from fleetd.server.graph_bounds import check_graph
-from fleetd.wire.text import client_text
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.stats import CommandCounters
 from fleetd.wire import (
@@ -185,20 +184,24 @@ class Session:
             raise SessionTimeout(f"slow sender: {self._request_got} bytes of a request in "
                                  f"{elapsed:.0f}s (minimum {limits.min_request_rate} bytes/s)")
         if self._greeted:
-            timeout, why = limits.request_timeout, f"no byte of a started request for {limits.request_timeout:g}s"
+            timeout = limits.request_timeout
         else:
             timeout = self._connected + limits.hello_timeout - now
-            why = f"no HELLO within {limits.hello_timeout:g}s of connecting"
             if timeout <= 0:
-                raise SessionTimeout(why)
+                raise SessionTimeout(self._timeout_reason())
         if self._recv_timeout != timeout:
             self._set_recv_timeout(timeout)
         try:
             n = self.sock.recv_into(into)
         except BlockingIOError:
-            raise SessionTimeout(why) from None
+            raise SessionTimeout(self._timeout_reason()) from None
         self._request_got += n
         return n
+
+    def _timeout_reason(self) -> str:
+        if self._greeted:
+            return f"no byte of a started request for {self.limits.request_timeout:g}s"
+        return f"no HELLO within {self.limits.hello_timeout:g}s of connecting"
 
     def _set_recv_timeout(self, seconds: float) -> None:
         # SO_RCVTIMEO, not settimeout(): the socket stays blocking, so a recv stays one syscall.
