@@ -623,3 +623,17 @@ def test_receive_budget_refuses_growth_past_its_limit_only():
     assert not budget.charge(0, 1) and budget.held == 1000  # refused: nothing charged
     assert budget.charge(600, 100) and budget.held == 500  # shrinking always succeeds
     assert budget.charge(100, 0) and budget.charge(400, 0) and budget.held == 0
+
+
+def test_client_allow_list_defaults():
+    from fleetd.server.daemon import ClientPolicy
+    loopback = ClientPolicy(None, "127.0.0.1")
+    assert loopback.allows(None, "127.0.0.1") and loopback.allows(None, "::ffff:127.0.0.1")
+    assert not loopback.allows(None, "192.168.7.200")
+    fleet = ClientPolicy(None, "192.168.7.10")  # loopback plus the bound subnet
+    assert fleet.allows(None, "127.0.0.1") and fleet.allows(None, "192.168.7.200")
+    assert not fleet.allows(None, "192.168.8.1") and not fleet.allows(None, "8.8.8.8")
+    explicit = ClientPolicy(["10.0.0.0/8"], "127.0.0.1")
+    assert explicit.allows(None, "10.1.2.3") and not explicit.allows(None, "127.0.0.1")
+    with pytest.raises(ValueError, match="--allow"):
+        ClientPolicy(["no.such.host.invalid"], "127.0.0.1")
