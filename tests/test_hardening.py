@@ -637,3 +637,13 @@ def test_client_allow_list_defaults():
     assert explicit.allows(None, "10.1.2.3") and not explicit.allows(None, "127.0.0.1")
     with pytest.raises(ValueError, match="--allow"):
         ClientPolicy(["no.such.host.invalid"], "127.0.0.1")
+
+
+def test_sessions_probe_vanished_hosts_with_keepalive(daemon):
+    srv = daemon()
+    c = Conn(port_of(srv))
+    hello(c)
+    (session,) = srv.state.live_sessions()
+    assert session.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert session.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
+    c.close()

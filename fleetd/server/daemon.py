@@ -26,6 +26,7 @@ LISTEN_BACKLOG = 128
 # Accept failures (EMFILE, no thread, no memory) back off from the first to the last delay.
 BACKOFF_FIRST, BACKOFF_MAX = 0.01, 1.0
 REFUSED_LOG_EVERY = 10.0  # seconds between log lines about refused connections
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 6  # seconds, seconds, probes
 
 
 class ClientPolicy:
@@ -222,6 +223,12 @@ class Server:
             return
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # An idle client may stay a day (--idle-timeout); one whose host vanished is found by
+            # keepalive probes within KEEPALIVE_IDLE + KEEPALIVE_COUNT x KEEPALIVE_INTERVAL s.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
         except OSError:  # the client reset already: its business, not the daemon's health
             sock.close()
             return
