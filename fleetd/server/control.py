@@ -54,7 +54,6 @@ CONTROL_HOST = "127.0.0.1"
 MAX_BODY = 4096
 # An idle keep-alive connection is dropped after this many seconds, so stop() leaves no reader.
 IDLE_TIMEOUT = 30.0
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 # Exactly one loopback name and an optional port: "127.0.0.1:P, evil.com" is not one.
 _LOOPBACK_HOST = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", re.IGNORECASE)
 _DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII only: "²".isdigit() is True, int("²") fails
@@ -351,7 +350,7 @@ class _HTTPServer(ThreadingHTTPServer):
         if isinstance(exc, (TimeoutError, ConnectionError)):
             log.info("control %s: client gone or too slow: %s", client_address[0], exc)
         else:
-            log.error("control %s: request failed: %r", client_address[0], exc)
+            log.error("control %s: request failed: %r", client_address[0], exc, exc_info=exc)  # ours
 
 
 class ControlAPI:
