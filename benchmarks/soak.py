@@ -56,6 +56,11 @@ def pid_listening_on(port: int) -> int:
     raise RuntimeError(f"no process listens on port {port}")
 
 
+def _span(values) -> tuple:
+    values = list(values)
+    return min(values), max(values)
+
+
 def sample(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
@@ -173,6 +178,10 @@ def main() -> int:
     rows = [["start", f"{start['rss_mib']:.1f}", start["threads"], start["fds"]],
             ["peak during", f"{max(s['rss_mib'] for s in samples):.1f}", max(s["threads"] for s in samples),
              max(s["fds"] for s in samples)],
+            # the plateau: a leak keeps growing here, allocator warm-up does not
+            ["last half: min..max", "{:.1f}..{:.1f}".format(*_span(s["rss_mib"] for s in samples[len(samples) // 2:])),
+             "{}..{}".format(*_span(s["threads"] for s in samples[len(samples) // 2:])),
+             "{}..{}".format(*_span(s["fds"] for s in samples[len(samples) // 2:]))],
             ["end", f"{end['rss_mib']:.1f}", end["threads"], end["fds"]]]
     show(f"soak: {args.clients} clients x {args.minutes:g} min, fleetd --device {args.device}",
          ["when", "RSS MiB", "threads", "fds"], rows)

@@ -63,7 +63,9 @@ def hello_and_device(ep):
             "device_count": c.device_count(),
             "alignment": c.get_alignment(0),
             "max_size": c.get_max_size(0),
-            "free_equals_total": free == total,
+            # stock reports all physical memory free; fleetd what ALLOC_BUFFER would grant
+            # under its memory limit (90% of it by default, fleetd(8) LIMITS)
+            "free_at_most_total": 0 < free <= total,
             "total": total,
         }
 
@@ -284,6 +286,22 @@ def test_set_tensor_hash_miss_then_hit(pair, tmp_path):
 def test_copy_memset_clear(pair):
     got = both(pair, copy_memset_clear)
     assert got["copied"] is True and got["clear"] == "ab" * 64
+
+
+def copy_on_zero_byte_buffer(ep):
+    with RpcClient(ep) as c:
+        ptr, size = c.alloc_buffer(0)
+        empty = tensor(GgmlType.F32, (0,), buffer=ptr, data=c.buffer_get_base(ptr))
+        real, _ = c.alloc_buffer(64)
+        into_real = tensor(GgmlType.F32, (0,), buffer=real, data=c.buffer_get_base(real))
+        return {"size": size, "into_empty": c.copy_tensor(empty, empty),
+                "into_real": c.copy_tensor(empty, into_real)}
+
+
+def test_copy_tensor_on_zero_byte_buffer(pair):
+    # fleetd once hit an internal error here (issue 11). Stock: 0 into the zero-byte buffer
+    # (it has no copy hook), 1 for copying nothing into a real one.
+    assert both(pair, copy_on_zero_byte_buffer) == {"size": 0, "into_empty": False, "into_real": True}
 
 
 def test_graph_compute_then_recompute(pair):

@@ -376,3 +376,134 @@ def test_interactive_sessions(daemon, data):
     finally:
         conn.close()
     still_healthy(daemon)
+
+
+@FUZZ
+@given(data=st.data())
+def test_chunked_pipelined_requests(daemon, data):
+    """Valid requests pipelined and cut at arbitrary points (each write may end mid-request):
+    every answer arrives, in order, and nothing is held beyond one request per connection."""
+    conn = Conn(daemon.address[1])
+    try:
+        hello(conn)
+        size = data.draw(st.sampled_from([64, 4096]), label="size")
+        handle, _ = struct.unpack("<QQ", conn.call(ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        (base,) = struct.unpack("<Q", conn.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
+        t = tensor(buffer=handle, ne=(size // 4, 1, 1, 1), data=base)
+        pool = [
+            (frame(GET_ALIGNMENT, struct.pack("<I", 0)), 8),
+            (frame(DEVICE_COUNT, b""), 4),
+            (frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(size)), None),
+            (frame(GET_TENSOR, t + struct.pack("<QQ", 0, size)), size),
+            (frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)), 8),
+            (frame(GRAPH_COMPUTE, struct.pack("<II", 0, 0) + struct.pack("<I", 0)), None),
+        ]
+        picks = data.draw(st.lists(st.sampled_from(range(len(pool))), min_size=1, max_size=12), label="requests")
+        stream = b"".join(pool[i][0] for i in picks)
+        cuts = sorted(data.draw(st.lists(st.integers(1, max(1, len(stream) - 1)), max_size=8), label="cuts"))
+        for a, b in zip([0] + cuts, cuts + [len(stream)]):
+            conn.send(stream[a:b])
+        for i in picks:
+            expect = pool[i][1]
+            if expect is not None:
+                (n,) = struct.unpack("<Q", conn.recv_exact(8))
+                assert n == expect
+                conn.recv_exact(n)
+        conn.no_response_then_probe()
+    finally:
+        conn.close()
+    still_healthy(daemon)
+
+
+@FUZZ
+@given(data=st.data())
+def test_two_sessions_share_and_free(daemon, data):
+    """One session's buffer used by another (handed its handle), freed or dropped at any point:
+    the other's stored graph and commands fail cleanly, never touch freed memory."""
+    owner, other = Conn(daemon.address[1]), Conn(daemon.address[1])
+    try:
+        hello(owner)
+        hello(other)
+        handle, _ = struct.unpack("<QQ", owner.call(ALLOC_BUFFER, struct.pack("<IQ", 0, 64), 16))
+        (base,) = struct.unpack("<Q", owner.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
+        a = tensor(id=1, buffer=handle, ne=(4, 1, 1, 1), data=base)
+        out = tensor(id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=2,
+                     src=(1, 1) + (0,) * 8, flags=16)
+        graph = frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + a + out)
+        steps = data.draw(st.lists(st.sampled_from(["compute", "recompute", "get", "free", "drop"]),
+                                   min_size=1, max_size=6), label="steps")
+        owner_open = True
+        for step in steps:
+            try:
+                if step in ("free", "drop") and not owner_open:
+                    continue
+                if step == "compute":
+                    other.send(graph)
+                    other.no_response_then_probe()
+                elif step == "recompute":
+                    other.send(frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)))
+                    other.no_response_then_probe()
+                elif step == "get":
+                    other.call(GET_TENSOR, a + struct.pack("<QQ", 0, 16), 16)
+                elif step == "free":
+                    owner.send(frame(FREE_BUFFER, struct.pack("<Q", handle)))
+                    owner.no_response_then_probe()
+                else:
+                    owner.close()
+                    owner_open = False
+            except Closed:
+                other.close()
+                other = Conn(daemon.address[1])
+                hello(other)
+    except Closed:
+        pass
+    finally:
+        owner.close()
+        other.close()
+    still_healthy(daemon)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_streams_on_a_live_buffer(daemon, data):
+    """As test_mutated_streams, with the session's real buffer handle and base (handles are
+    random, so a blind stream rarely gets past its first buffer command)."""
+    conn = Conn(daemon.address[1])
+    try:
+        hello(conn)
+        size = data.draw(st.sampled_from([64, 4096]), label="size")
+        handle, _ = struct.unpack("<QQ", conn.call(ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        (base,) = struct.unpack("<Q", conn.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
+        t = tensor(buffer=handle, data=base + data.draw(st.sampled_from([0, 16, size - 16]), label="at"),
+                   ne=(4, 1, 1, 1))
+        out = tensor(id=2, buffer=handle, data=base, ne=(4, 1, 1, 1), op=2, src=(1, 1) + (0,) * 8, flags=16)
+        stream = bytearray(b"".join([
+            frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
+            frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
+            frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + t + out),
+            frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+            frame(COPY_TENSOR, t + out),
+            frame(MEMSET_TENSOR, t + struct.pack("<QQB", 0, 16, 1)),
+            frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
+            frame(FREE_BUFFER, struct.pack("<Q", handle)),
+        ]))
+        for _ in range(data.draw(st.integers(1, 8), label="mutations")):
+            kind = data.draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
+            at = data.draw(st.integers(0, max(0, len(stream) - 1)))
+            if kind == "flip":
+                stream[at] ^= 1 << data.draw(st.integers(0, 7))
+            elif kind == "u64":
+                stream[at:at + 8] = struct.pack("<Q", data.draw(edge_u64))
+            elif kind == "cut":
+                del stream[at:]
+            else:
+                stream[at:at] = data.draw(st.binary(min_size=1, max_size=32))
+            if not stream:
+                break
+        conn.send(bytes(stream))
+        drain_until_closed(conn)
+    except Closed:
+        pass
+    finally:
+        conn.close()
+    still_healthy(daemon)

@@ -409,3 +409,13 @@ def test_completion_byte_identical_to_stock(models, stock_server, ggml_server, a
         got = complete(model, endpoint(ggml_server), fa)
         assert len(want) > len(PROMPT)  # some models end early with [end of text]
         assert got == want, f"{arch}-{type_name} -fa {fa}:\n stock {want!r}\nfleetd {got!r}"
+
+
+def test_status_says_which_device_kind_computes(fleetd_server):
+    import json
+    import urllib.request
+
+    for devices, kind in ((["cpu"], "ggml"), (["numpy"], "numpy")):
+        srv = fleetd_server(control_port=0, devices=devices)
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.control.port}/v1/status", timeout=10) as r:
+            assert [d["kind"] for d in json.load(r)["devices"]] == [kind]

@@ -3,16 +3,23 @@
 Addresses are ours to choose (protocol §5): every buffer gets an aligned range in a private
 64-bit address space with a guard page after it, so two buffers never touch and a range check
 against the tensor's own buffer is two comparisons.
+
+Handles and base addresses are random (60 and 50 bits): a session reaches only the buffers
+whose handle it was given (by ALLOC_BUFFER, or by a client that hands a peer copy source the
+destination's handle); guessing another session's is hopeless.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetd.compute.device import Device
 
-ADDRESS_SPACE_START = 0x1000_0000_0000
+ADDRESS_SPACE_START = 0x1000_0000_0000  # 2^44: every base is at or above it
+ADDRESS_SPACE_END = 1 << 62  # and every buffer ends below it
 PAGE = 4096
 
 
@@ -24,8 +31,9 @@ class Buffer:
     size: int
     array: object  # flat uint8 array of the device (numpy or cupy)
     owner: int  # session id that allocated it; only it may free it
-    generation: int = 0  # bumped on every write
+    generation: int = 0  # bumped on every write; dequant caches compare it
     memory: Device | None = field(default=None, repr=False)  # the Device its bytes live on
+    freed: bool = False  # set when it leaves the registry: stored graphs and caches check it
 
     def contains(self, addr: int, n: int) -> bool:
         return self.base <= addr and addr + n <= self.base + self.size
@@ -41,33 +49,88 @@ class BufferRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_handle: dict[int, Buffer] = {}
-        self._next_handle = 0x100
-        self._next_base = ADDRESS_SPACE_START
+        self._spans: list[tuple[int, int]] = []  # (base, end incl. guard page) of live buffers
+        self._allocated = 0
+        self._by_owner: dict[int, int] = {}  # bytes allocated per owner
+        self._free_hooks: list[Callable[[Buffer], None]] = []
+        self.frees = 0  # bumped on every free: a stored graph built before it rechecks
 
-    def alloc(self, device_index: int, device: Device, size: int, owner: int) -> Buffer | None:
+    def alloc(self, device_index: int, device: Device, size: int, owner: int, *,
+              limit: int | None = None, owner_limit: int | None = None) -> Buffer | None:
+        """A new buffer, or None when the device cannot, or when it would take the registry's
+        total past `limit` or the owner's past `owner_limit` (as a full device answers)."""
+        with self._lock:  # reserve first, so concurrent sessions cannot overshoot together
+            if (limit is not None and self._allocated + size > limit) or (
+                    owner_limit is not None and self._by_owner.get(owner, 0) + size > owner_limit):
+                return None
+            self._allocated += size
+            self._by_owner[owner] = self._by_owner.get(owner, 0) + size
         array = device.alloc(size) if size else None
         if size and array is None:
+            self._release(owner, size)
             return None
         with self._lock:
-            handle = self._next_handle
-            self._next_handle += 0x10
-            base = 0
-            if size:
-                base = self._next_base
-                self._next_base += (size + 2 * PAGE - 1) // PAGE * PAGE  # one guard page
+            handle = self._new_handle()
+            base = self._new_base(size) if size else 0
             buf = Buffer(handle, device_index, base, size, array, owner, memory=device)
             self._by_handle[handle] = buf
         device.buffer_allocated(buf)
         return buf
+
+    def _new_handle(self) -> int:
+        while True:
+            handle = secrets.randbits(60) << 4  # 16-aligned, as the sequential ones were
+            if handle and handle not in self._by_handle:
+                return handle
+
+    def _new_base(self, size: int) -> int:
+        span = (size + 2 * PAGE - 1) // PAGE * PAGE  # one guard page
+        pages = (ADDRESS_SPACE_END - ADDRESS_SPACE_START - span) // PAGE
+        while True:
+            base = ADDRESS_SPACE_START + secrets.randbelow(pages) * PAGE
+            if all(base >= end or base + span <= start for start, end in self._spans):
+                self._spans.append((base, base + span))
+                return base
+
+    def _release(self, owner: int, size: int) -> None:
+        with self._lock:
+            self._allocated -= size
+            left = self._by_owner.get(owner, 0) - size
+            if left > 0:
+                self._by_owner[owner] = left
+            else:
+                self._by_owner.pop(owner, None)
 
     def get(self, handle: int) -> Buffer | None:
         return self._by_handle.get(handle)
 
     def free(self, buf: Buffer) -> None:
         with self._lock:
-            known = self._by_handle.pop(buf.handle, None) is buf
-        if known and buf.memory is not None:
+            if self._by_handle.pop(buf.handle, None) is None:
+                return
+            if buf.size:
+                self._spans = [s for s in self._spans if s[0] != buf.base]
+            buf.freed = True
+            self.frees += 1
+            hooks = list(self._free_hooks)
+        self._release(buf.owner, buf.size)
+        for hook in hooks:
+            hook(buf)
+        if buf.memory is not None:  # the device's own cache lets go of it
             buf.memory.buffer_freed(buf)
+
+    def on_free(self, hook: Callable[[Buffer], None]) -> None:
+        """Call `hook(buffer)` after every free (dequantisation caches forget the buffer)."""
+        with self._lock:
+            self._free_hooks.append(hook)
+
+    @property
+    def allocated(self) -> int:
+        """Bytes in live buffers."""
+        return self._allocated
+
+    def allocated_by(self, owner: int) -> int:
+        return self._by_owner.get(owner, 0)
 
     def owned_by(self, owner: int) -> list[Buffer]:
         with self._lock:

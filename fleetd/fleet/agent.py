@@ -189,9 +189,11 @@ def op_start(p):
         os.makedirs(unit_dir, exist_ok=True)
         with open(os.path.join(unit_dir, UNIT), "w") as f:
             f.write(
-                "[Unit]\nDescription=fleetd ggml RPC server\nAfter=network-online.target\n\n"
+                "[Unit]\nDescription=fleetd ggml RPC server\nAfter=network-online.target\n"
+                "StartLimitIntervalSec=60\nStartLimitBurst=10\n\n"
                 f"[Service]\nExecStart={root}/current/bin/fleetd --config {config}\n"
-                "Restart=on-failure\nRestartSec=2\n\n[Install]\n"
+                # as ansible's unit: above fleetd's own caps (fleetd(8) LIMITS), so those act first
+                "Restart=always\nRestartSec=2\nLimitNOFILE=8192\nTasksMax=2048\n\n[Install]\n"
                 f"WantedBy={'multi-user.target' if os.geteuid() == 0 else 'default.target'}\n"
             )
         _systemctl("daemon-reload")

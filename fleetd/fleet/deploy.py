@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,7 +147,18 @@ def node_config(node: Node, fleet: Fleet) -> str:
         "# Written by fleetctl deploy; fleetd --config reads it.\n"
         f'host = "0.0.0.0"\nport = {s.rpc_port}\ncontrol_port = {s.control_port}\n'
         f"devices = [{devices}]\npeer_allow = [{', '.join(json.dumps(p) for p in peers)}]\n"
+        f"allow = {json.dumps(sorted(set(peers) | {_operator_address(s.host)} - {None}))}\n"
     )
+
+
+def _operator_address(host: str) -> str | None:
+    """This machine's address as `host` sees it (a UDP connect only routes, sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((host, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return None
 
 
 @dataclass

@@ -2,10 +2,74 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Caps on what clients may hold or send; every session reads them from ServerState.limits.
+    Sizes in bytes, times in seconds. fleetd(8), LIMITS, documents each with its flag and key."""
+
+    # ALLOC_BUFFER beyond these answers the null buffer, as a full device does.
+    # None: 90% of physical memory for the daemon; the daemon's limit for one session.
+    max_memory: int | None = None
+    max_session_memory: int | None = None
+    # Bytes of unfinished requests held in memory (a GRAPH_COMPUTE arrives whole before it is
+    # decoded; SET_TENSOR data goes straight to its buffer and does not count).
+    max_request_bytes: int = 64 * MIB  # per connection
+    max_buffered_bytes: int = 512 * MIB  # all connections together
+    max_connections: int = 256
+    max_graph_tensors: int = 1 << 18  # nodes, and tensors, of one GRAPH_COMPUTE
+    # A view's logical bytes (elements x element size) may exceed the bytes it spans by this
+    # factor plus the slack; stride-0 broadcasts beyond that are refused.
+    view_expansion: float = 16.0
+    view_slack: int = 1 * MIB
+    hello_timeout: float = 5.0  # from connect to a complete HELLO
+    # Between requests. An idle llama-server keeps its connection for as long as it runs and
+    # aborts when it is closed: a day, so only the truly abandoned are reaped.
+    idle_timeout: float = 24 * 3600.0
+    # Inside a request: no byte for this long, or below min_request_rate after it, cuts it.
+    request_timeout: float = 10.0
+    min_request_rate: int = 4 * KIB
+    max_peer_links: int = 16  # COPY_TENSOR_TO destinations one session keeps open
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> ServerLimits:
+        """From a dict of field names (the `[limits]` TOML table and the flags); sizes may be
+        written 64M, 8G, ... Raises ValueError with one clear line."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, raw in settings.items():
+            f = fields.get(key)
+            if f is None:
+                raise ValueError(f"limits: unknown key {key!r} (known: {', '.join(fields)})")
+            try:
+                value = parse_size(raw) if f.type in ("int", "int | None") else float(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"limits: {key} = {raw!r} is not a number") from None
+            if value <= 0:
+                raise ValueError(f"limits: {key} = {raw!r} must be positive")
+            values[key] = value
+        return cls(**values)
+
+
+def parse_size(raw) -> int:
+    """An int, or a string like 512, 64K, 64M, 8G, 1T (powers of 1024)."""
+    if isinstance(raw, bool):
+        raise ValueError(raw)
+    if isinstance(raw, int):
+        return raw
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMGT]?)i?B?\s*", str(raw), re.IGNORECASE)
+    if not m:
+        raise ValueError(raw)
+    return int(m.group(1)) << (10 * " KMGT".index(m.group(2).upper() or " "))
 
 
 @dataclass
@@ -20,6 +84,10 @@ class ServerConfig:
     p2p: bool = True
     # Hosts / CIDRs a COPY_TENSOR_TO may push to. None = loopback plus the daemon's own /24.
     peer_allow: list[str] | None = None
+    # Hosts / CIDRs whose RPC connections are served. None = loopback when bound to loopback,
+    # else loopback plus the subnet of the bound address.
+    allow: list[str] | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
     # Off only to measure what counting costs (benchmarks/transfer.py); the control API then
     # reports zeros for commands.
     count_commands: bool = True

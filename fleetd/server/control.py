@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +42,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from fleetd import __version__
 from fleetd.server.stats import COMMAND_BYTES, CommandCounters
 from fleetd.wire import PROTOCOL_VERSION, Feature, cmd_name
+from fleetd.wire.text import client_text
 
 if TYPE_CHECKING:
     from fleetd.server.state import ServerState
@@ -51,7 +54,9 @@ CONTROL_HOST = "127.0.0.1"
 MAX_BODY = 4096
 # An idle keep-alive connection is dropped after this many seconds, so stop() leaves no reader.
 IDLE_TIMEOUT = 30.0
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+# Exactly one loopback name and an optional port: "127.0.0.1:P, evil.com" is not one.
+_LOOPBACK_HOST = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", re.IGNORECASE)
+_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII only: "²".isdigit() is True, int("²") fails
 
 
 class HttpError(Exception):
@@ -90,11 +95,14 @@ def status_doc(state: ServerState) -> dict:
         "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
         "rpc": {"host": host, "port": port},
         "devices": [
-            {"index": i, "name": d.name, "free": free, "total": total}
+            {"index": i, "name": d.name, "kind": d.kind, "free": free, "total": total}
             for i, d in enumerate(state.devices)
             for free, total in [d.memory()]
         ],
         "started": state.started,
+        # false while the RPC accept loop cannot accept (no fds, no threads, no memory)
+        "healthy": state.unhealthy is None,
+        "unhealthy_reason": state.unhealthy,
         "uptime_seconds": round(now - state.started, 3),
         "p2p": p2p_doc(state),
         "sessions": sessions,
@@ -262,18 +270,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(status, doc)
         except HttpError as exc:
             self._send_json(exc.status, {"error": str(exc)}, exc.headers)
+        except (TimeoutError, ConnectionError) as exc:  # the client's doing: one line
+            self.close_connection = True
+            log.info("control %s: %s %s: client gone or too slow: %s", self.address_string(), method,
+                     client_text(path), exc)
         except Exception:
-            log.exception("control: %s %s failed", method, path)
+            log.exception("control: %s %s failed", method, client_text(path))
             self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{method} {path}: internal error, see the daemon log"})
 
     def _check_origin(self) -> None:
         if self.headers.get("Origin") is not None:
             raise HttpError(HTTPStatus.FORBIDDEN, "control API: cross-origin requests refused")
-        host = self.headers.get("Host")
-        if host is not None:
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name.lower() not in LOOPBACK_HOSTS:
-                raise HttpError(HTTPStatus.FORBIDDEN, f"control API: Host {host!r} is not a loopback name")
+        hosts = self.headers.get_all("Host") or []
+        if len(hosts) > 1 or (hosts and not _LOOPBACK_HOST.fullmatch(hosts[0])):
+            raise HttpError(HTTPStatus.FORBIDDEN,
+                            f"control API: Host {client_text(', '.join(hosts))!r} is not one loopback name[:port]")
 
     def read_body(self) -> bytes:
         raw = self.headers.get("Content-Length")
@@ -281,8 +292,9 @@ class _Handler(BaseHTTPRequestHandler):
             if self.headers.get("Transfer-Encoding"):
                 raise HttpError(HTTPStatus.LENGTH_REQUIRED, "control API: chunked bodies not accepted, send Content-Length")
             return b""
-        if not raw.strip().isdigit():
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"control API: Content-Length {raw!r} is not a number")
+        if not _DIGITS.fullmatch(raw.strip()):
+            raise HttpError(HTTPStatus.BAD_REQUEST,
+                            f"control API: Content-Length {client_text(raw)!r} is not a number")
         n = int(raw)
         if n > MAX_BODY:
             self.close_connection = True  # the body stays unread
@@ -299,6 +311,8 @@ class _Handler(BaseHTTPRequestHandler):
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body is not JSON: {exc}") from exc
+        except RecursionError:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body nested too deeply") from None
 
     def _send_json(self, status: HTTPStatus, doc: dict, headers: dict[str, str] | None = None) -> None:
         self._send(status, (json.dumps(doc) + "\n").encode(), "application/json", headers)
@@ -323,12 +337,20 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def log_message(self, format: str, *args) -> None:
-        log.debug("control %s: %s", self.address_string(), format % args)
+        log.debug("control %s: %s", self.address_string(), client_text(format % args, 200))
 
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address) -> None:
+        # socketserver prints a traceback to stderr; a client's timeout or reset is one line.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (TimeoutError, ConnectionError)):
+            log.info("control %s: client gone or too slow: %s", client_address[0], exc)
+        else:
+            log.error("control %s: request failed: %r", client_address[0], exc, exc_info=exc)  # ours
 
 
 class ControlAPI:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from fleetd import __version__
 from fleetd.errors import FleetdError
 from fleetd.ports import DEFAULT_RPC_PORT, control_port_for
-from fleetd.server.config import ServerConfig
+from fleetd.server.config import ServerConfig, ServerLimits
 from fleetd.server.daemon import serve_forever
 
 
@@ -27,8 +28,40 @@ FLEETD_DEFAULTS = {
     "control_port": None,  # --port + 100 (fleetd.ports.control_port_for)
     "p2p": True,
     "peer_allow": None,
+    "allow": None,
+    "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
 }
+
+# -- limits flags: one per ServerLimits field, --max-memory 8G, --idle-timeout 3600, ...
+LIMIT_HELP = {
+    "max_memory": "bytes all buffers together may take (default 90%% of RAM)",
+    "max_session_memory": "bytes one session's buffers may take (default: --max-memory)",
+    "max_request_bytes": "bytes of one unfinished request held per connection (default 64M)",
+    "max_buffered_bytes": "bytes of unfinished requests held by all connections (default 512M)",
+    "max_connections": "RPC connections served at once; more are closed (default 256)",
+    "max_graph_tensors": "nodes and tensors of one GRAPH_COMPUTE (default 262144)",
+    "view_expansion": "how many times its extent a view's logical size may be (default 16)",
+    "view_slack": "bytes a view's logical size may exceed that by (default 1M)",
+    "hello_timeout": "seconds from connect to HELLO (default 5)",
+    "idle_timeout": "seconds between requests before a connection is closed (default 86400)",
+    "request_timeout": "seconds without a byte inside a request, and the grace before "
+                       "--min-request-rate applies (default 10)",
+    "min_request_rate": "bytes/s a request must arrive at after the grace (default 4K)",
+    "max_peer_links": "COPY_TENSOR_TO destinations one session keeps linked (default 16)",
+}
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits", "sizes take K/M/G/T suffixes; see fleetd(8) LIMITS")
+    for f in dataclasses.fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f"limit_{f.name}", metavar="N",
+                       help=LIMIT_HELP.get(f.name))
+
+
+def _limit_flags(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(ServerLimits)
+            if getattr(args, f"limit_{f.name}", None) is not None}
 
 
 def _fleetd_parser() -> argparse.ArgumentParser:
@@ -37,7 +70,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "control_port, p2p (bool), peer_allow (list) and log_level; flags win over it.",
+        "control_port, p2p (bool), peer_allow (list), allow (list), log_level and a [limits] "
+        "table (the limits flags' names with _); flags win over it.",
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
     p.add_argument("-H", "--host", help="address to bind (default 127.0.0.1)")
@@ -54,6 +88,12 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         help="hosts/CIDRs COPY_TENSOR_TO may push to, comma separated (default: loopback and "
         "the subnet of the bound address)",
     )
+    p.add_argument(
+        "--allow",
+        help="hosts/CIDRs whose RPC connections are served, comma separated (default: loopback "
+        "when bound to loopback, else loopback and the subnet of the bound address)",
+    )
+    _add_limit_flags(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-counters", action="store_true", help=argparse.SUPPRESS)  # benchmarks only
     p.add_argument("-V", "--version", action="version", version=f"fleetd {__version__}")
@@ -79,10 +119,16 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "devices": args.device.split(",") if args.device else None,
         "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
         "p2p": False if args.no_p2p else None,
+        "allow": args.allow.split(",") if args.allow else None,
     }
+    limits = dict(settings["limits"]) if isinstance(settings["limits"], dict) else None
+    if limits is None:
+        raise ValueError("limits: must be a [limits] table")
+    limits.update(_limit_flags(args))
     settings.update({k: v for k, v in flags.items() if v is not None})
     if settings["control_port"] is None:  # two fleetd on one host, one per GPU: their own ports
         settings["control_port"] = control_port_for(int(settings["port"]))
+    settings["limits"] = ServerLimits.from_settings(limits)
     if not 0 < int(settings["port"]) < 65536:
         raise ValueError(f"port {settings['port']} outside 1..65535")
     return settings
@@ -113,6 +159,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         threads=settings["threads"], control_port=settings["control_port"] or None,
         dequant_cache=settings["dequant_cache"],
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
+        allow=settings["allow"], limits=settings["limits"],
         count_commands=not args.no_counters,
     )
     try:

@@ -18,8 +18,12 @@ Rules, in the order `serve_copy` applies them:
   a busy one accepts the TCP connect from its backlog but never answers HELLO, hence the bounded
   HELLO timeout. Links to such destinations are closed at once, never cached, so a stock server
   is not held away from its real client.
-- Links are cached per client session and destination endpoint (the PeerLinks a Session owns)
-  and closed when that session ends. A link that failed in any way is dropped, never reused.
+- Links are cached per client session and resolved destination address (ip, port), so 200
+  spellings of one endpoint share one link; a session keeps at most `max_peer_links` (the
+  least recently used goes first) and closes them all when it ends. A link that failed in any
+  way is dropped, never reused.
+- The allow-list check comes before any connect: a destination outside it answers 0 at once
+  whatever its port state, so timing tells a client about ports only where it may push anyway.
 
 Which destinations are allowed (`--peer-allow`, ServerConfig.peer_allow): a list of IP
 addresses, CIDRs or host names (resolved once, at start). The default (None) is loopback
@@ -63,6 +67,7 @@ from fleetd.wire import (
     Request,
     SetTensor,
 )
+from fleetd.wire.text import client_text
 
 if TYPE_CHECKING:
     from fleetd.server.state import ServerState
@@ -99,6 +104,7 @@ class PeerLink:
 
     def __init__(self, endpoint: str, addr: tuple[str, int], timeouts: PeerTimeouts) -> None:
         self.endpoint = endpoint
+        self.addr = addr
         self.timeouts = timeouts
         self.conn = ClientConnection()
         self._scratch = bytearray(REPLY_READ)
@@ -186,23 +192,31 @@ class PeerLink:
 
 
 class PeerLinks:
-    """The links of one client session, keyed by destination endpoint as the client named it."""
+    """The links of one client session, keyed by resolved destination address, at most `cap`
+    (least recently used closed first)."""
 
-    def __init__(self) -> None:
-        self._links: dict[str, PeerLink] = {}
+    def __init__(self, cap: int = 16) -> None:
+        self.cap = cap
+        self._links: dict[tuple[str, int], PeerLink] = {}  # insertion order = use order
 
-    def get(self, endpoint: str) -> PeerLink | None:
-        link = self._links.get(endpoint)
-        if link is not None and link.stale():
-            self.drop(endpoint)
+    def get(self, addr: tuple[str, int]) -> PeerLink | None:
+        link = self._links.pop(addr, None)
+        if link is None:
             return None
+        if link.stale():
+            link.close()
+            return None
+        self._links[addr] = link  # most recently used last
         return link
 
     def put(self, link: PeerLink) -> None:
-        self._links[link.endpoint] = link
+        self.drop(link.addr)
+        while len(self._links) >= self.cap:
+            self.drop(next(iter(self._links)))
+        self._links[link.addr] = link
 
-    def drop(self, endpoint: str) -> None:
-        link = self._links.pop(endpoint, None)
+    def drop(self, addr: tuple[str, int]) -> None:
+        link = self._links.pop(addr, None)
         if link is not None:
             link.close()
 
@@ -210,8 +224,8 @@ class PeerLinks:
         return len(self._links)
 
     def close(self) -> None:
-        for endpoint in list(self._links):
-            self.drop(endpoint)
+        for addr in list(self._links):
+            self.drop(addr)
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -226,12 +240,12 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 def _link_for(state: ServerState, links: PeerLinks, endpoint: str, host: str, port: int,
               local_addr: str | None) -> PeerLink:
-    link = links.get(endpoint)
-    if link is not None:
-        return link
     addr = resolve(host, port)
     if not state.peer_policy.allows(addr[0], local_addr):
         raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
+    link = links.get(addr)
+    if link is not None:
+        return link
     link = PeerLink(endpoint, addr, state.peer_timeouts)
     state.peer_stats.link_opened()
     links.put(link)
@@ -258,15 +272,17 @@ def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
         try:
             link.push(ev.dst, memoryview(data), state.peer_stats)
         except PeerFailure:
-            links.drop(ev.endpoint)  # the stream state is unknown now
+            links.drop(link.addr)  # the stream state is unknown now
             raise
     except PeerFailure as exc:
         state.peer_stats.fallback(exc.reason)
-        log.info("%s: COPY_TENSOR_TO %s -> 0 (%s): %s", who, ev.endpoint, exc.reason, exc)
+        log.info("%s: COPY_TENSOR_TO %s -> 0 (%s): %s", who, client_text(ev.endpoint), exc.reason,
+                 client_text(str(exc), 200))
         return 0
     except FleetdError as exc:  # anything else on the peer side is still the peer's, not ours
         state.peer_stats.fallback("unreachable")
-        log.info("%s: COPY_TENSOR_TO %s -> 0 (unreachable): %s", who, ev.endpoint, exc)
+        log.info("%s: COPY_TENSOR_TO %s -> 0 (unreachable): %s", who, client_text(ev.endpoint),
+                 client_text(str(exc), 200))
         return 0
     state.peer_stats.ok(ev.size)
     return 1

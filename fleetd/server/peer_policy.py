@@ -91,14 +91,14 @@ def _neighbourhood(addr: str) -> Network | None:
     return ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False)
 
 
-def _listen_network(host: str) -> Network | None:
+def listen_network(host: str) -> Network | None:
     try:
         return _neighbourhood(socket.gethostbyname(host)) if host else None
     except OSError:
         return None  # an unresolvable listen host fails at bind(), not here
 
 
-def parse_allow(entries: list[str]) -> list[Network]:
+def parse_allow(entries: list[str], flag: str = "--peer-allow") -> list[Network]:
     """IPs, CIDRs or host names (resolved now) as networks; a bad entry raises ValueError."""
     nets: list[Network] = []
     for entry in entries:
@@ -113,7 +113,7 @@ def parse_allow(entries: list[str]) -> list[Network]:
         try:
             infos = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise ValueError(f"--peer-allow: cannot resolve {entry!r}: {exc}") from exc
+            raise ValueError(f"{flag}: cannot resolve {entry!r}: {exc}") from exc
         nets.extend(ipaddress.ip_network(info[4][0]) for info in infos)
     return nets
 
@@ -125,7 +125,7 @@ class PeerPolicy:
         self.default = allow is None
         if allow is None:
             self.networks = list(LOOPBACK)
-            own = _listen_network(listen_host)
+            own = listen_network(listen_host)
             if own is not None:
                 self.networks.append(own)
         else:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from fleetd.compute.buffers import Buffer
 from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
+from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.stats import CommandCounters
 from fleetd.wire import (
@@ -75,6 +79,12 @@ FIRST_READ = 4 * 1024
 # Responses up to this size are joined with their header into one send (one segment, one syscall).
 SMALL_RESPONSE = 64 * 1024
 
+_TIMEVAL = struct.Struct("@ll")
+
+
+class SessionTimeout(FleetdError):
+    """The client was too slow: no HELLO, idle past the limit, or a request that stalls."""
+
 
 class Session:
     def __init__(self, state: ServerState, sock: socket.socket, peer: tuple, sid: int) -> None:
@@ -83,10 +93,21 @@ class Session:
         self.peer = f"{peer[0]}:{peer[1]}"
         self.id = sid
         self.started = time.time()
-        self.conn = ServerConnection()
+        self.limits = state.limits
+        self.conn = ServerConnection(max_request=self.limits.max_request_bytes)
         self.counters = CommandCounters()
         self.plans: dict[int, Plan] = {}  # stored graph per device
-        self.peer_links = PeerLinks()  # this session's links to COPY_TENSOR_TO destinations
+        # The buffers each stored graph reaches, and the registry's free count when it was
+        # checked: a free since then (by any session) is looked for before a GRAPH_RECOMPUTE.
+        self.plan_buffers: dict[int, list[Buffer]] = {}
+        self.plan_frees: dict[int, int] = {}
+        self._connected = time.monotonic()
+        self._greeted = False  # HELLO answered: the idle timeout applies between requests
+        self._recv_timeout: float | None = None  # SO_RCVTIMEO as last set
+        self._request_start: float | None = None  # first read of the request in progress
+        self._request_got = 0
+        self._charged = 0  # bytes charged to the daemon's receive budget
+        self.peer_links = PeerLinks(state.limits.max_peer_links)  # this session's links to COPY_TENSOR_TO destinations
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
 
@@ -97,6 +118,11 @@ class Session:
             self._serve()
         except RemoteProtocolError as exc:
             log.warning("session %d %s: closed: %s", self.id, self.peer, exc)
+        except SessionTimeout as exc:
+            log.info("session %d %s: closed: %s", self.id, self.peer, exc)
+        except BlockingIOError:  # SO_SNDTIMEO: the client stopped reading our response
+            log.info("session %d %s: closed: client took no response bytes for %gs",
+                     self.id, self.peer, self.limits.request_timeout)
         except ComputeError as exc:
             log.warning("session %d %s: graph failed, closed: %s", self.id, self.peer, exc)
         except (ConnectionError, TimeoutError) as exc:
@@ -113,19 +139,91 @@ class Session:
     def _serve(self) -> None:
         conn = self.conn
         record = self.counters.record if self.state.config.count_commands else _not_counted
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                             _timeval(self.limits.request_timeout))
+        floor = self.state.receive_budget.FLOOR
+        idle = self.limits.idle_timeout
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
-                n = self.sock.recv_into(self._scratch, RECV_CHUNK if conn.buffered else FIRST_READ)
+                if conn.buffered or not self._greeted:
+                    n = self.recv_in_request(self._scratch_view[:RECV_CHUNK if conn.buffered else FIRST_READ])
+                else:  # between requests: the hot path, one recv and nothing else
+                    if self._charged:
+                        conn.receive_data(b"")  # drop the consumed request before we wait
+                        self._charge(conn.held)
+                    if self._recv_timeout != idle:
+                        self._set_recv_timeout(idle)
+                    try:
+                        n = self.sock.recv_into(self._scratch, FIRST_READ)
+                    except BlockingIOError:
+                        raise SessionTimeout(f"idle for {idle:g}s") from None
                 if n == 0:
                     if conn.buffered:
                         raise ConnectionError("peer closed in the middle of a request")
                     return
                 conn.receive_data(self._scratch_view[:n])
+                if conn.held > floor or self._charged:
+                    self._charge(conn.held)
                 continue
+            self._request_start = None
             cmd = event.cmd
             sent = HANDLERS[type(event)](self, event)
             record(cmd, conn.request_bytes, sent)
+
+    def recv_in_request(self, into: memoryview) -> int:
+        """recv_into for bytes of a request already started (or of the first, before HELLO):
+        cut when no byte comes for request_timeout, when the request arrives slower than
+        min_request_rate after that grace time, or when HELLO is not done by hello_timeout."""
+        limits = self.limits
+        now = time.monotonic()
+        if self._request_start is None:
+            self._request_start, self._request_got = now, 0
+        elapsed = now - self._request_start
+        if elapsed > limits.request_timeout and self._request_got < limits.min_request_rate * elapsed:
+            raise SessionTimeout(f"slow sender: {self._request_got} bytes of a request in "
+                                 f"{elapsed:.0f}s (minimum {limits.min_request_rate} bytes/s)")
+        if self._greeted:
+            timeout = limits.request_timeout
+        else:
+            timeout = self._connected + limits.hello_timeout - now
+            if timeout <= 0:
+                raise SessionTimeout(self._timeout_reason())
+        if self._recv_timeout != timeout:
+            self._set_recv_timeout(timeout)
+        try:
+            n = self.sock.recv_into(into)
+        except BlockingIOError:
+            raise SessionTimeout(self._timeout_reason()) from None
+        self._request_got += n
+        return n
+
+    def _timeout_reason(self) -> str:
+        if self._greeted:
+            return f"no byte of a started request for {self.limits.request_timeout:g}s"
+        return f"no HELLO within {self.limits.hello_timeout:g}s of connecting"
+
+    def _set_recv_timeout(self, seconds: float) -> None:
+        # SO_RCVTIMEO, not settimeout(): the socket stays blocking, so a recv stays one syscall.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self._recv_timeout = seconds
+
+    def _charge(self, held: int) -> None:
+        """Charge what this connection holds to the daemon-wide receive budget."""
+        want = held if held > self.state.receive_budget.FLOOR else 0
+        if want != self._charged:
+            if not self.state.receive_budget.charge(self._charged, want):
+                raise RemoteProtocolError(
+                    f"all connections together hold {self.state.receive_budget.held} bytes of "
+                    f"unfinished requests, limit {self.state.receive_budget.limit}: this one is cut")
+            self._charged = want
+
+    def drop_plans_using(self, buf: Buffer) -> None:
+        """A buffer was freed (by any session): stored graphs that reach it are gone."""
+        for device, bufs in list(self.plan_buffers.items()):
+            if any(b is buf for b in bufs):
+                self.plans.pop(device, None)
+                self.plan_buffers.pop(device, None)
 
     def close(self) -> None:
         try:
@@ -133,17 +231,17 @@ class Session:
         except OSError:
             pass
         self.peer_links.close()
+        self.plans.clear()
+        self.plan_buffers.clear()
         for buf in self.state.registry.owned_by(self.id):
             self.state.registry.free(buf)
-        self.plans.clear()
+        if self._charged:
+            self.state.receive_budget.charge(self._charged, 0)
+            self._charged = 0
         self.state.session_ended(self)
         log.debug("session %d %s: closed", self.id, self.peer)
 
     # -- helpers ----------------------------------------------------------------------------
-
-    # The state under its old name, only for the build_plan / plan.run lines of on_graph_compute
-    # and _run, which the compute branch rewrites; to go once both branches are merged.
-    server = property(lambda self: self.state)
 
     def respond(self, reply: Reply) -> int:
         data = self.conn.send(reply)
@@ -175,6 +273,12 @@ class Session:
             return None
 
 
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    return _TIMEVAL.pack(whole, micros if whole or micros else 1)  # 0 would mean "no timeout"
+
+
 def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
     """Stands in for CommandCounters.record when counting is off (benchmarks/transfer.py
     measures what counting costs against this)."""
@@ -184,6 +288,7 @@ def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
 
 
 def on_hello(s: Session, ev: Hello) -> int:
+    s._greeted = True
     return s.respond(HelloReply(PROTOCOL_VERSION, s.state.features()))
 
 
@@ -193,9 +298,12 @@ def on_device_count(s: Session, ev: DeviceCount) -> int:
 
 def on_alloc_buffer(s: Session, ev: AllocBuffer) -> int:
     dev = s.device(ev.device, "ALLOC_BUFFER")
-    buf = s.state.registry.alloc(ev.device, dev, ev.size, s.id)
+    buf = s.state.registry.alloc(ev.device, dev, ev.size, s.id, limit=s.state.max_memory,
+                                 owner_limit=s.state.max_session_memory)
     if buf is None:
-        log.warning("session %d: ALLOC_BUFFER of %d bytes failed on %s", s.id, ev.size, dev.name)
+        log.warning("session %d: ALLOC_BUFFER of %d bytes failed on %s (%d of %d bytes allocated "
+                    "by this daemon, %d by this session)", s.id, ev.size, dev.name,
+                    s.state.registry.allocated, s.state.max_memory, s.state.registry.allocated_by(s.id))
         return s.respond(AllocBufferReply(0, 0))
     return s.respond(AllocBufferReply(buf.handle, buf.size))
 
@@ -210,6 +318,11 @@ def on_get_max_size(s: Session, ev: GetMaxSize) -> int:
 
 def on_get_device_memory(s: Session, ev: GetDeviceMemory) -> int:
     free, total = s.device(ev.device, "GET_DEVICE_MEMORY").memory()
+    # What ALLOC_BUFFER would really grant: the device, the daemon's limit, this session's.
+    # The total stays the device's, as the stock server reports it.
+    registry = s.state.registry
+    free = max(0, min(free, s.state.max_memory - registry.allocated,
+                      s.state.max_session_memory - registry.allocated_by(s.id)))
     return s.respond(GetDeviceMemoryReply(free, total))
 
 
@@ -223,6 +336,7 @@ def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
         raise RemoteProtocolError(f"FREE_BUFFER: buffer {ev.remote_ptr:#x} belongs to another session")
     # Stored graphs may point into the freed buffer: drop them, as the stock server does.
     s.plans.clear()
+    s.plan_buffers.clear()
     s.state.registry.free(buf)
     return 0
 
@@ -240,7 +354,7 @@ def on_set_tensor(s: Session, ev: SetTensor) -> int:
     dst = memoryview(buf.array)[start : start + ev.size]
     got = s.conn.read_body_into(dst)
     while got < ev.size:
-        n = s.sock.recv_into(dst[got:])
+        n = s.recv_in_request(dst[got:])
         if n == 0:
             raise ConnectionError("peer closed in the middle of SET_TENSOR data")
         s.conn.body_received(n)
@@ -281,6 +395,12 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
             f"COPY_TENSOR: {n} bytes at {ev.dst.data:#x} overflow destination buffer "
             f"[{dst_buf.base:#x}, {dst_buf.base + dst_buf.size:#x})"
         )
+    # A zero-byte buffer has no array. Stock: its dummy buffer has no copy hook (answer 0);
+    # copying nothing into a real buffer is a memcpy of 0 bytes (answer 1).
+    if dst_buf.size == 0:
+        return s.respond(CopyTensorReply(0))
+    if n == 0:
+        return s.respond(CopyTensorReply(1))
     with s.state.exec_lock:
         dst_buf.array[dst_start : dst_start + n] = src_buf.array[src_start : src_start + n]
     dst_buf.touched()
@@ -289,10 +409,21 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
 
 def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     dev = s.device(ev.device, "GRAPH_COMPUTE")
-    plan = getattr(dev, "build_plan", build_plan)(ev, s.server.registry)  # ggml device: its own plan
+    limits = s.limits
+    check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
     s.plans.pop(ev.device, None)
+    s.plan_buffers.pop(ev.device, None)
+    registry = s.state.registry
+    frees = registry.frees
+    plan = getattr(dev, "build_plan", build_plan)(ev, registry)  # the ggml device builds its own
+    handles = np.unique(ev.tensors["buffer"]).tolist() if len(ev.tensors) else []
+    bufs = [b for b in map(registry.get, handles) if b is not None]
     _run(s, plan, dev)
     s.plans[ev.device] = plan
+    s.plan_buffers[ev.device] = bufs
+    s.plan_frees[ev.device] = frees
+    if registry.frees != frees:  # a free raced the build: recheck at the next recompute
+        s.plan_frees[ev.device] = -1
     return 0
 
 
@@ -300,14 +431,24 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
     dev = s.device(ev.device, "GRAPH_RECOMPUTE")
     plan = s.plans.get(ev.device)
     if plan is None:
-        raise RemoteProtocolError(f"GRAPH_RECOMPUTE: no stored graph for device {ev.device}")
+        raise RemoteProtocolError(f"GRAPH_RECOMPUTE: no stored graph for device {ev.device} "
+                                  "(none computed, or a buffer it reaches was freed)")
+    registry = s.state.registry
+    if s.plan_frees.get(ev.device) != registry.frees:  # something was freed since the last check
+        frees = registry.frees
+        if any(b.freed for b in s.plan_buffers.get(ev.device, ())):
+            s.plans.pop(ev.device, None)
+            s.plan_buffers.pop(ev.device, None)
+            raise RemoteProtocolError("GRAPH_RECOMPUTE: the stored graph reaches a buffer freed "
+                                      "since it was computed")
+        s.plan_frees[ev.device] = frees
     _run(s, plan, dev)
     return 0
 
 
 def _run(s: Session, plan: Plan, dev) -> None:
     t0 = time.perf_counter()
-    with s.server.exec_lock:
+    with s.state.exec_lock:
         plan.run(dev.xp)
     s.counters.graph_computes += 1
     s.counters.compute_seconds += time.perf_counter() - t0
@@ -338,6 +479,8 @@ def on_memset_tensor(s: Session, ev: MemsetTensor) -> int:
         raise RemoteProtocolError(
             f"MEMSET_TENSOR: offset {ev.offset} + size {ev.size} beyond tensor of {n} bytes"
         )
+    if buf.size == 0:  # the stock region check (data within [base, base + size)) fails here
+        raise RemoteProtocolError(f"MEMSET_TENSOR: buffer {buf.handle:#x} has no bytes to set")
     buf.array[start + ev.offset : start + ev.offset + ev.size] = ev.value
     buf.touched()
     return 0

@@ -11,23 +11,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
-from fleetd.server.config import ServerConfig
+from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
 from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
 from fleetd.wire.hashing import cache_file_name, fnv1a_64
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Caps on what one client may hold or send. None yet: the hardening work (issue 11) puts
-    its connection, memory and timeout bounds here, where every session reads them."""
 
 
 class LiveSession(Protocol):
@@ -61,9 +54,35 @@ class SessionTable:
         with self._lock:
             self._by_id.pop(session.id, None)
 
+    def count(self) -> int:
+        return len(self._by_id)
+
     def live(self) -> list[LiveSession]:
         with self._lock:
             return list(self._by_id.values())
+
+
+class ReceiveBudget:
+    """Bytes of unfinished requests held by all connections together, against one cap.
+
+    A connection charges only what it holds beyond a small floor (one read of a small command),
+    so the usual request costs no lock."""
+
+    FLOOR = 128 * 1024
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def charge(self, before: int, after: int) -> bool:
+        """Move one connection's charge from `before` to `after` bytes; False (and nothing
+        charged) when that would pass the cap."""
+        with self._lock:
+            if after > before and self.held + after - before > self.limit:
+                return False
+            self.held += after - before
+            return True
 
 
 class ServerState:
@@ -82,10 +101,26 @@ class ServerState:
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
         self.peer_timeouts = PeerTimeouts()
         self.peer_stats = PeerStats()
-        self.limits = ServerLimits()
+        self.limits = config.limits
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        self.max_memory = self.limits.max_memory or physical * 9 // 10
+        self.max_session_memory = min(self.limits.max_session_memory or self.max_memory, self.max_memory)
+        self.receive_budget = ReceiveBudget(self.limits.max_buffered_bytes)
+        # Why the accept loop cannot accept right now (None: healthy); /v1/status reports it.
+        self.unhealthy: str | None = None
+        self.registry.on_free(self._drop_plans_using)
+        # Caches do not keep a freed buffer resident: the registry tells the buffer's device
+        # (Device.buffer_freed), whose dequantisation cache releases it.
         self.started = time.time()
         # The RPC address; the daemon sets the bound one (port 0 picks a free port).
         self.address: tuple[str, int] = (config.host, config.port)
+
+    def _drop_plans_using(self, buf) -> None:
+        # A stored graph of any session must not keep a freed buffer alive or write into it.
+        for session in self.sessions.live():
+            drop = getattr(session, "drop_plans_using", None)
+            if drop is not None:
+                drop(buf)
 
     # -- P2P switch and the HELLO feature bits ----------------------------------------------
 

@@ -55,9 +55,11 @@ def size_rule_error(cmd: int, size: int) -> str | None:
 class ServerConnection:
     """The server's view of one RPC connection: bytes in, request events out, replies to bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_request: int | None = None) -> None:
         self._buf = bytearray()
         self._pos = 0  # read position in _buf
+        # Largest request held in memory whole (SET_TENSOR data is streamed and does not count).
+        self.max_request = max_request
         self._gate = HelloGate()
         self.body_remaining = 0
         self._gate_passed = False  # the command byte at the read position was already let through
@@ -107,6 +109,9 @@ class ServerConnection:
                     raise RemoteProtocolError(reason)
             # A streamed body: only the header is buffered and decoded; the data is left in place.
             decoded = spec.min_size if spec.streamed_body else size
+            if self.max_request is not None and decoded > self.max_request:
+                raise RemoteProtocolError(f"{cmd_name(cmd)}: request of {size} bytes above this "
+                                          f"daemon's limit of {self.max_request} per connection")
             if avail < 9 + decoded:
                 return NEED_DATA
             start = pos + 9
@@ -145,11 +150,19 @@ class ServerConnection:
             raise LocalProtocolError(f"body_received({n}) with {self.body_remaining} pending")
         self.body_remaining -= n
 
-    @staticmethod
-    def send(reply: Reply) -> bytes:
+    def send(self, reply: Reply) -> bytes:
         """The bytes of `reply` (for a large DataReply send `DataReply.header(n)` and the data
-        itself instead: no copy)."""
-        return reply.frame()
+        itself instead: no copy).
+
+        A value that does not fit its response field (a size of 2^64 or more computed from
+        the request's tensor) is the request's fault: a RemoteProtocolError, checked here for
+        every response rather than in each handler."""
+        try:
+            return reply.frame()
+        except struct.error as exc:
+            self._gate.fail()
+            raise RemoteProtocolError(f"{type(reply).__name__}: a value computed from the request "
+                                      f"does not fit the response: {reply}") from exc
 
     def fail(self) -> None:
         self._gate.fail()

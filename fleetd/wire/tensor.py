@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fleetd.errors import RemoteProtocolError
+from fleetd.wire.text import client_text
 from fleetd.wire.ggml import GGML_MAX_SRC, GGML_TYPE_COUNT, TYPE_TRAITS, nbytes, type_name
 
 # | id u64 | type u32 | buffer u64 | ne u32[4] | nb u32[4] | op u32 | op_params i32[16] | flags i32 |
@@ -80,7 +81,7 @@ class RpcTensor:
         return nbytes(self.type, self.ne, self.nb)
 
     def describe(self) -> str:
-        name = self.name.decode(errors="replace") or f"#{self.id:#x}"
+        name = client_text(self.name) if self.name else f"#{self.id:#x}"  # goes into log lines
         return f"{name} {type_name(self.type)} ne={list(self.ne)}"
 
 
