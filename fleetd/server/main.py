@@ -76,9 +76,9 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
     p.add_argument("-H", "--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("-p", "--port", type=int, help=f"RPC port (default {DEFAULT_RPC_PORT})")
-    p.add_argument("-d", "--device", help="devices, comma separated: cpu, cuda (default cpu)")
+    p.add_argument("-d", "--device", help="devices, comma separated: cpu (ggml's CPU kernels), numpy (the portable op table); default cpu")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
-    p.add_argument("-t", "--threads", type=int, help="threads for numpy/BLAS kernels (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, help="ggml's compute threads, and numpy/BLAS's (default: half the cores, as stock)")
     p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
                    "(default 0.5x) or a size (2G; 0 for none)")
     p.add_argument("--control-port", type=int, help="loopback control API port, 0 to disable (default: --port + 100)")
