@@ -204,7 +204,10 @@ class Lab:
     def _start_fleetd(self, j: int, n: LabNode, subnet: str, threads: int, python: str) -> None:
         args = ["ip", "netns", "exec", n.netns, python, "-m", "fleetd.server", "--host", n.address,
                 "--port", str(DEFAULT_RPC_PORT), "--control-port", str(DEFAULT_CONTROL_PORT),
-                "--peer-allow", subnet, "--threads", str(threads), "--log-level", "warning"]
+                "--peer-allow", subnet,
+                # RPC clients: the other nodes (peer copies) and the coordinator on its own links
+                "--allow", f"{subnet},{subnet.replace(PEER_NET, COORD_NET, 1)}",
+                "--threads", str(threads), "--log-level", "warning"]
         with open(self.dir / f"{n.name}.log", "wb") as log:
             # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
             # the pid is fleetd's
