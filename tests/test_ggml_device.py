@@ -419,3 +419,15 @@ def test_status_says_which_device_kind_computes(fleetd_server):
         srv = fleetd_server(control_port=0, devices=devices)
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.control.port}/v1/status", timeout=10) as r:
             assert [d["kind"] for d in json.load(r)["devices"]] == [kind]
+
+
+def test_a_graph_without_nodes_computes_nothing_and_the_session_goes_on(fleetd_server):
+    # Found by tests/test_fuzz.py: zero nodes made the graph builder raise (an internal error).
+    from fleetd.client import RpcClient
+    from fleetd.wire import GraphCompute, RPC_TENSOR_DTYPE
+
+    srv = fleetd_server()
+    with RpcClient(f"127.0.0.1:{srv.address[1]}") as c:
+        c.graph_compute(GraphCompute(0, (), np.zeros(0, RPC_TENSOR_DTYPE)))
+        c.graph_recompute()
+        assert c.get_alignment() == 32

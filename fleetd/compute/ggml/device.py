@@ -92,6 +92,8 @@ class GgmlPlan:
             c.private[:] = c.source
             if int(c.view.min()) < 0 or int(c.view.max()) >= c.bound:
                 raise RemoteProtocolError(f"GRAPH_COMPUTE: {c.what} holds a row outside [0, {c.bound})")
+        if self.graph is None:  # a graph without nodes: nothing to compute, as in ggml
+            return
         lib, pool = self.device.lib, self.device.backends
         backend = pool.acquire()
         try:
@@ -200,7 +202,8 @@ class GgmlCpuDevice:
         plan = GgmlPlan(self, len(nodes))
         for i, use in uses:
             self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
-        self._build_ggml_graph(plan, graph, tensors, buffers, rows)
+        if tensors:
+            self._build_ggml_graph(plan, graph, tensors, buffers, rows)
         return plan
 
     def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, writes):
