@@ -16,9 +16,10 @@ from fleetd.compute.buffers import Buffer, BufferRegistry
 from fleetd.compute.dequant_cache import DequantCache
 from fleetd.compute.ops import BoundNode, Kernel, Region, bind_node, kernel_for
 from fleetd.compute.ops.common import op_name
+from fleetd.compute.reachable import reachable_tensors
 from fleetd.compute.views import tensor_view
 from fleetd.errors import ComputeError, RemoteProtocolError
-from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag, check_type
+from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag
 
 
 @dataclass(slots=True)
@@ -63,37 +64,9 @@ class Plan:
 
 def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
     """Validate every reachable tensor as the stock `create_node` does, then bind kernels."""
-    records = graph.tensors
-    index: dict[int, int] = {}
-    for i, tid in enumerate(records["id"].tolist()):
-        index.setdefault(tid, i)  # duplicate ids: the first occurrence wins
-
-    tensors: dict[int, RpcTensor] = {}
-    views: dict[int, object] = {}
-    buffers: dict[int, Buffer | None] = {}
-    pending = [nid for nid in graph.nodes]
-    while pending:
-        tid = pending.pop()
-        if tid in tensors:
-            continue
-        if tid == 0:
-            raise RemoteProtocolError("GRAPH_COMPUTE: node id 0")
-        i = index.get(tid)
-        if i is None:
-            raise RemoteProtocolError(f"GRAPH_COMPUTE: tensor id {tid:#x} not in the tensor list")
-        t = RpcTensor.from_record(records[i])
-        check_type(t, "GRAPH_COMPUTE")
-        buf = registry.get(t.buffer) if t.buffer else None
-        if buf is None and t.data != 0:
-            raise RemoteProtocolError(
-                f"GRAPH_COMPUTE: {t.describe()} has data {t.data:#x} but no known buffer"
-            )
-        tensors[tid] = t
-        buffers[tid] = buf
-        views[tid] = tensor_view(buf, t, "GRAPH_COMPUTE") if buf is not None else None
-        pending.extend(s for s in t.src if s)
-        if t.view_src:
-            pending.append(t.view_src)
+    tensors, buffers, _ = reachable_tensors(graph, registry)
+    views = {tid: tensor_view(buffers[tid], t, "GRAPH_COMPUTE") if buffers[tid] is not None else None
+             for tid, t in tensors.items()}
 
     steps = []
     caches: dict[int, DequantCache] = {}
