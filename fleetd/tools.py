@@ -33,6 +33,12 @@ def have_tool(name: str) -> bool:
         return False
 
 
+def portable_ggml_dir() -> Path:
+    """The portable ggml build (FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml): CPU variants
+    without -march=native, what `fleetctl deploy` ships to nodes."""
+    return tools_dir().parent / "lib-portable"
+
+
 def p2p_tools_dir() -> Path:
     """The patched client (scripts/build-llama-p2p.sh): tools that take the direct path."""
     return tools_dir().parent / "p2p" / "bin"

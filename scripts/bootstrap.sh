@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make a fresh machine ready: system packages, the venv with fleetd and its test deps, the
-# pinned llama.cpp tools, stock and with the client patch (cached in ~/.cache/fleetd).
+# pinned llama.cpp tools, stock and with the client patch, the native and the portable ggml
+# libraries (cached in ~/.cache/fleetd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,4 +28,12 @@ fi
 .venv/bin/python -m pip install -q -e '.[test,ansible]' >&2
 
 bash scripts/build-llama.sh >/dev/null
+# The portable ggml build fleetctl deploy ships (lib-portable/): after the native one, never beside
+# it (same source tree, two cores). Two variants keep CI short: x64 runs on any x86-64 CPU,
+# haswell (AVX2) is what most of them score best; FLEETD_GGML_VARIANTS="" builds all 14 (and
+# other architectures build all of theirs).
+variants=""
+[ "$(uname -m)" = x86_64 ] && variants="x64 haswell"
+FLEETD_GGML_PORTABLE=1 FLEETD_GGML_VARIANTS="${FLEETD_GGML_VARIANTS-$variants}" \
+    bash scripts/build-llama.sh ggml >/dev/null
 bash scripts/build-llama-p2p.sh >/dev/null

@@ -22,6 +22,8 @@ class Device:
     alignment = 32  # TENSOR_ALIGNMENT of ggml's CPU buffer type, which stock clients expect
     max_size = (1 << 64) - 1  # SIZE_MAX: "no limit", as the stock CPU device answers
     dequant_cache: DequantCache | None = None  # f32 copies of weights, on devices that keep them
+    library: str | None = None  # the compiled kernels' file, on devices that load one (/v1/status)
+    fallback: str | None = None  # why this device stands in for the one asked for (/v1/status)
 
     def alloc(self, size: int):
         """A flat uint8 array of `size` bytes, or None when the memory is not there."""
@@ -65,10 +67,13 @@ class NumpyDevice(Device):
     kind = "numpy"  # which engine computes (/v1/status); the ggml device says "ggml"
     xp = np
 
-    def __init__(self, dequant_cache: CacheBudget | str | int | None = None) -> None:
+    def __init__(self, dequant_cache: CacheBudget | str | int | None = None,
+                 fallback: str | None = None) -> None:
         """`dequant_cache`: the f32 weight cache's budget, "0.5x" of the live buffer bytes
-        by default, or an absolute size ("512M", "0" for none); see CacheBudget.parse."""
+        by default, or an absolute size ("512M", "0" for none); see CacheBudget.parse.
+        `fallback`: why it replaces the ggml device of `cpu`, when it does."""
         self.dequant_cache = DequantCache(dequant_cache)
+        self.fallback = fallback
 
     def _alloc(self, size: int):
         return np.empty(size, dtype=np.uint8)
@@ -89,6 +94,7 @@ def make_device(spec: str, dequant_cache: CacheBudget | str | int | None = None,
             return load_device(threads)
         except OSError as exc:
             logging.getLogger("fleetd").warning("device cpu: %s; using the numpy device", exc)
-    if kind in ("cpu", "numpy"):
+            return NumpyDevice(dequant_cache, fallback=f"device cpu: {exc}")
+    if kind == "numpy":
         return NumpyDevice(dequant_cache)
     raise ValueError(f"unknown device {spec!r} (known: cpu, numpy)")

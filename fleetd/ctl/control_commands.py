@@ -16,8 +16,8 @@ from rich.live import Live
 
 from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.node import Fleet, FleetResult, Node
-from fleetd.fleet.render import (activity_table, down_text, fmt_bytes, fmt_count, p2p_table, reason,
-                                 sessions_table, stats_table, status_table)
+from fleetd.fleet.render import (activity_table, down_text, fallback_text, fmt_bytes, fmt_count, p2p_table,
+                                 reason, sessions_table, stats_table, status_table)
 from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
 
 # -- status ------------------------------------------------------------------------------------
@@ -56,7 +56,8 @@ def cmd_status(args) -> int:
     else:
         answers = by_name(result)
         hosts = {n.name: n.spec.target for n in result}
-        print_renderables(status_table(answers, hosts), sessions_table(answers), down_text(answers))
+        print_renderables(status_table(answers, hosts), sessions_table(answers), fallback_text(answers),
+                          down_text(answers))
     result.raise_on_failure()
     return 0
 

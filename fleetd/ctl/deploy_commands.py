@@ -16,6 +16,7 @@ from fleetd.fleet.deploy import STEPS, Deployer, NodeOutcome, build, clean_build
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.nodes_file import NODES_FILE_HELP
 from fleetd.fleet.render import lifecycle_table, outcome_table
+from fleetd.tools import LLAMA_VERSION
 
 
 def _deploy_args(p: argparse.ArgumentParser) -> None:
@@ -45,13 +46,19 @@ def configure_deploy(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
     p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
+    p.add_argument("--ggml-lib", type=Path, metavar="DIR",
+                   help="portable ggml build whose *.so files the wheel carries (default: "
+                   f"~/.cache/fleetd/llama.cpp-{LLAMA_VERSION}/lib-portable, from FLEETD_GGML_PORTABLE=1 "
+                   "scripts/build-llama.sh ggml; without one nodes run the numpy device)")
 
 
 def cmd_deploy(args) -> int:
     console = Console(stderr=True)
     with _load(args) as fleet:
         with console.status("building wheels"):
-            b = build(source=args.source, wheel_dir=args.wheel_dir)
+            b = build(source=args.source, wheel_dir=args.wheel_dir, ggml_lib=args.ggml_lib)
+        if b.warning:  # plain print: one line, never wrapped to the terminal's width
+            print(f"fleetctl deploy: warning: {b.warning}", file=sys.stderr)
         try:
             with Progress(SpinnerColumn(), TextColumn("{task.fields[node]:<24}"), BarColumn(),
                           TextColumn("{task.description}"), console=console,

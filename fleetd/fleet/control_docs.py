@@ -78,7 +78,9 @@ class Device:
     name: str
     free: int
     total: int
-    kind: str | None = None  # e.g. "cpu", "cuda": what the device computes with, when the daemon says
+    kind: str | None = None  # "ggml", "numpy": what the device computes with, when the daemon says
+    library: str | None = None  # the kernels' file it loaded (ggml: libggml-cpu[-variant].so)
+    fallback: str | None = None  # why it stands in for the device asked for (cpu -> numpy)
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class NodeStatus:
             rpc_host=rpc.text("host", "?"),
             rpc_port=rpc.whole("port"),
             devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"),
-                                 x.text("kind", None))
+                                 x.text("kind", None), x.text("library", None), x.text("fallback", None))
                           for i, x in enumerate(d.objs("devices", []))),
             uptime_seconds=d.number("uptime_seconds", 0.0),
             p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),

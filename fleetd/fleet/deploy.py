@@ -9,7 +9,13 @@ build changes nothing and says so:
     configure  fleetd.toml: ports, devices, peer allow-list = the fleet's own endpoints
     start      systemd where it runs, else a supervised background process + pid file
     health     HELLO on the RPC port with the release's own python -m fleetd.client.probe
-               (so the installed fleetd imports), then /v1/status through the control API
+               (so the installed fleetd imports), then /v1/status through the control API;
+               a device that came up as another kind than configured (cpu -> numpy: the ggml
+               library did not load) is a warning of the outcome, the node stays deployed
+
+The wheel carries the operator's portable ggml build (every *.so of
+~/.cache/fleetd/llama.cpp-<v>/lib-portable, or --ggml-lib DIR) in fleetd/compute/ggml/_lib, so
+a node without a compiler gets ggml's CPU kernels; without one it runs the numpy device.
 
 A failed health check rolls the node back to the release and config it had before (or removes
 the new one if it had none) and reports why.
@@ -27,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +41,11 @@ from pathlib import Path
 from fleetd import __version__
 from fleetd.errors import FleetError
 from fleetd.fleet import agent
+from fleetd.fleet.control_docs import NodeStatus
 from fleetd.fleet.node import Fleet, Node
 from fleetd.fleet.remote import Shell, shell_for
 from fleetd.fleet.ssh import NodeError
+from fleetd.tools import portable_ggml_dir
 
 # What the daemon imports; fleetctl's own dependencies (rich, textual, paramiko) stay off nodes.
 DAEMON_REQUIREMENTS = ["numpy>=1.26", "gguf>=0.17", "prometheus-client>=0.20"]
@@ -49,6 +58,11 @@ CONTROL_HEALTH_TIMEOUT_S = 15.0
 CONTROL_HEALTH_RETRY_S = 0.25
 STEPS = ("check", "upload", "install", "configure", "start", "health")
 WHEEL_CACHE = Path.home() / ".cache" / "fleetd" / "wheels"
+# Where the wheel carries the ggml libraries (fleetd/compute/ggml/lib.py looks there last).
+WHEEL_LIB_DIR = "fleetd/compute/ggml/_lib"
+PORTABLE_BUILD = "FLEETD_GGML_PORTABLE=1 bash scripts/build-llama.sh ggml"
+# The device kind /v1/status should show for a configured device; others are not checked.
+EXPECTED_KIND = {"cpu": "ggml", "numpy": "numpy"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,8 @@ class Build:
     deps: tuple[Path, ...]
     version: str
     sha: str
+    ggml_libs: tuple[str, ...] = ()  # the *.so files the wheel carries for the cpu device
+    warning: str | None = None  # one line for the operator (no ggml libraries to ship)
 
     @property
     def release(self) -> str:
@@ -98,22 +114,71 @@ def _clean_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
-    """Build fleetd's wheel from `source` (default: this checkout), or take the one in
+def portable_libs(directory: Path) -> list[Path]:
+    """The *.so files of a portable ggml build to ship; FleetError says why `directory` is none.
+    Every *.so goes (libggml-base, each libggml-cpu-<variant>, helpers built next to them),
+    symlinks as the files they name: a wheel holds no links."""
+    if not (directory / "libggml-base.so").exists():
+        raise FleetError(f"no portable ggml build in {directory} (no libggml-base.so)")
+    if (directory / "libggml-cpu.so").exists():
+        raise FleetError(f"{directory} is a native ggml build (libggml-cpu.so, -march=native: it may "
+                         "not run on another CPU), not a portable one")
+    if not list(directory.glob("libggml-cpu-*.so")):
+        raise FleetError(f"{directory}: no libggml-cpu-<variant>.so")
+    return sorted(directory.glob("*.so"))
+
+
+def _wheel_libs(wheel: Path) -> tuple[str, ...]:
+    with zipfile.ZipFile(wheel) as whl:
+        return tuple(sorted(Path(n).name for n in whl.namelist()
+                            if n.startswith(WHEEL_LIB_DIR + "/") and n.endswith(".so")))
+
+
+def _ship_ggml(clean: Path, libs: list[Path]) -> None:
+    """Put `libs` (and nothing else: a tree's own _lib may hold a native build) into the copy."""
+    target = clean / WHEEL_LIB_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    if not libs:
+        return
+    target.mkdir(parents=True)
+    for lib in libs:
+        shutil.copyfile(lib, target / lib.name)  # follows the soname links
+        (target / lib.name).chmod(0o755)
+
+
+def build(source: Path | None = None, wheel_dir: Path | None = None, ggml_lib: Path | None = None) -> Build:
+    """Build fleetd's wheel from `source` (default: this checkout) with the portable ggml build
+    of `ggml_lib` (default: the build cache's lib-portable) inside, or take the one in
     `wheel_dir`; gather the dependency wheels into a cache (offline first, then the index)."""
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+    warning = None
     if wheel_dir is not None:
+        if ggml_lib is not None:
+            raise FleetError("--ggml-lib goes into a wheel fleetctl builds; --wheel-dir takes a built one")
         wheels = sorted(Path(wheel_dir).glob("fleetd-*.whl"))
         if not wheels:
             raise FleetError(f"--wheel-dir {wheel_dir}: no fleetd-*.whl in it")
         wheel = wheels[-1]
+        if not _wheel_libs(wheel):
+            warning = (f"{wheel.name} carries no ggml libraries: nodes will run the numpy device "
+                       f"(build them with {PORTABLE_BUILD}, then let fleetctl build the wheel)")
     else:
+        if ggml_lib is not None:
+            libs = portable_libs(Path(ggml_lib))  # asked for by name: a bad one is an error
+        else:
+            try:
+                libs = portable_libs(portable_ggml_dir())
+            except FleetError as exc:
+                libs = []
+                warning = (f"{exc}: nodes will run the numpy device (build it with {PORTABLE_BUILD}, "
+                           "or pass --ggml-lib DIR)")
         out = Path(tempfile.mkdtemp(prefix="fleetd-wheel-"))
         src = source or project_root()
         # Built from a copy without build leftovers: setuptools ships whatever an earlier build
         # left in build/lib, modules removed since included.
         clean = _clean_copy(src, out / "src")
         try:
+            _ship_ggml(clean, libs)
             r = _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(clean))
             if r.returncode != 0:  # this environment lacks the build backend: let pip fetch it
                 r = _pip("wheel", "--no-deps", "-w", str(out), str(clean))
@@ -131,7 +196,7 @@ def build(source: Path | None = None, wheel_dir: Path | None = None) -> Build:
         if r.returncode != 0:
             raise FleetError(f"downloading daemon dependencies failed: {r.stderr.strip().splitlines()[-1:]}")
     deps = tuple(sorted(deps_dir.glob("*.whl")))
-    return Build(wheel, deps, version, sha)
+    return Build(wheel, deps, version, sha, _wheel_libs(wheel), warning)
 
 
 def default_root(user: str | None) -> str:
@@ -169,10 +234,12 @@ class NodeOutcome:
     previous: str | None = None
     detail: str = ""
     steps: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # the node is up, but not as configured
 
     def as_dict(self) -> dict:
         return {"node": self.node, "status": self.status, "release": self.release,
-                "previous": self.previous, "detail": self.detail, "steps": self.steps}
+                "previous": self.previous, "detail": self.detail, "steps": self.steps,
+                "warnings": self.warnings}
 
 
 class Agent:
@@ -284,6 +351,8 @@ class Deployer:
                 outcome.status = "unchanged"
                 outcome.detail = f"{b.release} already running"
                 outcome.steps.update(configure="unchanged", start="already running", health="ok")
+                problem, status = self._control_health(node)
+                outcome.warnings = [problem] if problem else device_warnings(node, status)
                 return outcome
 
         self.progress(node, "configure")
@@ -297,33 +366,36 @@ class Deployer:
         outcome.steps["start"] = "restarted" if running else "started"
 
         self.progress(node, "health")
-        problem = self._health(node, ag, b.release)
+        problem, status = self._health(node, ag, b.release)
         if problem is None:
             outcome.steps["health"] = "ok"
+            outcome.warnings = device_warnings(node, status)
             return outcome
         outcome.steps["health"] = problem
         outcome.detail = self._roll_back(node, ag, state, previous_config, problem)
         outcome.status = "rolled-back" if state["current"] else "failed"
         return outcome
 
-    def _health(self, node: Node, ag: Agent, release: str) -> str | None:
-        """None when `release` (the one started) is healthy, else the reason."""
+    def _health(self, node: Node, ag: Agent, release: str) -> tuple[str | None, NodeStatus | None]:
+        """(None, its /v1/status) when `release` (the one started) is healthy, else (the reason, None)."""
         h = ag("health", release=release, port=node.spec.rpc_port, timeout=HEALTH_TIMEOUT_S,
                _timeout=HEALTH_TIMEOUT_S + 60)
         if not h["ok"]:
             log = " | ".join(h["log"][-2:])
-            return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else "")
+            return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else ""), None
+        return self._control_health(node)
+
+    def _control_health(self, node: Node) -> tuple[str | None, NodeStatus | None]:
         # The RPC port answering does not prove the control API is up yet (an older fleetd binds
         # it after the RPC port; a restart races with it): retry until a deadline, keep the reason.
         deadline = time.monotonic() + CONTROL_HEALTH_TIMEOUT_S
         while True:
             try:
-                node.status()  # parsed: an answer without a version raises, with that reason
-                return None
+                return None, node.status()  # parsed: an answer without a version raises, with that reason
             except Exception as exc:
                 problem = f"control API: {exc}"
             if time.monotonic() >= deadline:
-                return f"{problem} (gave up after {CONTROL_HEALTH_TIMEOUT_S:.0f}s)"
+                return f"{problem} (gave up after {CONTROL_HEALTH_TIMEOUT_S:.0f}s)", None
             time.sleep(CONTROL_HEALTH_RETRY_S)
 
     def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str) -> str:
@@ -337,7 +409,7 @@ class Deployer:
         ag("link", release=before["current"])
         if before["running"]:
             ag("start", release=before["current"], systemd=self.systemd)
-            if self._health(node, ag, before["current"]) is not None:
+            if self._health(node, ag, before["current"])[0] is not None:
                 return f"health check failed ({why}); previous release {before['current']} did not come back"
         if b.release != before["current"]:
             ag("remove_release", release=b.release)
@@ -369,10 +441,10 @@ class Deployer:
         if ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)["running"]:
             return {"status": "already running", "release": release}
         ag("start", release=release, systemd=self.systemd)
-        problem = self._health(node, ag, release)
+        problem, status = self._health(node, ag, release)
         if problem:
             raise NodeError(problem)
-        return {"status": "started", "release": release}
+        return {"status": "started", "release": release, "warnings": device_warnings(node, status)}
 
     def stop(self, node: Node) -> dict:
         ag = self.agent(node)
@@ -399,6 +471,20 @@ class Deployer:
         return {"status": "removed", "root": self.agent(node)("uninstall", systemd=self.systemd)["removed"]}
 
 
+def device_warnings(node: Node, status: NodeStatus) -> list[str]:
+    """A line per device that /v1/status shows as another kind than the nodes file asked for
+    (cpu that fell back to numpy: the shipped ggml library did not load there), with the
+    daemon's reason when it gives one."""
+    warnings = []
+    for i, (asked, d) in enumerate(zip(node.spec.devices, status.devices)):
+        want = EXPECTED_KIND.get(asked)
+        if want is None or d.kind is None or d.kind == want:
+            continue
+        why = f": {d.fallback}" if d.fallback else ""
+        warnings.append(f"device {i} ({asked}) runs on {d.kind}, not {want}{why}")
+    return warnings
+
+
 def inventory(fleet: Fleet) -> str:
     """An Ansible inventory (YAML) for ansible/deploy.yml."""
     lines = ["fleetd:", "  hosts:"]
@@ -423,4 +509,5 @@ def clean_build(b: Build) -> None:
         shutil.rmtree(b.wheel.parent, ignore_errors=True)
 
 
-__all__ = ["Build", "Deployer", "NodeOutcome", "STEPS", "build", "inventory", "node_config", "__version__"]
+__all__ = ["Build", "Deployer", "NodeOutcome", "STEPS", "build", "device_warnings", "inventory", "node_config",
+           "portable_libs", "__version__"]

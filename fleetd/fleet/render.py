@@ -5,6 +5,7 @@ The tables over many nodes take `{node name: answer or the exception its call ra
 node gets a "down" row, and `down_text` lists the reasons under the table (too long for a cell).
 
     status_table, sessions_table   NodeStatus answers (fleetctl status, fleetctl demo)
+    fallback_text                  devices that fell back (cpu -> numpy) and why, under the table
     devices_table, fallbacks_table one node's devices and peer copies (the TUI's node screen)
     fmt_count, spark_text          the one number format; a sparkline of recent values
     stats_table, activity_table    NodeStats answers (fleetctl stats, the TUI's counters)
@@ -82,6 +83,13 @@ def down_text(answers: Answers) -> Text | None:
     return Text("\n".join(down), style="red") if down else None
 
 
+def fallback_text(answers: Answers) -> Text | None:
+    """Devices that came up as a stand-in (cpu -> numpy) and the daemon's reason, one line each."""
+    lines = [f"{name}: device {d.index} is {d.kind}: {d.fallback}" for name, st in answers.items()
+             if isinstance(st, NodeStatus) for d in st.devices if d.fallback]
+    return Text("\n".join(lines), style="yellow") if lines else None
+
+
 def p2p_text(p2p: P2pState) -> Text:
     if not p2p.served:
         return Text("n/a", style="dim")
@@ -97,7 +105,8 @@ def _down_row(t: Table, name: str) -> None:
 
 
 def _device_text(d: Device) -> str:
-    name = f"{d.name} ({d.kind})" if d.kind else d.name
+    kind = f"{d.kind}, fell back" if d.kind and d.fallback else d.kind
+    name = f"{d.name} ({kind})" if kind else d.name
     if d.free == d.total:
         return f"{name} {fmt_bytes(d.total)}"
     return f"{name} {fmt_bytes(d.free)} free of {fmt_bytes(d.total)}"
@@ -312,8 +321,10 @@ def outcome_table(outcomes: list[NodeOutcome]) -> Table:
     for o in outcomes:
         style = OUTCOME_STYLE.get(o.status, "")
         steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
-        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
-                      "\n".join(x for x in (steps, o.detail) if x))
+        text = Text.from_markup("\n".join(x for x in (steps, o.detail) if x))
+        for w in o.warnings:  # the node is up, not as configured: under its steps, in yellow
+            text.append(f"\nwarning: {w}", style="yellow")
+        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-", text)
     return table
 
 

@@ -95,7 +95,8 @@ def status_doc(state: ServerState) -> dict:
         "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
         "rpc": {"host": host, "port": port},
         "devices": [
-            {"index": i, "name": d.name, "kind": d.kind, "free": free, "total": total}
+            {"index": i, "name": d.name, "kind": d.kind, "free": free, "total": total,
+             "library": d.library, "fallback": d.fallback}
             for i, d in enumerate(state.devices)
             for free, total in [d.memory()]
         ],

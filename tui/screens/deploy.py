@@ -133,6 +133,8 @@ class DeployScreen(Screen):
             say(self._deploy_failed, exc)
             return
         say(self._log, f"release {b.release}: {len(b.files)} wheel(s)")
+        if b.warning:
+            say(self._log, Text(f"warning: {b.warning}", style="yellow"))
         try:
             deployer = Deployer(fleet, b, progress=lambda node, step: say(self._step, node, step))
             result = fleet.map(deployer.plan if dry_run else deployer.deploy)
@@ -161,6 +163,8 @@ class DeployScreen(Screen):
             self.query_one(f"#step-{i}", Label).update(o.status)
             self._log(Text(f"{o.node}: {o.status}" + (f": {o.detail}" if o.detail else ""),
                            style="red" if o.status in ("failed", "rolled-back") else ""))
+            for w in o.warnings:
+                self._log(Text(f"{o.node}: warning: {w}", style="yellow"))
         self.query_one("#deploy-summary", Static).update(outcome_table(outcomes))
 
     # -- restart | stop | logs ---------------------------------------------------------------

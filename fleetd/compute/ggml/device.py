@@ -132,9 +132,11 @@ class GgmlCpuDevice:
     xp = np
     alignment = 32  # TENSOR_ALIGNMENT: ggml_backend_cpu_buffer_from_ptr asserts it
     max_size = (1 << 64) - 1
+    fallback = None  # it is the device `cpu` asks for
 
     def __init__(self, lib: ggml.GgmlLibrary, threads: int | None = None) -> None:
         self.lib = lib
+        self.library = str(lib.cpu_path)  # which build and CPU variant computes (/v1/status)
         self.backends = BackendPool(lib, threads or default_threads())
         self.caps = _type_caps(lib)
         self.live_plans = 0  # plans whose ggml context is not freed yet (tests watch it)

@@ -136,7 +136,9 @@ def library_dirs() -> list[Path]:
 
 def _best_cpu_variant(directory: Path) -> Path | None:
     """libggml-cpu.so of a native build, else the portable variant this CPU scores highest
-    (GGML_BACKEND_DL builds export `ggml_backend_score`; 0 means it cannot run here)."""
+    (GGML_BACKEND_DL builds export `ggml_backend_score`; 0 means it cannot run here). Call it
+    with this directory's libggml-base loaded: a variant needs libggml-base.so.0, which only
+    that loaded copy provides (by its soname) where the build tree's RPATH does not exist."""
     native = directory / "libggml-cpu.so"
     if native.exists():
         return native
@@ -160,11 +162,13 @@ def load() -> GgmlLibrary:
         if not base_path.exists():
             tried.append(f"{directory}: no libggml-base.so")
             continue
+        # RTLD_GLOBAL: libggml-cpu resolves its libggml-base symbols against this copy. Loaded
+        # before any libggml-cpu: a shipped directory holds libggml-base.so only, and the
+        # variants' DT_NEEDED libggml-base.so.0 matches this copy's soname.
+        base = ctypes.CDLL(str(base_path), mode=ctypes.RTLD_GLOBAL)
         cpu_path = _best_cpu_variant(directory)
         if cpu_path is None:
-            tried.append(f"{directory}: no libggml-cpu that runs on this CPU")
+            tried.append(f"{directory}: no libggml-cpu that loads and runs on this CPU")
             continue
-        # RTLD_GLOBAL: libggml-cpu resolves its libggml-base symbols against this copy.
-        base = ctypes.CDLL(str(base_path), mode=ctypes.RTLD_GLOBAL)
         return GgmlLibrary(base, ctypes.CDLL(str(cpu_path)), cpu_path)
     raise OSError("ggml libraries not found (run scripts/build-llama.sh ggml): " + "; ".join(tried))
