@@ -31,7 +31,8 @@ have_all() {
 if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
     GGML_LIB="$PREFIX/lib-portable"
     GGML_BUILD="$PREFIX/build-ggml-portable"
-    GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON)
+    # no OpenMP: libgomp.so.1 comes with a compiler, which deploy's nodes need not have
+    GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=OFF)
 else
     GGML_LIB="$PREFIX/lib"
     GGML_BUILD="$PREFIX/build-ggml"

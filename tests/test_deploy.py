@@ -1,11 +1,15 @@
 """fleetctl deploy end to end on two test hosts (network namespaces with their own sshd, user and
-home, no route to any package index): deploy, run a 2-stage pipeline over the deployed nodes,
-deploy again (no-op), deploy a broken build (rolled back, the previous one keeps serving),
-tear down. Plus the Ansible role: syntax, lint, and one real playbook run followed by a HELLO."""
+home, no route to any package index, no compiler's output of ours): deploy with the portable ggml
+build inside the wheel (the nodes compute with ggml, loaded from the release's own _lib), run a
+2-stage pipeline over the deployed nodes, deploy again (no-op), deploy without the ggml build (a
+warning, the nodes fall back to numpy and say so), deploy a broken build (rolled back, the
+previous one keeps serving), tear down. Plus the Ansible role: syntax, lint, and one real
+playbook run with `fleetctl wheels` followed by a HELLO and the device kind."""
 
 from __future__ import annotations
 
 import json
+import pwd
 import shutil
 import subprocess
 import sys
@@ -20,6 +24,7 @@ from fleetd.ctl import main as fleetctl
 from fleetd.pipeline import Pipeline
 from fleetd.ports import DEFAULT_CONTROL_PORT as CONTROL_PORT
 from fleetd.ports import DEFAULT_RPC_PORT as RPC_PORT
+from fleetd.tools import portable_ggml_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,9 +40,49 @@ def hosts():
 
 
 def run_fleetctl(capsys, *args) -> tuple[int, str]:
+    return run_fleetctl_err(capsys, *args)[:2]
+
+
+def run_fleetctl_err(capsys, *args) -> tuple[int, str, str]:
     capsys.readouterr()
     rc = fleetctl(list(args))
-    return rc, capsys.readouterr().out
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def portable_build() -> Path:
+    """The operator's portable ggml build, which deploy ships; scripts/bootstrap.sh makes it."""
+    d = portable_ggml_dir()
+    if not list(d.glob("libggml-cpu-*.so")):
+        pytest.fail(f"no portable ggml build in {d}: run FLEETD_GGML_PORTABLE=1 "
+                    'FLEETD_GGML_VARIANTS="x64 haswell" bash scripts/build-llama.sh ggml (bootstrap does)')
+    return d
+
+
+def expected_variant() -> str:
+    """The variant ggml scores best on this CPU, of the two bootstrap builds: haswell needs AVX2,
+    FMA, F16C and BMI2 (ggml's cpu-feats-x86 for GGML_AVX2 etc.), x64 runs anywhere."""
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split(":", 1)[1].split())
+    have = {v for v in ("x64", "haswell") if (portable_build() / f"libggml-cpu-{v}.so").exists()}
+    return "haswell" if "haswell" in have and {"avx2", "fma", "f16c", "bmi2"} <= flags else "x64"
+
+
+def mapped_ggml_libs(user: str) -> set[str]:
+    """Every libggml*.so mapped by a process of `user`: what the node's daemon really loaded."""
+    uid = pwd.getpwnam(user).pw_uid
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != uid:
+                continue
+            maps = (proc / "maps").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        found |= {line.split()[-1] for line in maps.splitlines() if "/libggml" in line}
+    return found
 
 
 def ssh_args(hosts) -> list[str]:
@@ -64,7 +109,8 @@ def broken_source(tmp: Path) -> Path:
     return src
 
 
-def test_deploy_pipeline_redeploy_rollback_teardown(hosts, tmp_path, capsys):
+def test_deploy_pipeline_redeploy_rollback_teardown(hosts, tmp_path, capsys, monkeypatch):
+    portable_build()
     # The test hosts really are offline: no name resolution, no route out of the bridge.
     probe = hosts[0].run("python3", "-c",
                          "import socket; socket.create_connection(('pypi.org', 443), 3)")
@@ -91,14 +137,57 @@ def test_deploy_pipeline_redeploy_rollback_teardown(hosts, tmp_path, capsys):
     assert [s.direct for s in d] == [1, 1] and [s.fallbacks for s in d] == [0, 0]
     assert [s.md5 for s in d] == [s.md5 for s in h]
 
-    rc, out = run_fleetctl(capsys, "status", str(nodes), "--known-hosts", str(hosts.known_hosts),
-                           "--identity", str(hosts.identity), "--json")
+    status_args = (str(nodes), "--known-hosts", str(hosts.known_hosts), "--identity", str(hosts.identity))
+    rc, out = run_fleetctl(capsys, "status", *status_args, "--json")
     assert rc == 0, out
+    # The nodes compute with ggml from the wheel's _lib: their homes have no build cache, and
+    # the operator's (/root, 0700) is out of their reach.
+    variant = f"libggml-cpu-{expected_variant()}.so"
+    for h, doc in zip(hosts, json.loads(out).values()):
+        (device,) = doc["status"]["devices"]
+        lib_dir = h.home / ".local/share/fleetd/releases" / release
+        assert device["kind"] == "ggml" and device["fallback"] is None, device
+        assert device["library"].startswith(str(lib_dir)), device
+        assert device["library"].endswith(f"/fleetd/compute/ggml/_lib/{variant}"), device
+        mapped = mapped_ggml_libs(h.user)
+        assert {Path(m).name for m in mapped} >= {"libggml-base.so", variant}, mapped
+        assert all(m.startswith(str(lib_dir)) and "/_lib/" in m for m in mapped), mapped
+    assert all(not o["warnings"] for o in first), first
+    with monkeypatch.context() as m:
+        m.setenv("COLUMNS", "200")  # one line per node: the table's cells unwrapped
+        rc, out = run_fleetctl(capsys, "status", *status_args)
+    assert rc == 0 and out.count("CPU (ggml)") == 2, out
 
     rc, out = run_fleetctl(capsys, "deploy", str(nodes), *ssh_args(hosts), "--json")
     again = json.loads(out)
     assert rc == 0 and [o["status"] for o in again] == ["unchanged", "unchanged"], out
     assert all(o["steps"]["upload"] == "0 wheel(s)" for o in again)
+    assert all(not o["warnings"] for o in again), again
+
+    # No portable build on the operator's machine: one warning line, the deploy goes on, the
+    # nodes come up on numpy and the outcome says so with the daemon's reason.
+    with monkeypatch.context() as m:
+        m.setenv("FLEETD_LLAMA_CACHE", str(tmp_path / "empty-cache"))
+        rc, out, err = run_fleetctl_err(capsys, "deploy", str(nodes), *ssh_args(hosts), "--json")
+    assert rc == 0, out + err
+    warning_lines = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning_lines) == 1 and "FLEETD_GGML_PORTABLE=1 bash scripts/build-llama.sh ggml" in warning_lines[0] \
+        and "numpy device" in warning_lines[0], err
+    no_ggml = json.loads(out)
+    numpy_release = no_ggml[0]["release"]
+    assert numpy_release != release  # the libraries are part of what the release id hashes
+    for o in no_ggml:
+        assert o["status"] == "deployed" and o["steps"]["health"] == "ok", o
+        (w,) = o["warnings"]
+        assert w.startswith("device 0 (cpu) runs on numpy, not ggml: device cpu: ggml libraries not found"), w
+    rc, out = run_fleetctl(capsys, "status", *status_args, "--json")
+    for doc in json.loads(out).values():
+        (device,) = doc["status"]["devices"]
+        assert device["kind"] == "numpy" and device["library"] is None and "not found" in device["fallback"]
+    with monkeypatch.context() as m:
+        m.setenv("COLUMNS", "200")
+        rc, out = run_fleetctl(capsys, "status", *status_args)
+    assert out.count("CPU (numpy, fell back)") == 2 and out.count("device 0 is numpy: device cpu:") == 2, out
 
     rc, out = run_fleetctl(capsys, "deploy", str(nodes), *ssh_args(hosts), "--json",
                            "--source", str(broken_source(tmp_path)))
@@ -106,12 +195,12 @@ def test_deploy_pipeline_redeploy_rollback_teardown(hosts, tmp_path, capsys):
     assert rc == 1
     for o in broken:
         assert o["status"] == "rolled-back", o
-        assert o["release"].startswith("9.9.9") and o["previous"] == release
-        assert "no HELLO" in o["steps"]["health"] and "rolled back to " + release in o["detail"]
+        assert o["release"].startswith("9.9.9") and o["previous"] == numpy_release
+        assert "no HELLO" in o["steps"]["health"] and "rolled back to " + numpy_release in o["detail"]
     for ep in endpoints:
         assert hello(ep)[0] == (7, 0, 0)  # the previous release keeps serving
     rc, out = run_fleetctl(capsys, "deploy", str(nodes), *ssh_args(hosts), "--json", "--dry-run")
-    assert [o["previous"] for o in json.loads(out)] == [release, release]
+    assert [o["previous"] for o in json.loads(out)] == [numpy_release, numpy_release]
 
     rc, out = run_fleetctl(capsys, "logs", str(nodes), *ssh_args(hosts), "--json", "-n", "5")
     assert rc == 0 and all(json.loads(out).values())
@@ -145,19 +234,17 @@ def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
     assert rc == 0 and f"ansible_host: \"{host.address}\"" in inv
     (tmp_path / "hosts.yml").write_text(inv)
 
-    from fleetd.fleet.deploy import build
-
-    b = build()
+    portable_build()
     wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for f in b.files:
-        shutil.copy(f, wheels)
+    rc, out = run_fleetctl(capsys, "wheels", str(wheels))
+    assert rc == 0 and "libggml-base.so" in out, out
+    version = out.split("fleetd_version=")[1].split()[0]
     env = {"ANSIBLE_HOST_KEY_CHECKING": "True", "ANSIBLE_SSH_ARGS":
            f"-o UserKnownHostsFile={hosts.known_hosts} -o IdentitiesOnly=yes",
            "ANSIBLE_PRIVATE_KEY_FILE": str(hosts.identity), "ANSIBLE_NOCOLOR": "1",
            "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
     common = [str(bin_dir / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(REPO / "ansible" / "deploy.yml"),
-              "-e", f"fleetd_wheel_dir={wheels}", "-e", f"fleetd_version={b.version}",
+              "-e", f"fleetd_wheel_dir={wheels}", "-e", f"fleetd_version={version}",
               "-e", "fleetd_python=/usr/bin/python3", "-e", "ansible_python_interpreter=/usr/bin/python3"]
     syntax = subprocess.run(common + ["--syntax-check"], capture_output=True, text=True, env=env, timeout=120)
     assert syntax.returncode == 0, syntax.stdout + syntax.stderr
@@ -168,6 +255,12 @@ def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
     assert play.returncode == 0, play.stdout[-3000:] + play.stderr[-2000:]
     try:
         assert hello(f"{host.address}:{port}")[0] == (7, 0, 0)
+        # the same wheel as fleetctl deploy's: the node computes with the shipped ggml build
+        rc, out = run_fleetctl(capsys, "status", str(nodes), "--known-hosts", str(hosts.known_hosts),
+                               "--identity", str(hosts.identity), "--json")
+        (doc,) = json.loads(out).values()
+        assert rc == 0 and [d["kind"] for d in doc["status"]["devices"]] == ["ggml"], out
+        assert "/fleetd/compute/ggml/_lib/libggml-cpu-" in doc["status"]["devices"][0]["library"], out
     finally:
         host.run("/bin/sh", "-c", "pkill -u $(id -u) -f fleetd.supervise; pkill -u $(id -u) -f bin/fleetd")
 
@@ -192,3 +285,37 @@ def test_the_wheel_leaves_out_what_an_earlier_build_left(tmp_path):
     finally:
         clean_build(first)
         clean_build(second)
+
+
+def test_the_wheel_carries_every_so_of_the_portable_build_and_never_a_native_one(tmp_path):
+    from fleetd.errors import FleetError
+    from fleetd.fleet.deploy import WHEEL_LIB_DIR, build, clean_build
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info",
+                                                             "__pycache__", "results"))
+    # a native build left in the tree's own _lib (a developer's copy) must not ship
+    (src / WHEEL_LIB_DIR).mkdir(parents=True, exist_ok=True)
+    (src / WHEEL_LIB_DIR / "libggml-cpu.so").write_bytes(b"native")
+    portable = tmp_path / "lib-portable"
+    shutil.copytree(portable_build(), portable, symlinks=True)
+    (portable / "libfleetd-native.so").write_bytes(b"a helper built beside ggml")  # every *.so goes
+    b = build(source=src, ggml_lib=portable)
+    try:
+        with zipfile.ZipFile(b.wheel) as whl:
+            shipped = {n.rsplit("/", 1)[1]: whl.read(n) for n in whl.namelist() if n.startswith(WHEEL_LIB_DIR + "/")}
+        assert set(shipped) == {p.name for p in portable.glob("*.so")} == set(b.ggml_libs)
+        assert "libggml-cpu.so" not in shipped and "libfleetd-native.so" in shipped
+        # links shipped as the files they name (a wheel holds no symlinks)
+        assert shipped["libggml-base.so"] == (portable / "libggml-base.so").read_bytes()
+        assert b.warning is None
+    finally:
+        clean_build(b)
+    native = tmp_path / "native"
+    native.mkdir()
+    for name in ("libggml-base.so", "libggml-cpu.so"):
+        (native / name).write_bytes(b"x")
+    with pytest.raises(FleetError, match="native ggml build"):
+        build(source=src, ggml_lib=native)
+    with pytest.raises(FleetError, match="no portable ggml build"):
+        build(source=src, ggml_lib=tmp_path / "nothing-here")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -290,6 +291,35 @@ def test_portable_build_loads_the_variant_this_cpu_scores_best():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     kind, lib_name = out.stdout.split()
     assert kind == "GgmlCpuDevice" and lib_name.startswith("libggml-cpu-"), out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not list(PORTABLE.glob("libggml-cpu-*.so")), reason="no portable build "
+                    "(FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml)")
+def test_a_shipped_portable_dir_loads_its_own_base_and_the_best_variant_that_loads(tmp_path):
+    # As fleetctl deploy ships it into fleetd/compute/ggml/_lib: the *.so files only (no soname
+    # links: the variants' libggml-base.so.0 is not there), plus here a variant that does not
+    # load, sorted first. Only this directory's libggml-base may end up mapped.
+    shipped = tmp_path / "_lib"
+    shipped.mkdir()
+    for f in PORTABLE.glob("*.so"):
+        shutil.copyfile(f, shipped / f.name)
+    (shipped / "libggml-cpu-alderlake.so").write_bytes(b"not an ELF file")
+    code = """if 1:
+        from fleetd.compute.device import make_device
+        dev = make_device("cpu")
+        maps = open("/proc/self/maps").read().splitlines()
+        print(type(dev).__name__, dev.library, *sorted({l.split()[-1] for l in maps if "/libggml" in l}))
+    """
+    env = dict(os.environ, FLEETD_GGML_LIB_DIR=str(shipped))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    kind, library, *mapped = out.stdout.split()
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    haswell = (shipped / "libggml-cpu-haswell.so").exists() and {"avx2", "fma", "f16c", "bmi2"} <= set(flags.split())
+    assert kind == "GgmlCpuDevice", out.stdout + out.stderr
+    if (shipped / "libggml-cpu-x64.so").exists():  # the two variants bootstrap builds
+        assert Path(library).name == ("libggml-cpu-haswell.so" if haswell else "libggml-cpu-x64.so")
+    assert mapped and all(m.startswith(str(shipped)) for m in mapped), mapped
+    assert str(shipped / "libggml-base.so") in mapped
 
 
 def _proc_counts() -> tuple[int, int, int]:

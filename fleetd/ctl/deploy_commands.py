@@ -1,9 +1,10 @@
-"""fleetctl deploy | start | stop | restart | logs | uninstall | inventory."""
+"""fleetctl deploy | start | stop | restart | logs | uninstall | inventory | wheels."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,13 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
 
 
+def _ggml_lib_arg(p) -> None:
+    p.add_argument("--ggml-lib", type=Path, metavar="DIR",
+                   help="portable ggml build whose *.so files the wheel carries (default: "
+                   f"~/.cache/fleetd/llama.cpp-{LLAMA_VERSION}/lib-portable, from FLEETD_GGML_PORTABLE=1 "
+                   "scripts/build-llama.sh ggml; without one nodes run the numpy device)")
+
+
 def _load(args) -> Fleet:
     fleet = open_fleet(args)
     return fleet.select(args.node) if args.node else fleet
@@ -46,10 +54,12 @@ def configure_deploy(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
     p.add_argument("--wheel-dir", type=Path, help="use the fleetd wheel found here instead of building")
-    p.add_argument("--ggml-lib", type=Path, metavar="DIR",
-                   help="portable ggml build whose *.so files the wheel carries (default: "
-                   f"~/.cache/fleetd/llama.cpp-{LLAMA_VERSION}/lib-portable, from FLEETD_GGML_PORTABLE=1 "
-                   "scripts/build-llama.sh ggml; without one nodes run the numpy device)")
+    _ggml_lib_arg(p)
+
+
+def _warn(command: str, warning: str | None) -> None:
+    if warning:  # plain print: one line, never wrapped to the terminal's width
+        print(f"fleetctl {command}: warning: {warning}", file=sys.stderr)
 
 
 def cmd_deploy(args) -> int:
@@ -57,8 +67,7 @@ def cmd_deploy(args) -> int:
     with _load(args) as fleet:
         with console.status("building wheels"):
             b = build(source=args.source, wheel_dir=args.wheel_dir, ggml_lib=args.ggml_lib)
-        if b.warning:  # plain print: one line, never wrapped to the terminal's width
-            print(f"fleetctl deploy: warning: {b.warning}", file=sys.stderr)
+        _warn("deploy", b.warning)
         try:
             with Progress(SpinnerColumn(), TextColumn("{task.fields[node]:<24}"), BarColumn(),
                           TextColumn("{task.description}"), console=console,
@@ -147,4 +156,30 @@ def configure_inventory(p) -> None:
 
 def cmd_inventory(args) -> int:
     sys.stdout.write(inventory(Fleet.load(args.nodes)))
+    return 0
+
+
+# -- wheels ------------------------------------------------------------------------------------
+
+WHEELS_HELP = "build the wheels deploy ships into DIR (for ansible/deploy.yml)"
+
+
+def configure_wheels(p) -> None:
+    p.add_argument("dir", type=Path, metavar="DIR", help="where to put the wheels (made if missing)")
+    p.add_argument("--source", type=Path, help="project tree to build the wheel from (default: this one)")
+    _ggml_lib_arg(p)
+
+
+def cmd_wheels(args) -> int:
+    b = build(source=args.source, ggml_lib=args.ggml_lib)
+    _warn("wheels", b.warning)
+    try:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        for f in b.files:
+            shutil.copyfile(f, args.dir / f.name)
+    finally:
+        clean_build(b)
+    libs = ", ".join(b.ggml_libs) or "no ggml libraries"
+    print(f"{args.dir}: {len(b.files)} wheel(s), fleetd {b.version} (release {b.release}; {libs})")
+    print(f"ansible-playbook ... -e fleetd_wheel_dir={args.dir.resolve()} -e fleetd_version={b.version}")
     return 0

@@ -49,6 +49,7 @@ SUBCOMMANDS = (
     Subcommand("logs", deploy.LOGS_HELP, deploy.configure_logs, deploy.cmd_logs),
     Subcommand("uninstall", deploy.UNINSTALL_HELP, deploy.configure_lifecycle, deploy.cmd_uninstall),
     Subcommand("inventory", deploy.INVENTORY_HELP, deploy.configure_inventory, deploy.cmd_inventory),
+    Subcommand("wheels", deploy.WHEELS_HELP, deploy.configure_wheels, deploy.cmd_wheels),
     Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
     Subcommand("demo", demo.DEMO_HELP, demo.configure_demo, demo.cmd_demo),
     Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
