@@ -441,14 +441,24 @@ def test_completion_byte_identical_to_stock(models, stock_server, ggml_server, a
         assert got == want, f"{arch}-{type_name} -fa {fa}:\n stock {want!r}\nfleetd {got!r}"
 
 
-def test_status_says_which_device_kind_computes(fleetd_server):
+def test_status_says_which_device_kind_computes(fleetd_server, monkeypatch, tmp_path):
     import json
     import urllib.request
 
-    for devices, kind in ((["cpu"], "ggml"), (["numpy"], "numpy")):
-        srv = fleetd_server(control_port=0, devices=devices)
+    def devices_of(srv) -> list[dict]:
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.control.port}/v1/status", timeout=10) as r:
-            assert [d["kind"] for d in json.load(r)["devices"]] == [kind]
+            return json.load(r)["devices"]
+
+    (ggml_dev,) = devices_of(fleetd_server(control_port=0, devices=["cpu"]))
+    assert ggml_dev["kind"] == "ggml" and ggml_dev["fallback"] is None
+    assert Path(ggml_dev["library"]).name.startswith("libggml-cpu")
+    (numpy_dev,) = devices_of(fleetd_server(control_port=0, devices=["numpy"]))
+    assert numpy_dev["kind"] == "numpy" and numpy_dev["fallback"] is None and numpy_dev["library"] is None
+    # cpu where the library does not load: numpy, and the daemon says why
+    monkeypatch.setenv("FLEETD_GGML_LIB_DIR", str(tmp_path))
+    (fell_back,) = devices_of(fleetd_server(control_port=0, devices=["cpu"]))
+    assert fell_back["kind"] == "numpy" and fell_back["library"] is None
+    assert fell_back["fallback"] == f"device cpu: ggml libraries not found (run scripts/build-llama.sh ggml): {tmp_path}: no libggml-base.so"
 
 
 def test_a_graph_without_nodes_computes_nothing_and_the_session_goes_on(fleetd_server):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -321,10 +322,10 @@ def outcome_table(outcomes: list[NodeOutcome]) -> Table:
     for o in outcomes:
         style = OUTCOME_STYLE.get(o.status, "")
         steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
-        text = Text.from_markup("\n".join(x for x in (steps, o.detail) if x))
-        for w in o.warnings:  # the node is up, not as configured: under its steps, in yellow
-            text.append(f"\nwarning: {w}", style="yellow")
-        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-", text)
+        # a warning: the node is up, not as configured; under its steps, in yellow
+        warnings = [f"[yellow]warning: {escape(w)}[/]" for w in o.warnings]
+        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
+                      "\n".join(x for x in (steps, o.detail, *warnings) if x))
     return table
 
 
