@@ -287,7 +287,7 @@ def test_the_wheel_leaves_out_what_an_earlier_build_left(tmp_path):
         clean_build(second)
 
 
-def test_the_wheel_carries_every_so_of_the_portable_build_and_never_a_native_one(tmp_path):
+def test_the_wheel_carries_every_so_of_the_portable_build_and_never_a_native_one(tmp_path, monkeypatch):
     from fleetd.errors import FleetError
     from fleetd.fleet.deploy import WHEEL_LIB_DIR, build, clean_build
 
@@ -309,8 +309,21 @@ def test_the_wheel_carries_every_so_of_the_portable_build_and_never_a_native_one
         # links shipped as the files they name (a wheel holds no symlinks)
         assert shipped["libggml-base.so"] == (portable / "libggml-base.so").read_bytes()
         assert b.warning is None
+        # --wheel-dir takes a built wheel as it is: what it carries is read from the wheel
+        taken = build(wheel_dir=b.wheel.parent)
+        assert taken.ggml_libs == b.ggml_libs and taken.warning is None and taken.sha == b.sha
+        with pytest.raises(FleetError, match="--ggml-lib"):
+            build(wheel_dir=b.wheel.parent, ggml_lib=portable)
     finally:
         clean_build(b)
+    monkeypatch.setenv("FLEETD_LLAMA_CACHE", str(tmp_path / "empty-cache"))
+    bare = build(source=src)
+    try:
+        assert bare.ggml_libs == () and "FLEETD_GGML_PORTABLE=1" in bare.warning
+        assert "libggml-cpu" not in " ".join(zipfile.ZipFile(bare.wheel).namelist())
+        assert "carries no ggml libraries" in build(wheel_dir=bare.wheel.parent).warning
+    finally:
+        clean_build(bare)
     native = tmp_path / "native"
     native.mkdir()
     for name in ("libggml-base.so", "libggml-cpu.so"):
