@@ -90,6 +90,11 @@ class PeerFailure(Exception):
 def resolve(host: str, port: int) -> tuple[str, int]:
     """The first address of `host` (one lookup per copy; the check and the connect use it)."""
     try:
+        socket.inet_pton(socket.AF_INET, host)
+        return host, port  # a dotted quad is its own address: no getaddrinfo call
+    except OSError:
+        pass
+    try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise PeerFailure("unreachable", f"cannot resolve {host}: {exc}") from exc
