@@ -9,6 +9,8 @@ little about a real network; the command and byte columns are exact either way. 
 direct arms are two pipelines open side by side on the same fleetd servers, timed in
 alternating rounds (--rounds; the order flips every round) so that drift on a shared machine
 hits both alike; the ratio direct / hub is taken per round and given as median and range.
+Then boundary 0 -> 1 is timed alone (--boundary moves per arm, alternating move by move): the
+direct path's own cost against the hub's, without the stages' compute around it.
 """
 
 from __future__ import annotations
@@ -72,8 +74,26 @@ def column(p: Pipeline, seconds: list[float]) -> dict:
     return out
 
 
-def run_arms(endpoints: list[str], args) -> dict[str, dict]:
-    """hub and direct on the same servers, in alternating rounds."""
+def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
+    """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
+    SET_TENSOR, direct COPY_TENSOR_TO, each followed by one round trip to the destination (what
+    the destination's next command waits for anyway: the hub's SET is pipelined, not landed)."""
+    seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
+    arms = list(pipes)
+    for i in range(moves):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            p = pipes[arm]
+            t0 = time.perf_counter()
+            how = p._move(0)
+            p.stages[1].client.sync()
+            seconds[arm].append(time.perf_counter() - t0)
+            if how != arm:
+                raise SystemExit(f"boundary: the {arm} arm moved by {how}")
+    return seconds
+
+
+def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, list[float]]]:
+    """hub and direct on the same servers, in alternating rounds; then the boundary alone."""
     pipes = {"hub": open_pipeline(endpoints, args, False)}
     try:
         pipes["direct"] = open_pipeline(endpoints, args, True)
@@ -81,10 +101,18 @@ def run_arms(endpoints: list[str], args) -> dict[str, dict]:
         for r in range(args.rounds):
             for arm in (("hub", "direct") if r % 2 == 0 else ("direct", "hub")):
                 seconds[arm].append(timed(pipes[arm], args.steps))
-        return {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
+        cols = {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
+        remote = [s for s in pipes["direct"].stages if s.client is not None]
+        moves = boundary_seconds(pipes, args.boundary) if args.boundary and len(remote) >= 2 else {}
+        return cols, moves
     finally:
         for p in pipes.values():
             p.close()
+
+
+def quartiles(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"q1": q[0], "median": q[1], "q3": q[2]}
 
 
 def run_stock(endpoints: list[str], args) -> dict:
@@ -108,15 +136,17 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=5120)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per arm")
+    ap.add_argument("--boundary", type=int, default=200, metavar="N",
+                    help="then time boundary 0 -> 1 alone N times per arm (0: skip)")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock server column")
     ap.add_argument("--json-out", type=Path, default=Path("benchmarks/results/p2p.json"))
     args = ap.parse_args()
     remote = args.stages - int(args.local_last)
-    if args.steps < 1 or args.rounds < 1:
-        ap.error("--steps and --rounds must be at least 1")
+    if args.steps < 1 or args.rounds < 1 or args.boundary < 0:
+        ap.error("--steps and --rounds must be at least 1, --boundary at least 0")
 
     with LocalFleet(remote, control=False) as local:
-        cols = run_arms(local.endpoints, args)
+        cols, moves = run_arms(local.endpoints, args)
     if not args.no_stock and have_tool("ggml-rpc-server"):
         procs, stock_eps = start_stock(remote)
         try:
@@ -134,11 +164,20 @@ def main() -> int:
     direct_over_hub = ratio(cols["direct"]["seconds_per_round"], cols["hub"]["seconds_per_round"])
     print(f"direct / hub time per step: median {direct_over_hub['median']:.3f} "
           f"(rounds {direct_over_hub['min']:.3f} .. {direct_over_hub['max']:.3f})")
+    boundary = {}
+    if moves:
+        boundary = {arm: quartiles(v) for arm, v in moves.items()}
+        boundary["direct_over_hub"] = boundary["direct"]["median"] / boundary["hub"]["median"]
+        print(f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
+              + "  ".join(f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
+                          for arm, b in boundary.items() if arm != "direct_over_hub")
+              + f"  direct / hub {boundary['direct_over_hub']:.3f}")
     for arm, c in cols.items():
         print(f"md5 {arm}: {c['md5']}")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "arms": cols, "direct_over_hub": direct_over_hub}, indent=2))
+                                         "arms": cols, "direct_over_hub": direct_over_hub,
+                                         "boundary": boundary}, indent=2))
     print(f"wrote {args.json_out}")
     return 0 if cols["hub"]["md5"] == cols["direct"]["md5"] else 1
 
