@@ -107,8 +107,8 @@ def main() -> int:
               f"hub {statistics.median(ms['hub']):.3f}, direct {statistics.median(ms['direct']):.3f}; "
               f"direct / hub median {timing['direct_over_hub']:.3f} "
               f"(rounds {min(per_round):.3f} .. {max(per_round):.3f})")
-    out = save("p2p_model", {"model": args.model, "nodes": args.nodes, "n": args.n, "hub": hub, "direct": direct,
-                             "timing": timing}, args.json)
+    out = save("p2p_model", {"model": args.model, "nodes": args.nodes, "n": args.n, "hub": hub,
+                             "direct": direct, "timing": timing}, args.json)
     print(f"wrote {out}")
     return 0
 
