@@ -378,6 +378,32 @@ def test_large_copy_lands_whole_through_a_small_send_buffer(fleetd_server):
     assert stats["bytes_pushed"] == stats["bytes_confirmed"] == 2 * len(data)
 
 
+def test_link_closed_by_destination_is_reopened(fleetd_server):
+    """The destination ends the link's session between copies: the cached link is found stale
+    (a non-blocking peek sees EOF) and the next copy opens a new one instead of answering 0."""
+    src, dst = fleetd_server(), fleetd_server()
+    data = bytes(range(256)) * 4
+    with RpcClient(ep(src), BOUNDED) as cs, RpcClient(ep(dst), BOUNDED) as cd:
+        ps, _ = cs.alloc_buffer(1024)
+        ts = f32_tensor(ps, cs.buffer_get_base(ps), 256)
+        cs.set_tensor(ts, data)
+        pd, _ = cd.alloc_buffer(1024)
+        td = f32_tensor(pd, cd.buffer_get_base(pd), 256)
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True  # the cached link
+        assert src.state.peer_stats.as_dict()["links_opened"] == 1
+        # The source's link is the destination's one session without buffers of its own.
+        (link_session,) = [s for s in dst.state.live_sessions() if not dst.state.registry.owned_by(s.id)]
+        link_session.sock.shutdown(socket.SHUT_RDWR)
+        _settle(lambda: len(dst.state.live_sessions()), 1)
+        cd.set_tensor(td, bytes(1024))
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True
+        assert cd.get_tensor(td) == data
+    stats = src.state.peer_stats.as_dict()
+    assert stats["links_opened"] == 2 and stats["copies_ok"] == 3
+    assert sum(stats["fallbacks"].values()) == 0
+
+
 def test_send_parts_resumes_partial_writes():
     """send_parts over a socket pair whose buffers hold far less than the parts: every byte
     arrives once and in order, empty parts included. With a timeout the socket is non-blocking
