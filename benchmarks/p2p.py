@@ -5,7 +5,12 @@ wall time, with the stock ggml-rpc-server's hub path side by side when it is bui
     .venv/bin/python benchmarks/p2p.py --rows 4 --n-embd 256 --steps 5 --json-out /tmp/p2p.json
 
 Servers run on loopback (fleetd and stock alike as processes), so wall times say
-little about a real network; the command and byte columns are exact either way.
+little about a real network; the command and byte columns are exact either way. The hub and
+direct arms are two pipelines open side by side on the same fleetd servers, timed in
+alternating rounds (--rounds; the order flips every round) so that drift on a shared machine
+hits both alike; the ratio direct / hub is taken per round and given as median and range.
+Then boundary 0 -> 1 is timed alone (--boundary moves per arm, alternating move by move): the
+direct path's own cost against the hub's, without the stages' compute around it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import socket
 import subprocess
 import sys
@@ -41,17 +47,84 @@ def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
     return procs, eps
 
 
-def run(endpoints: list[str], args, p2p: bool) -> dict:
-    with Pipeline(endpoints, args.layers or args.stages, args.rows, args.n_embd,
-                  local_last=args.local_last, p2p=p2p, stats=False) as p:
+def open_pipeline(endpoints: list[str], args, p2p: bool) -> Pipeline:
+    p = Pipeline(endpoints, args.layers or args.stages, args.rows, args.n_embd,
+                 local_last=args.local_last, p2p=p2p, stats=False)
+    try:
         p.step()  # GRAPH_COMPUTE; not in the window
-        t0 = time.perf_counter()
-        results = p.run(args.steps)
-        seconds = (time.perf_counter() - t0) / args.steps
+    except BaseException:
+        p.close()
+        raise
+    return p
+
+
+def timed(p: Pipeline, steps: int) -> float:
+    """Seconds per step over `steps` steps."""
+    t0 = time.perf_counter()
+    p.run(steps)
+    return (time.perf_counter() - t0) / steps
+
+
+def column(p: Pipeline, seconds: list[float]) -> dict:
+    results = p.steps[1:]
     out = per_step(results)
-    out["seconds_per_step"] = seconds
+    out["seconds_per_step"] = statistics.median(seconds)
+    out["seconds_per_round"] = seconds
     out["md5"] = hashlib.md5(b"".join(r.output for r in results)).hexdigest()
     return out
+
+
+def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
+    """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
+    SET_TENSOR, direct COPY_TENSOR_TO, each followed by one round trip to the destination (what
+    the destination's next command waits for anyway: the hub's SET is pipelined, not landed)."""
+    seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
+    arms = list(pipes)
+    for i in range(moves):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            p = pipes[arm]
+            t0 = time.perf_counter()
+            how = p._move(0)
+            p.stages[1].client.sync()
+            seconds[arm].append(time.perf_counter() - t0)
+            if how != arm:
+                raise SystemExit(f"boundary: the {arm} arm moved by {how}")
+    return seconds
+
+
+def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, list[float]]]:
+    """hub and direct on the same servers, in alternating rounds; then the boundary alone."""
+    pipes = {"hub": open_pipeline(endpoints, args, False)}
+    try:
+        pipes["direct"] = open_pipeline(endpoints, args, True)
+        seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
+        for r in range(args.rounds):
+            for arm in (("hub", "direct") if r % 2 == 0 else ("direct", "hub")):
+                seconds[arm].append(timed(pipes[arm], args.steps))
+        cols = {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
+        remote = [s for s in pipes["direct"].stages if s.client is not None]
+        moves = boundary_seconds(pipes, args.boundary) if args.boundary and len(remote) >= 2 else {}
+        return cols, moves
+    finally:
+        for p in pipes.values():
+            p.close()
+
+
+def quartiles(xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {"q1": q[0], "median": q[1], "q3": q[2]}
+
+
+def run_stock(endpoints: list[str], args) -> dict:
+    # A stock server serves one client at a time: one pipeline, rounds back to back.
+    with open_pipeline(endpoints, args, True) as p:  # never advertises the bit
+        return column(p, [timed(p, args.steps) for _ in range(args.rounds)])
+
+
+def ratio(num: list[float], den: list[float]) -> dict:
+    per_round = [a / b for a, b in zip(num, den)]
+    return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
+            "rounds": per_round}
 
 
 def main() -> int:
@@ -61,32 +134,50 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--n-embd", type=int, default=5120)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per arm")
+    ap.add_argument("--boundary", type=int, default=200, metavar="N",
+                    help="then time boundary 0 -> 1 alone N times per arm (0: skip)")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock server column")
     ap.add_argument("--json-out", type=Path, default=Path("benchmarks/results/p2p.json"))
     args = ap.parse_args()
     remote = args.stages - int(args.local_last)
+    if args.steps < 1 or args.rounds < 1 or args.boundary < 0:
+        ap.error("--steps and --rounds must be at least 1, --boundary at least 0")
 
     with LocalFleet(remote, control=False) as local:
-        cols = {"hub": run(local.endpoints, args, False), "direct": run(local.endpoints, args, True)}
+        cols, moves = run_arms(local.endpoints, args)
     if not args.no_stock and have_tool("ggml-rpc-server"):
         procs, stock_eps = start_stock(remote)
         try:
-            cols["hub (stock)"] = run(stock_eps, args, True)  # never advertises the bit
+            cols["hub (stock)"] = run_stock(stock_eps, args)
         finally:
             for p in procs:
                 p.kill()
                 p.wait()
 
     print(f"{args.stages} stages, hidden state {args.rows} x {args.n_embd} f32, "
-          f"{args.steps} steps after the first")
+          f"{args.steps} steps after the first x {args.rounds} rounds")
     print(step_table(cols))
-    print("seconds per step (loopback)  " + "  ".join(f"{c['seconds_per_step']:.4f}" for c in cols.values()))
+    print("seconds per step (loopback, median of rounds)  "
+          + "  ".join(f"{c['seconds_per_step']:.4f}" for c in cols.values()))
+    direct_over_hub = ratio(cols["direct"]["seconds_per_round"], cols["hub"]["seconds_per_round"])
+    print(f"direct / hub time per step: median {direct_over_hub['median']:.3f} "
+          f"(rounds {direct_over_hub['min']:.3f} .. {direct_over_hub['max']:.3f})")
+    boundary = {}
+    if moves:
+        boundary = {arm: quartiles(v) for arm, v in moves.items()}
+        boundary["direct_over_hub"] = boundary["direct"]["median"] / boundary["hub"]["median"]
+        print(f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
+              + "  ".join(f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
+                          for arm, b in boundary.items() if arm != "direct_over_hub")
+              + f"  direct / hub {boundary['direct_over_hub']:.3f}")
     for arm, c in cols.items():
         print(f"md5 {arm}: {c['md5']}")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "arms": cols}, indent=2))
+                                         "arms": cols, "direct_over_hub": direct_over_hub,
+                                         "boundary": boundary}, indent=2))
     print(f"wrote {args.json_out}")
     return 0 if cols["hub"]["md5"] == cols["direct"]["md5"] else 1
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import struct
 import threading
 import time
@@ -20,8 +21,9 @@ from fleetd.client import GraphBuilder, RpcClient
 from fleetd.errors import TransportError
 from fleetd.pipeline import Pipeline, per_step
 from fleetd.server.peer import FALLBACK_REASONS, PeerPolicy
+from fleetd.server.peer_policy import ANSWERS_KEPT
 from fleetd.tools import have_tool
-from fleetd.transport.tcp import Timeout
+from fleetd.transport.tcp import Timeout, send_parts
 from fleetd.wire import Cmd, Feature, GgmlType
 
 pytestmark = pytest.mark.timeout(90)
@@ -354,6 +356,93 @@ def test_peer_links_close_with_their_session(fleetd_server):
     assert stats["copies_ok"] == 101 and stats["links_opened"] == 101
 
 
+def test_large_copy_lands_whole_through_a_small_send_buffer(fleetd_server):
+    """A region many times the link's send buffer, sent straight from the source buffer in one
+    sendmsg with its header and the barrier: it lands whole, and both byte counters agree."""
+    src, dst = fleetd_server(), fleetd_server()
+    n = 3 * (1 << 20) // 4 + 13  # 3 MiB and an odd tail, so no part boundary falls on a page
+    data = np.random.default_rng(7).standard_normal(n, dtype=np.float32).tobytes()
+    with RpcClient(ep(src), BOUNDED) as cs, RpcClient(ep(dst), BOUNDED) as cd:
+        ps, _ = cs.alloc_buffer(len(data))
+        ts = f32_tensor(ps, cs.buffer_get_base(ps), n)
+        cs.set_tensor(ts, data)
+        pd, _ = cd.alloc_buffer(len(data) + 64)
+        td = f32_tensor(pd, cd.buffer_get_base(pd), n, offset=32)
+        assert cs.copy_tensor_to(ts, td, len(data), ep(dst)) is True  # opens the link
+        (link,) = src.state.sessions.live()[-1].peer_links._links.values()
+        link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        cd.set_tensor(td, bytes(len(data)))
+        assert cs.copy_tensor_to(ts, td, len(data), ep(dst)) is True
+        assert hashlib.md5(cd.get_tensor(td)).digest() == hashlib.md5(data).digest()
+    stats = src.state.peer_stats.as_dict()
+    assert stats["bytes_pushed"] == stats["bytes_confirmed"] == 2 * len(data)
+
+
+def test_link_closed_by_destination_is_reopened(fleetd_server):
+    """The destination ends the link's session between copies: the cached link is found stale
+    (a non-blocking peek sees EOF) and the next copy opens a new one instead of answering 0."""
+    src, dst = fleetd_server(), fleetd_server()
+    data = bytes(range(256)) * 4
+    with RpcClient(ep(src), BOUNDED) as cs, RpcClient(ep(dst), BOUNDED) as cd:
+        ps, _ = cs.alloc_buffer(1024)
+        ts = f32_tensor(ps, cs.buffer_get_base(ps), 256)
+        cs.set_tensor(ts, data)
+        pd, _ = cd.alloc_buffer(1024)
+        td = f32_tensor(pd, cd.buffer_get_base(pd), 256)
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True  # the cached link
+        assert src.state.peer_stats.as_dict()["links_opened"] == 1
+        # The source's link is the destination's one session without buffers of its own.
+        (link_session,) = [s for s in dst.state.live_sessions() if not dst.state.registry.owned_by(s.id)]
+        link_session.sock.shutdown(socket.SHUT_RDWR)
+        _settle(lambda: len(dst.state.live_sessions()), 1)
+        cd.set_tensor(td, bytes(1024))
+        assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True
+        assert cd.get_tensor(td) == data
+    stats = src.state.peer_stats.as_dict()
+    assert stats["links_opened"] == 2 and stats["copies_ok"] == 3
+    assert sum(stats["fallbacks"].values()) == 0
+
+
+def test_send_parts_resumes_partial_writes():
+    """send_parts over a socket pair whose buffers hold far less than the parts: every byte
+    arrives once and in order, empty parts included. With a timeout the socket is non-blocking
+    underneath, so sendmsg returns short and send_parts must resume mid-part."""
+
+    class Counting(socket.socket):
+        calls = 0
+
+        def sendmsg(self, *args):
+            Counting.calls += 1
+            return super().sendmsg(*args)
+
+    a0, b = socket.socketpair()
+    a = Counting(fileno=a0.detach())
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.settimeout(30)
+    parts = [b"head", b"", memoryview(bytes(range(256)) * 4099)[3:], bytearray(b"tail")]
+    want = b"".join(bytes(p) for p in parts)
+    got = bytearray()
+
+    def drain():
+        while len(got) < len(want):
+            chunk = b.recv(65536)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        assert send_parts(a, parts) == len(want)
+    finally:
+        reader.join(30)
+        a.close()
+        b.close()
+    assert bytes(got) == want
+    assert Counting.calls > 1  # the resume path ran
+
+
 # -- policy and toggle --------------------------------------------------------------------------------
 
 
@@ -371,6 +460,20 @@ def test_peer_allow_default_and_explicit():
     assert not explicit.allows("192.168.7.11", local_addr="192.168.7.10")  # only the default widens
     with pytest.raises(ValueError):
         PeerPolicy(["no.such.host.invalid"], "127.0.0.1")
+
+
+def test_peer_allow_answers_remembered_stay_right():
+    """Answers are remembered per (address, local address), bounded; asked again, past the
+    bound and with another local address, they stay what the networks say."""
+    policy = PeerPolicy(None, "0.0.0.0")
+    for _ in range(2):
+        assert policy.allows("127.0.0.1") and not policy.allows("10.1.2.3")
+        assert policy.allows("10.1.2.3", local_addr="10.1.2.1")
+        assert not policy.allows("10.1.2.3", local_addr="10.9.9.1")
+    for i in range(3 * ANSWERS_KEPT):
+        assert policy.allows(f"10.7.{i // 256 % 256}.{i % 256}", local_addr="10.7.0.1") == (i < 256)
+    assert len(policy._answers) <= ANSWERS_KEPT
+    assert not policy.allows("10.1.2.3") and policy.allows("10.1.2.3", local_addr="10.1.2.1")
 
 
 def test_runtime_toggle_clears_bit_for_new_connections(fleetd_server):

@@ -11,8 +11,9 @@ Rules, in the order `serve_copy` applies them:
   closes that client's connection only.
 - Everything else that can go wrong is recoverable: the answer is 0, the reason is counted in
   `PeerStats` (one of `FALLBACK_REASONS`) and the client falls back to GET_TENSOR + SET_TENSOR.
-- The source bytes are copied out under the execution lock, and the lock is released before any
-  peer I/O, so a ring of servers pushing to each other cannot deadlock.
+- The source bytes are sent straight from the buffer, read as GET_TENSOR reads them (no copy,
+  no execution lock), so no peer I/O holds the lock and a ring of servers pushing to each other
+  cannot deadlock. SET_TENSOR, its data and PEER_BARRIER go out in one write.
 - The destination gets a push only when its HELLO advertises Feature.PEER_COPY. A stock
   ggml-rpc-server never does (and keeps buffers per connection, so the write could never land);
   a busy one accepts the TCP connect from its backlog but never answers HELLO, hence the bounded
@@ -55,7 +56,7 @@ from fleetd.server.peer_policy import (  # noqa: F401  (re-exported: the peer-co
     parse_allow,
 )
 from fleetd.server.regions import region
-from fleetd.transport.tcp import mapped_errors, parse_endpoint
+from fleetd.transport.tcp import mapped_errors, parse_endpoint, send_parts, timeval
 from fleetd.wire import (
     NEED_DATA,
     ClientConnection,
@@ -89,6 +90,11 @@ class PeerFailure(Exception):
 def resolve(host: str, port: int) -> tuple[str, int]:
     """The first address of `host` (one lookup per copy; the check and the connect use it)."""
     try:
+        socket.inet_pton(socket.AF_INET, host)
+        return host, port  # a dotted quad is its own address: no getaddrinfo call
+    except OSError:
+        pass
+    try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise PeerFailure("unreachable", f"cannot resolve {host}: {exc}") from exc
@@ -100,7 +106,10 @@ def resolve(host: str, port: int) -> tuple[str, int]:
 
 
 class PeerLink:
-    """A client connection from this daemon to a destination daemon: HELLO, then pushes."""
+    """A client connection from this daemon to a destination daemon: HELLO, then pushes.
+
+    The socket stays blocking, bounded by SO_RCVTIMEO / SO_SNDTIMEO as a session's is: with
+    Python's settimeout() every send and recv would be a poll() and then the call."""
 
     def __init__(self, endpoint: str, addr: tuple[str, int], timeouts: PeerTimeouts) -> None:
         self.endpoint = endpoint
@@ -109,9 +118,11 @@ class PeerLink:
         self.conn = ClientConnection()
         self._scratch = bytearray(REPLY_READ)
         self._scratch_view = memoryview(self._scratch)
+        self._timeout: float | None = None  # SO_RCVTIMEO / SO_SNDTIMEO as last set
         self.sock = self._connect(addr)
         try:
             self._hello()
+            self._set_timeout(timeouts.transfer)
         except BaseException:
             self.close()
             raise
@@ -122,31 +133,50 @@ class PeerLink:
         sock.settimeout(self.timeouts.connect)
         try:
             sock.connect(addr)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except socket.timeout as exc:
             sock.close()
             raise PeerFailure("timeout", f"connect timed out after {self.timeouts.connect}s") from exc
         except OSError as exc:
             sock.close()
             raise PeerFailure("unreachable", f"connect: {exc.strerror or exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _request(self, request: Request, timeout: float) -> Reply:
-        """Send a request that has a reply and wait for it, framed by the ClientConnection."""
-        self.sock.settimeout(timeout)
-        what = f"{request.cmd.name} to peer {self.endpoint}"
+    def _set_timeout(self, seconds: float) -> None:
+        if seconds != self._timeout:
+            tv = timeval(seconds)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self._timeout = seconds
+
+    def _write(self, what: str, parts) -> None:
+        """Write `parts` (requests framed by the ClientConnection, SET_TENSOR data among them)."""
         with mapped_errors(what):
-            self.sock.sendall(self.conn.send(request))
-            while (event := self.conn.next_event()) is NEED_DATA:
-                n = self.sock.recv_into(self._scratch)
-                if n == 0:
-                    raise PeerClosed(f"{what}: peer closed the connection")
-                self.conn.receive_data(self._scratch_view[:n])
+            try:
+                send_parts(self.sock, parts)
+            except BlockingIOError:  # SO_SNDTIMEO ran out (EAGAIN on a blocking socket)
+                raise socket.timeout(f"no progress for {self._timeout:g}s") from None
+
+    def _reply(self, what: str) -> Reply:
+        """Wait for the reply of the oldest request that asks for one."""
+        with mapped_errors(what):
+            try:
+                while (event := self.conn.next_event()) is NEED_DATA:
+                    n = self.sock.recv_into(self._scratch)
+                    if n == 0:
+                        raise PeerClosed(f"{what}: peer closed the connection")
+                    self.conn.receive_data(self._scratch_view[:n])
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                raise socket.timeout(f"no reply for {self._timeout:g}s") from None
         return event
 
     def _hello(self) -> None:
+        self._set_timeout(self.timeouts.hello)
+        what = f"HELLO to peer {self.endpoint}"
         try:
-            self._request(Hello(), self.timeouts.hello)
+            self._write(what, [self.conn.send(Hello())])
+            self._reply(what)
         except ReadTimeout as exc:
             raise PeerFailure("timeout", f"HELLO not answered within {self.timeouts.hello}s "
                               "(a stock server busy with another client?)") from exc
@@ -160,23 +190,23 @@ class PeerLink:
     def stale(self) -> bool:
         """A cached link the destination closed meanwhile (restart, idle close): reconnect."""
         try:
-            self.sock.settimeout(0)
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
             return True
 
     def push(self, dst, data: memoryview, stats: PeerStats) -> None:
-        """SET_TENSOR then PEER_BARRIER; returns once the destination confirmed the write."""
-        request = SetTensor(dst, 0, len(data))
-        self.sock.settimeout(self.timeouts.transfer)
+        """SET_TENSOR then PEER_BARRIER; returns once the destination confirmed the write.
+
+        Both requests and the data between them go out in one write, the data straight from
+        `data` (the source tensor's memory): no copy, and no round trip before the barrier's."""
+        head = self.conn.send(SetTensor(dst, 0, len(data)))
+        barrier = self.conn.send(PeerBarrier())
         try:
-            with mapped_errors(f"SET_TENSOR to peer {self.endpoint}"):
-                self.sock.sendall(self.conn.send(request))
-                self.sock.sendall(data)
+            self._write(f"SET_TENSOR to peer {self.endpoint}", [head, data, barrier])
             stats.pushed(len(data))
-            landed = self._request(PeerBarrier(), self.timeouts.transfer).landed
+            landed = self._reply(f"PEER_BARRIER to peer {self.endpoint}").landed
         except ReadTimeout as exc:
             raise PeerFailure("timeout", str(exc)) from exc
         except (PeerClosed, TransportError, RemoteProtocolError) as exc:
@@ -264,13 +294,13 @@ def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
     try:
         if not state.p2p_enabled:
             raise PeerFailure("disabled", "peer copy is switched off on this daemon")
-        # Copy out under the lock (a graph may be writing the buffer), then let it go: no peer
-        # I/O ever happens with the execution lock held.
-        with state.exec_lock:
-            data = buf.array[start : start + ev.size].tobytes()
         link = _link_for(state, links, ev.endpoint, host, port, local_addr)
+        # The region goes out straight from the buffer, read as GET_TENSOR reads it: no copy,
+        # and no execution lock (this session's own graphs are done, commands run in order),
+        # so no peer I/O ever waits on or holds it.
+        data = memoryview(buf.array)[start : start + ev.size]
         try:
-            link.push(ev.dst, memoryview(data), state.peer_stats)
+            link.push(ev.dst, data, state.peer_stats)
         except PeerFailure:
             links.drop(link.addr)  # the stream state is unknown now
             raise

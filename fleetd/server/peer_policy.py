@@ -82,6 +82,7 @@ class PeerStats:
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+ANSWERS_KEPT = 1024  # PeerPolicy.allows answers remembered
 
 
 def _neighbourhood(addr: str) -> Network | None:
@@ -122,6 +123,7 @@ class PeerPolicy:
     """Which destinations this daemon may push to (see the module docstring for the default)."""
 
     def __init__(self, allow: list[str] | None, listen_host: str) -> None:
+        self._answers: dict[tuple[str, str | None], bool] = {}
         self.default = allow is None
         if allow is None:
             self.networks = list(LOOPBACK)
@@ -132,6 +134,17 @@ class PeerPolicy:
             self.networks = parse_allow(allow)
 
     def allows(self, ip: str, local_addr: str | None = None) -> bool:
+        # The networks never change after start, so an answer holds: one dict lookup per copy
+        # instead of parsing addresses (bounded: a client naming many hosts just refills it).
+        key = (ip, local_addr)
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= ANSWERS_KEPT:
+                self._answers.clear()
+            answer = self._answers[key] = self._allows(ip, local_addr)
+        return answer
+
+    def _allows(self, ip: str, local_addr: str | None) -> bool:
         addr = ipaddress.ip_address(ip)
         if any(addr in net for net in self.networks):
             return True

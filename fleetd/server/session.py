@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from fleetd.server import regions
 from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.stats import CommandCounters
+from fleetd.transport.tcp import timeval
 from fleetd.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -79,7 +79,8 @@ FIRST_READ = 4 * 1024
 # Responses up to this size are joined with their header into one send (one segment, one syscall).
 SMALL_RESPONSE = 64 * 1024
 
-_TIMEVAL = struct.Struct("@ll")
+
+_UNKNOWN = object()  # Session.local_addr not asked yet
 
 
 class SessionTimeout(FleetdError):
@@ -110,6 +111,7 @@ class Session:
         self.peer_links = PeerLinks(state.limits.max_peer_links)  # this session's links to COPY_TENSOR_TO destinations
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
+        self._local_addr: str | None | object = _UNKNOWN
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -140,7 +142,7 @@ class Session:
         conn = self.conn
         record = self.counters.record if self.state.config.count_commands else _not_counted
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                             _timeval(self.limits.request_timeout))
+                             timeval(self.limits.request_timeout))
         floor = self.state.receive_budget.FLOOR
         idle = self.limits.idle_timeout
         while True:
@@ -205,7 +207,7 @@ class Session:
 
     def _set_recv_timeout(self, seconds: float) -> None:
         # SO_RCVTIMEO, not settimeout(): the socket stays blocking, so a recv stays one syscall.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
         self._recv_timeout = seconds
 
     def _charge(self, held: int) -> None:
@@ -264,19 +266,16 @@ class Session:
         return regions.region(self.state.registry, t, offset, size, what)
 
     def local_addr(self) -> str | None:
-        """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair)."""
-        if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        try:
-            return self.sock.getsockname()[0]
-        except OSError:
-            return None
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    micros = int((seconds - whole) * 1e6)
-    return _TIMEVAL.pack(whole, micros if whole or micros else 1)  # 0 would mean "no timeout"
+        """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair);
+        asked of the socket once, it cannot change while the connection lasts."""
+        if self._local_addr is _UNKNOWN:
+            self._local_addr = None
+            if self.sock.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    self._local_addr = self.sock.getsockname()[0]
+                except OSError:
+                    pass
+        return self._local_addr
 
 
 def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:

@@ -90,7 +90,8 @@ class ServerState:
         self.config = config
         self.devices: list[Device] = [make_device(d, config.dequant_cache, config.threads) for d in config.devices]
         self.registry = BufferRegistry()
-        # Held by graph compute and by every copy out of or into a buffer; never during I/O.
+        # Held by graph compute and by COPY_TENSOR's copy inside the daemon; never during I/O
+        # (GET_TENSOR and COPY_TENSOR_TO send straight from a buffer without it).
         self.exec_lock = threading.Lock()
         self.stats = StatsBook()  # command counters of closed sessions
         self.sessions = SessionTable()

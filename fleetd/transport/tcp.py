@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,34 @@ def connect(endpoint: str, timeout: Timeout = Timeout()) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout.read)
     return sock
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+def timeval(seconds: float) -> bytes:
+    """`struct timeval` for SO_RCVTIMEO / SO_SNDTIMEO: the socket stays blocking, so a recv or
+    send stays one syscall (settimeout() would put a poll() before each)."""
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1e6)
+    return _TIMEVAL.pack(whole, micros if whole or micros else 1)  # 0 would mean "no timeout"
+
+
+def send_parts(sock: socket.socket, parts) -> int:
+    """Write `parts` (bytes-like, in order) with as few sendmsg calls as the kernel allows: a
+    request header, its data straight from the tensor's memory and a following small request
+    go out in one syscall, no joined copy. Returns the bytes written."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if len(v)]
+    total = sum(len(v) for v in views)
+    while views:
+        n = sock.sendmsg(views)
+        while n and n >= len(views[0]):  # drop what went, keep the rest of a part cut short
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+    return total
 
 
 def free_port(host: str = "127.0.0.1") -> int:
