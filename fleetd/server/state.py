@@ -8,19 +8,23 @@ stats book) or by the execution lock the compute and copy paths take.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
+from fleetd.compute.native import fnv1a_64, native_available
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
 from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
-from fleetd.wire.hashing import cache_file_name, fnv1a_64
+from fleetd.wire.hashing import cache_file_name
+
+log = logging.getLogger("fleetd.state")
 
 
 class LiveSession(Protocol):
@@ -97,6 +101,7 @@ class ServerState:
         self.cache_dir: Path | None = Path(config.cache_dir) if config.cache_dir else None
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
+            native_available()  # loads the C FNV-1a now, or warns now that it is missing
         self.p2p_enabled = config.p2p
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
         self.peer_timeouts = PeerTimeouts()
@@ -152,15 +157,23 @@ class ServerState:
     # -- cache directory (SET_TENSOR cache flag, SET_TENSOR_HASH) ----------------------------
 
     def cache_store(self, data) -> None:
+        """Write `data` (a view of the buffer it landed in) as <cache dir>/<fnv1a %016x>. A
+        failed write costs only the cache entry: the data is in its buffer already."""
         path = self.cache_dir / cache_file_name(fnv1a_64(data))
         tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # readers never see a half-written file
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # readers never see a half-written file
+        except OSError as exc:
+            log.warning("cache directory: %s not stored: %s", path.name, exc)
+            tmp.unlink(missing_ok=True)
 
-    def cache_load(self, h: int) -> bytes | None:
+    def cache_open(self, h: int) -> BinaryIO | None:
+        """The cache file of hash `h`, open unbuffered (the caller reads it straight into the
+        tensor's buffer), or None. Files are replaced whole, so an open one does not change."""
         if self.cache_dir is None:
             return None
         try:
-            return (self.cache_dir / cache_file_name(h)).read_bytes()
+            return open(self.cache_dir / cache_file_name(h), "rb", buffering=0)
         except OSError:
             return None
