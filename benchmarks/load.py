@@ -16,7 +16,8 @@ process, three per model and server:
 
 Time is the model load as llama-completion's log stamps it (from "load the model" to
 "constructing llama_context": metadata, buffers, every weight uploaded; the client's wall time is
-in the JSON), peak RSS is the server's VmHWM. Ratio = fleetd / stock (lower is better). "files"
+in the JSON); CPU is the server's user + system time during the load (/proc/<pid>/stat: on a busy
+machine steadier than the time); peak RSS is the server's VmHWM. Ratio = fleetd / stock (lower is better). "files"
 = cache files after the cold load; a warm load that rewrote one (a miss) is reported. Models are
 fleetd.models' ("<arch>-<type>[-<size>]", generated when missing; "-load": ~190 MB Q8_0 /
 ~360 MB f16, FFN matrices above the 10 MiB threshold). fleetd runs from this interpreter and its
@@ -95,6 +96,13 @@ def server(arm: str, cache: Path | None, workdir: Path):
             proc.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat utime, stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_once(model: Path, endpoint: str) -> dict[str, float]:
     args = [str(find_tool("llama-completion")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
             "-p", "the", "-n", "1", "--no-warmup", "-c", "256", "-t", "1", "-no-cnv", "--temp", "0",
@@ -124,6 +132,12 @@ def run_model(model: Path, arms: list[str], rounds: int, workdir: Path) -> dict:
     with open(model, "rb") as f:
         while f.read(1 << 24):
             pass
+    # One unrecorded load per server first. On a freshly booted VM the first touch of guest
+    # memory costs a host fault (measured here: 0.17 GB/s against 3-10 GB/s once touched), and it
+    # falls on whichever process reaches new memory first, unevenly between the arms.
+    for arm in arms:
+        with server(arm, None, workdir) as (endpoint, _pid):
+            load_once(model, endpoint)
     runs: dict[str, dict[str, list[dict]]] = {a: {m: [] for m in MODES} for a in arms}
     files: dict[str, int] = {}
     names: dict[str, set[str]] = {}
@@ -139,7 +153,9 @@ def run_model(model: Path, arms: list[str], rounds: int, workdir: Path) -> dict:
                 cache = caches[arm] if mode != "none" else None
                 before = cache_files(arm, caches[arm])
                 with server(arm, cache, workdir) as (endpoint, pid):
+                    cpu0 = cpu_seconds(pid)
                     got = load_once(model, endpoint)
+                    got["server_cpu_s"] = cpu_seconds(pid) - cpu0  # what the load cost the server
                     got["peak_rss_mib"] = peak_rss_mib(pid)
                 after = cache_files(arm, caches[arm])
                 if mode == "cold":
@@ -152,7 +168,7 @@ def run_model(model: Path, arms: list[str], rounds: int, workdir: Path) -> dict:
     row = {"model": model.stem, "bytes": model.stat().st_size, "files": files, "same_names": same_names,
            "warm_misses": warm_misses, "rounds": runs}
     for arm in arms:
-        row[arm] = {m: {k: median([r[k] for r in runs[arm][m]]) for k in ("load_s", "wall_s")} for m in MODES}
+        row[arm] = {m: {k: median([r[k] for r in runs[arm][m]]) for k in ("load_s", "wall_s", "server_cpu_s")} for m in MODES}
         for m in MODES:
             row[arm][m]["peak_rss_mib"] = max(r["peak_rss_mib"] or 0 for r in runs[arm][m])
     return row
@@ -167,6 +183,9 @@ def table_rows(results: list[dict], arms: list[str]) -> tuple[list[str], list[li
     columns = ["model", "cache", "stock load s"]
     for a in fleetd:
         columns += [f"{a} load s", f"{a} ratio"]
+    columns += ["stock CPU s"]
+    for a in fleetd:
+        columns += [f"{a} CPU s", f"{a} CPU ratio"]
     columns += ["stock MiB"]
     for a in fleetd:
         columns += [f"{a} MiB", f"{a} RSS ratio"]
@@ -178,6 +197,9 @@ def table_rows(results: list[dict], arms: list[str]) -> tuple[list[str], list[li
             line = [r["model"], mode, f"{s['load_s']:.2f}"]
             for a in fleetd:
                 line += [f"{r[a][mode]['load_s']:.2f}", ratio(r[a][mode]["load_s"], s["load_s"])]
+            line += [f"{s['server_cpu_s']:.2f}"]
+            for a in fleetd:
+                line += [f"{r[a][mode]['server_cpu_s']:.2f}", ratio(r[a][mode]["server_cpu_s"], s["server_cpu_s"])]
             line += [f"{s['peak_rss_mib']:.0f}"]
             for a in fleetd:
                 line += [f"{r[a][mode]['peak_rss_mib']:.0f}", ratio(r[a][mode]["peak_rss_mib"], s["peak_rss_mib"])]
