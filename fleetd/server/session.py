@@ -361,7 +361,7 @@ def on_set_tensor(s: Session, ev: SetTensor) -> int:
         s.conn.body_received(n)
         got += n
     buf.touched()
-    if ev.cache_flag and s.state.cache_dir is not None and ev.size:
+    if ev.cache_flag and s.state.cache_dir is not None:  # even 0 bytes, as stock: an empty file
         s.state.cache_store(dst)
     return 0
 
