@@ -111,6 +111,10 @@ def test_native_matches_vectors_and_reference(built_lib, use_lib):
     big = rng.integers(0, 256, 64 << 20, dtype=np.uint8)  # a weight tensor above the 10 MiB threshold
     assert native.fnv1a_64(big) == native.fnv1a_64(big[: 32 << 20].tobytes() + big[32 << 20 :].tobytes())
     assert native.fnv1a_64(big) != native.fnv1a_64(big[1:])
+    # a hash continues over chunks, as the cache directory hashes a file it wrote
+    head, tail = pool[:4097], pool[4097:9000]
+    want = hashing.fnv1a_64(pool[:9000])
+    assert native.fnv1a_64(tail, native.fnv1a_64(head)) == want == hashing.fnv1a_64(tail, hashing.fnv1a_64(head))
 
 
 def test_non_contiguous_buffers_are_refused_by_both(built_lib, use_lib):

@@ -22,9 +22,22 @@ from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-ex
 from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
-from fleetd.wire.hashing import cache_file_name
+from fleetd.wire.hashing import FNV_OFFSET, cache_file_name
 
 log = logging.getLogger("fleetd.state")
+
+
+HASH_CHUNK = 1 << 20  # cache-sized reads: the file's pages are not mapped into the daemon
+
+
+def _file_fnv1a_64(f) -> int:
+    """FNV-1a of an open file, read from its start in chunks."""
+    chunk = memoryview(bytearray(HASH_CHUNK))
+    h = FNV_OFFSET
+    f.seek(0)
+    while n := f.readinto(chunk):
+        h = fnv1a_64(chunk[:n], h)
+    return h
 
 
 class LiveSession(Protocol):
@@ -157,15 +170,23 @@ class ServerState:
     # -- cache directory (SET_TENSOR cache flag, SET_TENSOR_HASH) ----------------------------
 
     def cache_store(self, data) -> None:
-        """Write `data` (a view of the buffer it landed in) as <cache dir>/<fnv1a %016x>. A
-        failed write costs only the cache entry: the data is in its buffer already."""
-        path = self.cache_dir / cache_file_name(fnv1a_64(data))
-        tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
+        """Write `data` (a view of the buffer it landed in) as <cache dir>/<fnv1a %016x>.
+
+        The hash is taken of the file as written, not of the buffer: another session may write
+        into a shared buffer meanwhile, and a name that is not its file's hash would hand a
+        later SET_TENSOR_HASH other bytes than the client's. A failed write costs only the
+        cache entry: the data is in its buffer already."""
+        view = memoryview(data).cast("B")
+        tmp = self.cache_dir / f".store.{os.getpid()}.{threading.get_ident()}"
         try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)  # readers never see a half-written file
+            with open(tmp, "w+b", buffering=0) as f:
+                done = 0
+                while done < view.nbytes:  # one write() moves at most ~2 GiB
+                    done += f.write(view[done:])
+                h = _file_fnv1a_64(f)
+            os.replace(tmp, self.cache_dir / cache_file_name(h))  # no reader sees half a file
         except OSError as exc:
-            log.warning("cache directory: %s not stored: %s", path.name, exc)
+            log.warning("cache directory: %d bytes not stored: %s", view.nbytes, exc)
             tmp.unlink(missing_ok=True)
 
     def cache_open(self, h: int) -> BinaryIO | None:

@@ -53,11 +53,12 @@ def native_available() -> bool:
     return _native_fnv() is not None
 
 
-def fnv1a_64(data) -> int:
+def fnv1a_64(data, h: int = hashing.FNV_OFFSET) -> int:
     """FNV-1a 64 of a contiguous buffer (bytes, bytearray, memoryview, numpy array), read in
-    place; ctypes drops the GIL for the call, so other sessions run meanwhile."""
+    place; ctypes drops the GIL for the call, so other sessions run meanwhile. `h` continues
+    a hash, as in fleetd.wire.hashing."""
     fn = _native_fnv()
     if fn is None:
-        return hashing.fnv1a_64(data)
+        return hashing.fnv1a_64(data, h)
     view = np.frombuffer(memoryview(data).cast("B"), np.uint8)  # no copy; raises if not contiguous
-    return fn(view.ctypes.data, view.size, hashing.FNV_OFFSET)
+    return fn(view.ctypes.data, view.size, h)
