@@ -16,9 +16,10 @@ process, three per model and server:
 
 Time is the model load as llama-completion's log stamps it (from "load the model" to
 "constructing llama_context": metadata, buffers, every weight uploaded; the client's wall time is
-in the JSON); CPU is the server's user + system time during the load (/proc/<pid>/stat: on a busy
-machine steadier than the time); peak RSS is the server's VmHWM. Ratio = fleetd / stock (lower is better). "files"
-= cache files after the cold load; a warm load that rewrote one (a miss) is reported. Models are
+in the JSON); CPU is the server's user + system time over the client's run, the load and its one
+token (/proc/<pid>/stat: on a busy machine steadier than the time); peak RSS is the server's
+VmHWM. Ratio = fleetd / stock (lower is better). "files" = cache files after the cold load
+(stock/fleetd; their names must agree); a warm load that rewrote one (a miss) is reported. Models are
 fleetd.models' ("<arch>-<type>[-<size>]", generated when missing; "-load": ~190 MB Q8_0 /
 ~360 MB f16, FFN matrices above the 10 MiB threshold). fleetd runs from this interpreter and its
 PYTHONPATH. The client is pinned to one core and the servers to the others, as in common.py.
