@@ -2,7 +2,7 @@
 """Model load through the stock ggml-rpc-server and through fleetd, side by side in one run, without
 and with a cache directory. Prints a table, writes JSON.
 
-    benchmarks/load.py [--models llama-q8_0-load,llama-f16-load] [--devices cpu] [--rounds 1]
+    benchmarks/load.py [--models llama-q8_0-load,llama-f16-load] [--devices cpu] [--rounds 3]
                        [--json PATH]
 
 Every load is `llama-completion -ngl 99 --rpc <server> -n 1 --no-warmup` against a fresh server
@@ -214,7 +214,7 @@ def main() -> int:
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--devices", default="cpu", help="fleetd devices beside stock, comma separated (cpu, numpy)")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=int, default=3,
                     help="every load this many times, the servers' order reversed each round; medians")
     ap.add_argument("--workdir", default=None, help="cache directories and server logs (default: a temporary one)")
     ap.add_argument("--json", default=None, help="default benchmarks/results/load.json")
