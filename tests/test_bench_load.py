@@ -20,7 +20,7 @@ def test_load_benchmark_runs_and_both_servers_cache_the_same_files(tmp_path):
     out = tmp_path / "load.json"
     work = tmp_path / "work"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "load.py"), "--models", "llama-f16-hash",
+        [sys.executable, str(REPO / "benchmarks" / "load.py"), "--models", "llama-f16-hash", "--rounds", "1",
          "--models-dir", str(tmp_path / "models"), "--workdir", str(work), "--json", str(out)],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
