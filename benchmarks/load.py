@@ -21,8 +21,10 @@ token (/proc/<pid>/stat: on a busy machine steadier than the time); peak RSS is 
 VmHWM. Ratio = fleetd / stock (lower is better). "files" = cache files after the cold load
 (stock/fleetd; their names must agree); a warm load that rewrote one (a miss) is reported. Models are
 fleetd.models' ("<arch>-<type>[-<size>]", generated when missing; "-load": ~190 MB Q8_0 /
-~360 MB f16, FFN matrices above the 10 MiB threshold). fleetd runs from this interpreter and its
-PYTHONPATH. The client is pinned to one core and the servers to the others, as in common.py.
+~360 MB f16, FFN matrices above the 10 MiB threshold). fleetd runs from this interpreter as
+`python -m fleetd.server` (fleetd.fleet.local): the working directory's fleetd first, then
+PYTHONPATH's, so run it from a neutral directory to measure another checkout. The client is
+pinned to one core and the servers to the others, as in common.py.
 """
 
 from __future__ import annotations

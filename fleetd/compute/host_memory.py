@@ -3,9 +3,10 @@
 Not numpy's allocator: it asks for transparent huge pages (MADV_HUGEPAGE) on every large array,
 which the stock server's malloc does not. Where the kernel hands out huge pages from memory a VM
 reported free to its host (free page reporting), every fresh huge page costs a host fault
-while it is zeroed: measured by benchmarks/load.py, a model load with a warm cache directory
-cost fleetd 2.7-3.8x the stock server's CPU, 0.9-1.5x with these pages. Same pages as stock
-also means the same TLB behaviour under the same kernels.
+while it is zeroed: measured by benchmarks/load.py on a freshly booted VM, a model load with a
+warm cache directory cost fleetd 2.7-3.8x the stock server's CPU, 0.9-1.5x with these pages
+(less apart once most of the VM's memory had been touched). Same pages as stock also means the
+same TLB behaviour under the same kernels, and no RSS rounded up to 2 MiB pages.
 """
 
 from __future__ import annotations
