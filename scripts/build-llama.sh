@@ -6,6 +6,7 @@
 #   scripts/build-llama.sh            # tools and libraries; prints the bin directory
 #   scripts/build-llama.sh tools      # only the stock tools ($PREFIX/bin)
 #   scripts/build-llama.sh ggml       # only libggml-base.so + libggml-cpu.so ($PREFIX/lib)
+#                                     # and fleetd's own libfleetd-native.so beside them
 #
 # FLEETD_LLAMA_CACHE overrides the cache root (default ~/.cache/fleetd).
 # The default library build uses the stock tools' flags (Release, GGML_NATIVE=ON), so fleetd's
@@ -43,9 +44,27 @@ have_ggml() {
     [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
 }
 
-need_tools=0; need_ggml=0
+# fleetd's own helper (FNV-1a for the cache directory): one C file, rebuilt when missing or older
+# than its source, without touching ggml. Plain -O2, no -march: it ships with the portable libs.
+NATIVE_SRC="$HERE/../fleetd/compute/native/fnv1a.c"
+NATIVE_LIB="$GGML_LIB/libfleetd-native.so"
+have_native() {
+    [ -f "$NATIVE_LIB" ] && [ ! "$NATIVE_SRC" -nt "$NATIVE_LIB" ]
+}
+build_native() {
+    mkdir -p "$GGML_LIB"
+    "${CC:-cc}" -O2 -std=c99 -Wall -Werror -shared -fPIC -o "$NATIVE_LIB.tmp" "$NATIVE_SRC"
+    mv "$NATIVE_LIB.tmp" "$NATIVE_LIB"
+}
+
+need_tools=0; need_ggml=0; need_native=0
 if [ "$WHAT" != ggml ] && ! have_all; then need_tools=1; fi
 if [ "$WHAT" != tools ] && ! have_ggml; then need_ggml=1; fi
+if [ "$WHAT" != tools ] && ! have_native; then need_native=1; fi
+if [ $need_tools = 0 ] && [ $need_ggml = 0 ] && [ $need_native = 1 ]; then
+    build_native
+    need_native=0
+fi
 if [ $need_tools = 0 ] && [ $need_ggml = 0 ]; then
     [ "$WHAT" = ggml ] && echo "$GGML_LIB" || echo "$PREFIX/bin"
     exit 0
@@ -123,4 +142,5 @@ if [ $need_ggml = 1 ]; then
         -exec cp -P {} "$GGML_LIB/" \;
     have_ggml || { echo "ggml libraries missing after the build in $GGML_BUILD" >&2; exit 1; }
 fi
+if [ $need_native = 1 ]; then build_native; fi
 [ "$WHAT" = ggml ] && echo "$GGML_LIB" || echo "$PREFIX/bin"

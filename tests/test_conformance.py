@@ -136,6 +136,19 @@ def hash_miss_then_hit(ep, cache_dir_of):
     return {"miss": miss, "hit": hit, "restored": bool(np.array_equal(back, payload)), "files": files}
 
 
+def hash_of_nothing(ep, cache_dir_of):
+    """SET_TENSOR of 0 bytes with the cache flag: stock stores an empty file under the FNV-1a
+    offset basis, and SET_TENSOR_HASH of that hash then hits."""
+    with RpcClient(ep) as c:
+        ptr, _ = c.alloc_buffer(4096)
+        base = c.buffer_get_base(ptr)
+        t = tensor(GgmlType.F32, (256,), buffer=ptr, data=base)
+        c.set_tensor(t, np.zeros(0, "<f4"), cache=True)
+        hit = c.set_tensor_hash(t, fnv1a_64(b""))
+    files = sorted(p.name for p in cache_dir_of(ep).iterdir() if not p.name.startswith("."))
+    return {"hit": hit, "files": files, "empty": (cache_dir_of(ep) / files[0]).stat().st_size if files else None}
+
+
 def copy_memset_clear(ep):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(1024)
@@ -281,6 +294,13 @@ def test_set_tensor_hash_miss_then_hit(pair, tmp_path):
     got = both(pair, hash_miss_then_hit, dirs.__getitem__)
     assert got["miss"] is False and got["hit"] is True and got["restored"]
     assert got["files"] == [f"{fnv1a_64(np.arange(256, dtype='<f4').tobytes()):016x}"]
+
+
+def test_set_tensor_of_nothing_with_the_cache_flag(pair, tmp_path):
+    stock, ours = pair
+    dirs = {stock: tmp_path / "stock-cache" / "rpc", ours: tmp_path / "fleetd-cache"}
+    got = both(pair, hash_of_nothing, dirs.__getitem__)
+    assert got == {"hit": True, "files": ["cbf29ce484222325"], "empty": 0}
 
 
 def test_copy_memset_clear(pair):

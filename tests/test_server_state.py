@@ -125,3 +125,25 @@ def test_a_session_over_a_socket_pair_owns_and_closes_its_links(fleetd_server):
     assert len(session.peer_links) == 0 and state.live_sessions() == []
     assert _settle(lambda: len(dst.state.live_sessions()), 0) == 0
     assert state.total_counters().count[CopyTensorTo.cmd] == 1
+
+
+def test_cache_store_names_each_file_by_the_hash_of_its_bytes(tmp_path, caplog):
+    from fleetd.wire import fnv1a_64
+
+    state = ServerState(ServerConfig(host="127.0.0.1", port=0, cache_dir=tmp_path / "cache", control_port=None))
+    buf = np.random.default_rng(3).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    for view in (memoryview(buf)[7:], memoryview(buf)[:0], memoryview(buf)[1:2]):
+        state.cache_store(view)
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert names == sorted(f"{fnv1a_64(v):016x}" for v in (buf[7:], b"", buf[1:2]))  # no temp file left
+    for name in names:
+        assert f"{fnv1a_64((tmp_path / 'cache' / name).read_bytes()):016x}" == name
+        with state.cache_open(int(name, 16)) as f:
+            assert f.read() == (tmp_path / "cache" / name).read_bytes()
+    assert state.cache_open(0x1234) is None
+    # A cache directory that went away costs the entry, not the SET_TENSOR: one warning.
+    for p in (tmp_path / "cache").iterdir():
+        p.unlink()
+    (tmp_path / "cache").rmdir()
+    state.cache_store(memoryview(buf)[:100])
+    assert "not stored" in caplog.text

@@ -14,6 +14,7 @@ import types
 import numpy as np
 
 from fleetd.compute.dequant_cache import CacheBudget, DequantCache
+from fleetd.compute.host_memory import host_pages
 
 
 class Device:
@@ -76,7 +77,7 @@ class NumpyDevice(Device):
         self.fallback = fallback
 
     def _alloc(self, size: int):
-        return np.empty(size, dtype=np.uint8)
+        return host_pages(size)
 
     def memory(self) -> tuple[int, int]:
         # The stock CPU device reports physical memory as both total and free.

@@ -7,10 +7,11 @@ FNV_PRIME = 0x100000001B3
 _MASK = (1 << 64) - 1
 
 
-def fnv1a_64(data) -> int:
-    """FNV-1a is byte-serial, so no vectorised form exists; a plain int loop is the fastest
-    pure-Python one (about 15 MB/s). Only >10 MiB weight uploads with a cache dir pay it."""
-    h = FNV_OFFSET
+def fnv1a_64(data, h: int = FNV_OFFSET) -> int:
+    """The reference, and the fallback of the C version (fleetd.compute.native) the server
+    uses. FNV-1a is byte-serial, so no vectorised form exists; a plain int loop is the fastest
+    pure-Python one (about 15 MB/s). `h` continues a hash: fnv1a_64(b, fnv1a_64(a)) ==
+    fnv1a_64(a + b)."""
     for b in memoryview(data).cast("B").tobytes():
         h = ((h ^ b) * FNV_PRIME) & _MASK
     return h

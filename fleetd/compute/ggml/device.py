@@ -22,6 +22,7 @@ import numpy as np
 
 from fleetd.compute.ggml import lib as ggml
 from fleetd.compute.ggml.rules import IndexUse, Refused, TypeCaps, check_node, index_producers
+from fleetd.compute.host_memory import host_pages
 from fleetd.compute.reachable import reachable_tensors
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlType, GraphCompute, RpcTensor
@@ -144,13 +145,8 @@ class GgmlCpuDevice:
     # -- what the wire asks ---------------------------------------------------------------------
 
     def alloc(self, size: int):
-        """A flat uint8 array of `size` bytes starting on an `alignment` boundary, or None."""
-        try:
-            raw = np.empty(size + self.alignment, dtype=np.uint8)
-        except (MemoryError, ValueError):
-            return None
-        skip = -raw.ctypes.data % self.alignment
-        return raw[skip : skip + size]
+        """A flat uint8 array of `size` bytes on a page boundary (`alignment` divides it), or None."""
+        return host_pages(size)
 
     def memory(self) -> tuple[int, int]:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -127,7 +127,8 @@ class GgmlLibrary:
 
 def library_dirs() -> list[Path]:
     """Where the libraries may be, in order: $FLEETD_GGML_LIB_DIR, the build cache of
-    scripts/build-llama.sh, then next to this package (what `fleetctl deploy` ships)."""
+    scripts/build-llama.sh, then next to this package (what `fleetctl deploy` ships). fleetd's
+    own libfleetd-native.so is looked for in the same places (fleetd.compute.native)."""
     if os.environ.get("FLEETD_GGML_LIB_DIR"):
         return [Path(os.environ["FLEETD_GGML_LIB_DIR"])]
     cache = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd"))
