@@ -146,3 +146,20 @@ def test_model_ab_p2p_off_on_the_nodes_is_no_success(tmp_path, model):
     assert result.arms["direct"].per_step["client"].get("COPY_TENSOR_TO", {}).get("count", 0) == 0
     assert "never ran" in result.verdict
     assert any("P2P is off on local-0" in why for why in result.why_not_direct), result.why_not_direct
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_terminal_bars_fit_the_console_and_keep_the_ratio(columns):
+    from rich.console import Console
+
+    from fleetd.fleet.render import model_ab_bars
+    arms = {"hub": (3287.63, 2833.54, 3702.60), "direct": (3528.29, 3081.47, 4131.26)}
+    doc = {"arms": {arm: {"median": {k: med for k in ("pp_tps", "tg_tps", "batched_tps")},
+                          "spread": {k: [lo, hi] for k in ("pp_tps", "tg_tps", "batched_tps")}}
+                    for arm, (med, lo, hi) in arms.items()}}
+    console = Console(width=columns, record=True, color_system=None)
+    console.print(model_ab_bars(doc, console.width))
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= columns and "…" not in line for line in lines)
+    hub, direct = (next(line.count("█") for line in lines if f" {arm} " in f" {line} ") for arm in arms)
+    assert 0 < hub < direct  # the longer median keeps the longer bar

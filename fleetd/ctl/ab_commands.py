@@ -125,7 +125,7 @@ def _cmd_model_ab(args) -> int:
         out = Console()
         out.print(model_ab_table(doc))
         out.print(model_ab_steps_table(doc))
-        out.print(model_ab_bars(doc))
+        out.print(model_ab_bars(doc, out.width))
         out.print(model_ab_verdict(doc))
         if args.chart is not None:
             out.print(f"chart: {args.chart}")

@@ -383,12 +383,17 @@ def model_ab_steps_table(doc: dict) -> Table:
     return table
 
 
-def model_ab_bars(doc: dict, width: int = 40) -> Table:
-    """The terminal plot: one bar per arm and metric, scaled to the metric's largest max."""
+def model_ab_bars(doc: dict, columns: int = 80) -> Table:
+    """The terminal plot: one bar per arm and metric, scaled to the metric's largest max, as
+    wide as `columns` leaves after the labels (a bar rich had to cut would hide the ratio)."""
     table = Table(title="tok/s, median (bar) and min..max over rounds", show_header=False, box=None)
     for col in ("metric", "arm", "bar", "value"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     styles = ("blue", "dark_orange", "green", "magenta")
+    values = [f"{a['median'][k]:.2f} ({a['spread'][k][0]:.2f}..{a['spread'][k][1]:.2f})"
+              for k in MODEL_AB_METRICS for a in doc["arms"].values()]
+    labels = max(map(len, MODEL_AB_METRICS.values())) + max(map(len, doc["arms"])) + max(map(len, values))
+    width = max(8, min(40, columns - labels - 8))  # 8: the padding between four columns
     for key, label in MODEL_AB_METRICS.items():
         peak = max(a["spread"][key][1] for a in doc["arms"].values()) or 1.0
         for i, (arm, a) in enumerate(doc["arms"].items()):
