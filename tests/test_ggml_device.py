@@ -38,6 +38,8 @@ except OSError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"ggml libraries: {exc}", allow_module_level=True)
 
 F32, F16, I32, I64, Q8_0 = GgmlType.F32, GgmlType.F16, GgmlType.I32, GgmlType.I64, GgmlType.Q8_0
+BF16, Q4_K, Q8_K = GgmlType.BF16, GgmlType.Q4_K, GgmlType.Q8_K
+HADAMARD = 1  # MUL_MAT op_params[1]: ggml_mul_mat_set_hint(GGML_HINT_SRC0_IS_HADAMARD)
 
 
 class Slab:
@@ -118,7 +120,7 @@ def op_past_enum(s, bad):
 
 
 def op_without_rule(s, bad):
-    return [s.node(GgmlOp.SQR if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
+    return [s.node(GgmlOp.POOL_1D if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
 
 
 def add_repeat(s, bad):
@@ -183,6 +185,78 @@ def cpy_quant_block(s, bad):
     return [s.g.cpy(s.leaf(F32, (16 if bad else 32, 1)), dst)]
 
 
+def raw(s, type_, ne) -> Tensor:
+    """A leaf of seeded bytes (quantized blocks: the kernels only move or read them)."""
+    t = s.place(s.g.tensor(type_, ne))
+    s.client.set_tensor(t.rpc(), s.rng.integers(0, 256, t.nbytes, np.uint8).tobytes())
+    return t
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def mul_mat_bf16_src1(s, bad):
+    # f32 weights' dot is f32's own: bf16 src1 is widened into it; f16 weights dot with f16,
+    # and their kernel has no bf16 conversion of src1
+    w = s.leaf(F16 if bad else F32, (8, 4))
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, s.leaf(BF16, (8, 3), bf16_bits(s.rng.standard_normal(24)))])]
+
+
+def hadamard(n: int) -> np.ndarray:
+    """What GGML_HINT_SRC0_IS_HADAMARD says src0 holds: (-1)^popcount(r & c) / sqrt(n)."""
+    r, c = np.indices((n, n))
+    parity = np.vectorize(lambda v: bin(v).count("1") & 1)(r & c)
+    return np.where(parity == 0, 1.0, -1.0).astype(np.float32) / np.sqrt(n, dtype=np.float32)
+
+
+def mul_mat_hadamard(s, bad):
+    # the hinted kernel writes ne10 floats per result row: a one-row src0 leaves rows of one
+    w = s.leaf(F32, (16, 1)) if bad else s.leaf(F32, (16, 16), hadamard(16))
+    return [s.node(GgmlOp.MUL_MAT, F32, (w.ne[1], 3), [w, s.leaf(F32, (16, 3))], [0, HADAMARD])]
+
+
+def mul_mat_q8_k_src1(s, bad):
+    # q4_K weights dot with q8_K; the tiled kernel (src1 rows >= 8) reads q8_K rows at r * nb1
+    # over all 32 rows: a broadcast src1 (nb2 = 0) holds 8
+    x = raw(s, Q8_K, (256, 8, 4))
+    if bad:
+        x = s.g.view_of(x, (256, 8, 4), (x.nb[0], x.nb[1], 0, 0), 0)
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 8, 4), [raw(s, Q4_K, (256, 4)), x])]
+
+
+def permuted(s, t: Tensor, axes) -> Tensor:
+    """ggml_permute(t, *axes): dim i of t becomes dim axes[i]."""
+    ne, nb = [0] * 4, [0] * 4
+    for i, j in enumerate(axes):
+        ne[j], nb[j] = t.ne[i], t.nb[i]
+    return s.g.view_of(t, ne, nb, 0, GgmlOp.PERMUTE)
+
+
+def cpy_quant_permuted(s, bad):
+    # same-type q4_K, permuted src0: copied row by row when the shapes match; into a
+    # contiguous result of another shape ggml would copy 256x a row per row
+    a = permuted(s, raw(s, Q4_K, (256, 2, 3, 4)), (0, 2, 1, 3))
+    return [s.g.cpy(a, raw(s, Q4_K, (256, 6, 4) if bad else a.ne))]
+
+
+def q8_0_blocks(scales: np.ndarray, quants: np.ndarray) -> np.ndarray:
+    """q8_0 bytes: per block an f16 scale, then 32 int8."""
+    blocks = np.zeros(len(scales), np.dtype([("d", "<f2"), ("qs", "i1", 32)]))
+    blocks["d"], blocks["qs"] = scales, quants.reshape(-1, 32)
+    return blocks.view(np.uint8)
+
+
+def cpy_dequant_permuted(s, bad):
+    # q8_0 -> f32 from a permuted src0; each block lands as 32 floats from its element on:
+    # rows of 16 with a gap after each would take a block's second half past its row
+    if bad:
+        dst = raw(s, F32, (16, 13))
+        return [s.g.cpy(raw(s, Q8_0, (32, 6)), s.g.view_of(dst, (16, 12), (4, 68, 816, 816), 0))]
+    a = permuted(s, raw(s, Q8_0, (32, 2, 3)), (0, 2, 1, 3))
+    return [s.g.cpy(a, raw(s, F32, a.ne))]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -194,7 +268,8 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          ids_rewritten_before_use, op_past_enum, op_without_rule,
          add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
          soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
-         outside_buffer]
+         mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
+         cpy_dequant_permuted, outside_buffer]
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +318,42 @@ def test_results_are_ggml_kernels(ggml_server):
         c.graph_recompute()  # the stored ggml graph, new input bytes
         got = np.frombuffer(c.get_tensor(y.rpc()), np.float32).reshape(3, 4)
         np.testing.assert_allclose(got, np.ones((3, 8), np.float32) @ wv.T, rtol=1e-5)
+
+
+def test_relaxed_rules_compute_what_ggml_means(ggml_server):
+    # The cases the rules used to refuse though the stock server computes them right.
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+
+        def values(t: Tensor, dtype, shape) -> np.ndarray:
+            return np.frombuffer(c.get_tensor(t.rpc()), dtype).reshape(shape)
+
+        # f32 x bf16: src1 widened to f32
+        w, xv = s.leaf(F32, (8, 4)), s.rng.standard_normal((3, 8)).astype(np.float32)
+        x = s.leaf(BF16, (8, 3), bf16_bits(xv))
+        y = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x])
+        # the hadamard hint: a transform of src1's rows, equal to the product with src0
+        h, hx = s.leaf(F32, (16, 16), hadamard(16)), s.leaf(F32, (16, 3))
+        hy = s.node(GgmlOp.MUL_MAT, F32, (16, 3), [h, hx], [0, HADAMARD])
+        # same-type q4_K from a permuted src0, block bytes moved as they are
+        q = raw(s, Q4_K, (256, 2, 3, 4))
+        qp = permuted(s, q, (0, 2, 1, 3))
+        qc = s.g.cpy(qp, raw(s, Q4_K, qp.ne))
+        # q8_0 -> f32 from a permuted src0
+        scales, quants = s.rng.uniform(0.5, 2, 6).astype(np.float16), s.rng.integers(-127, 128, 192)
+        d8 = s.leaf(Q8_0, (32, 2, 3), q8_0_blocks(scales, quants))
+        dp = permuted(s, d8, (0, 2, 1, 3))
+        df = s.g.cpy(dp, raw(s, F32, dp.ne))
+        s.compute(y, hy, qc, df)
+
+        xw = (bf16_bits(xv).astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_allclose(values(y, np.float32, (3, 4)), xw @ values(w, np.float32, (4, 8)).T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values(hy, np.float32, (3, 16)), values(hx, np.float32, (3, 16)) @ hadamard(16).T,
+                                   rtol=1e-5, atol=1e-5)
+        blocks = values(q, np.uint8, (4, 3, 2, 144))
+        assert (values(qc, np.uint8, (4, 2, 3, 144)) == blocks.transpose(0, 2, 1, 3)).all()
+        want = (scales.astype(np.float32)[:, None] * quants.reshape(6, 32)).reshape(3, 2, 32)
+        np.testing.assert_array_equal(values(df, np.float32, (2, 3, 32)), want.transpose(1, 0, 2))
 
 
 def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):

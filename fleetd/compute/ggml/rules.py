@@ -18,6 +18,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
 from fleetd.wire.ggml import GluOp, UnaryOp, type_name
@@ -240,10 +242,14 @@ def glu(node, srcs, caps):
         need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
 
 
+HINT_SRC0_IS_HADAMARD = 1  # op_params[1] of MUL_MAT (ggml_mul_mat_set_hint)
+
+
 @rule(GgmlOp.MUL_MAT)
 def mul_mat(node, srcs, caps):
     # ggml_mul_mat: ggml_can_mul_mat(a, b), !transposed(a), result [a.ne1, b.ne1, b.ne2, b.ne3]
-    # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32 or that dot's own type.
+    # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32, that dot's own type, or f16/bf16
+    # widened into the f32 work buffer when the dot is f32's own.
     a, b = src(node, srcs, 0), src(node, srcs, 1)
     need(a.ne[0] == b.ne[0], node, srcs, "src0.ne0 != src1.ne0")
     need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, node, srcs, "src0 does not broadcast")
@@ -251,10 +257,23 @@ def mul_mat(node, srcs, caps):
     want = (a.ne[1], b.ne[1], b.ne[2], b.ne[3])
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
     need(node.type == F32, node, srcs, "result must be f32")
-    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
-    need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
     check_rows_packed(node, srcs, node, a, b)
     need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs, "result is permuted")
+    if node.op_params[1] == HINT_SRC0_IS_HADAMARD:
+        # The kernel skips src0 and runs a fast Walsh-Hadamard transform of each src1 row into
+        # the result row: ne10 floats per row, so the result rows must be that long.
+        need(a.type == F32 and b.type in (F32, F16), node, srcs, "hadamard: src0 f32, src1 f32/f16")
+        need(a.ne[1] == a.ne[0], node, srcs, "hadamard: src0 is not square")
+        n = b.ne[0]
+        need(n & (n - 1) == 0, node, srcs, f"hadamard: {n} is not a power of 2 (the kernel asserts)")
+        return
+    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
+    dot = caps.vec_dot_type[a.type]
+    widened = b.type in (F16, BF16) and dot == F32
+    need(b.type in (F32, dot) or widened, node, srcs, "src1 type not taken")
+    if b.type == GgmlType.Q8_K:
+        # the tiled K-quant kernel walks pre-quantized src1 rows as one flat list (r * nb1)
+        need(contiguous(b), node, srcs, "q8_K src1 must be contiguous")
 
 
 @rule(GgmlOp.MUL_MAT_ID)
@@ -273,6 +292,8 @@ def mul_mat_id(node, srcs, caps):
     need(node.type == F32, node, srcs, "result must be f32")
     need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
     need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
+    if b.type == GgmlType.Q8_K:  # the tiled kernel reads pre-quantized rows at (i11 + i12*ne11)*nb11
+        need(contiguous(b), node, srcs, "q8_K src1 must be contiguous")
     check_rows_packed(node, srcs, node, a, b, ids)
     return [IndexUse(ids, a.ne[2])]
 
@@ -311,7 +332,7 @@ def set_rows(node, srcs, caps):
 @rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT, strided=ANY_STRIDES)  # ops/dup walks any strides
 def copy(node, srcs, caps):
     # ggml_cpy/ggml_cont: same element count; ops/dup: float <-> float at any strides, same type
-    # bytes, f32 -> a quantized type into packed rows, quantized -> f32 packed.
+    # bytes (below), f32 -> a quantized type into packed rows, quantized -> f32 (below).
     a = src(node, srcs, 0)
     need(nelements(a) == nelements(node), node, srcs, "element counts differ")
     if node.op == GgmlOp.CONT:
@@ -320,22 +341,30 @@ def copy(node, srcs, caps):
     if not quant_a and not quant_d:
         need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS), node, srcs,
              "conversion not taken")
-    elif a.type == node.type or quant_d:
+    elif a.type == node.type:
+        # dup_bytes copies whole blocks (check_node: packed, whole): both contiguous in one
+        # memcpy, one shape row by row at each side's strides, a strided result block by block.
+        # What is left, a strided src0 of another shape into a contiguous result, copies
+        # ne00 * type_size bytes per row: blck_size times a row, past both tensors.
+        need(contiguous(a) or same_shape(a, node) or not contiguous(node), node, srcs,
+             "a strided quantized src0 of another shape into a contiguous result")
+    elif quant_d:
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
-        need(a.type == node.type or (a.type in FLOATS and node.type in caps.from_float),
-             node, srcs, "conversion not taken")
+        need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
-        if a.type == node.type:
-            need(contiguous(a), node, srcs, "quantized copy needs contiguous src0")
     else:
+        # dup_from_q: each block of src0 at its strides, dequantized into qk floats that run on
+        # from its element of the result: inside a row, or a contiguous result.
         need(node.type == F32 and a.type in caps.to_float, node, srcs, "conversion not taken")
-        need(contiguous(a) and contiguous(node), node, srcs, "dequantizing copy needs contiguous")
+        need(node.nb[0] == TYPE_TRAITS[F32].type_size, node, srcs, "result rows are not packed")
+        need(node.ne[0] % TYPE_TRAITS[a.type].blck_size == 0 or contiguous(node), node, srcs,
+             "result rows split a block and are not contiguous")
 
 
 TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16, GgmlType.F64})
 
 
-@rule(GgmlOp.ROPE)
+@rule(GgmlOp.ROPE, GgmlOp.ROPE_BACK)  # one kernel, run backwards for ROPE_BACK
 def rope(node, srcs, caps):
     # ggml_rope_impl: positions i32, one per token (4 for mrope); n_dims <= ne0; freq factors f32.
     a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
@@ -478,6 +507,97 @@ def sum_rows(node, srcs, caps):
     check_types(node, srcs, {F32}, {F32})
     need(tuple(node.ne) == (1, *a.ne[1:]), node, srcs, "result shape is not [1, ne1, ne2, ne3]")
     check_rows_packed(node, srcs, node, a)
+
+
+# unary-ops.cpp: same element type, or f16/bf16 in and f32 out
+UNARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16), (BF16, F32), (F16, F32)})
+
+
+@rule(GgmlOp.SQR, GgmlOp.SQRT, GgmlOp.LOG, GgmlOp.SIN, GgmlOp.COS)
+def elementwise(node, srcs, caps):
+    # rows at each side's strides, elements packed (check_node): any row layout
+    a = src(node, srcs, 0)
+    need((a.type, node.type) in UNARY_TYPES, node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.LEAKY_RELU)
+def leaky_relu(node, srcs, caps):
+    # walks rows as one flat list (i * nb1), like UNARY
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(rows_ascending(a) and rows_ascending(node), node, srcs, "row layout not taken")
+
+
+@rule(GgmlOp.SUM)
+def sum_all(node, srcs, caps):
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    need(tuple(node.ne) == (1, 1, 1, 1), node, srcs, "result is not a scalar")
+
+
+@rule(GgmlOp.CUMSUM)
+def cumsum(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.REPEAT)
+def repeat(node, srcs, caps):
+    # ggml_repeat(a, b): a's type in b's shape; copied row by row at both sides' strides
+    a = src(node, srcs, 0)
+    need(node.type == a.type and TYPE_TRAITS[a.type].blck_size == 1
+         and TYPE_TRAITS[a.type].type_size in (2, 4), node, srcs, "types not taken (2/4-byte)")
+    need(can_repeat(a, node), node, srcs, "src0 does not repeat into the result")
+
+
+@rule(GgmlOp.FILL)
+def fill(node, srcs, caps):
+    # the kernel picks the element type from src0 and writes the result's rows with it
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.ARANGE)
+def arange(node, srcs, caps):
+    # writes element i at i * 4 for i < ceil((stop - start) / step), asserting that count
+    need(node.type == F32 and contiguous(node), node, srcs, "result must be contiguous f32")
+    start, stop, step = (np.float32(f32_param(node, i)) for i in range(3))
+    with np.errstate(all="ignore"):
+        steps = np.ceil((stop - start) / step)
+    need(bool(np.isfinite(steps)) and steps == nelements(node), node, srcs,
+         f"result has {nelements(node)} elements, arange makes {steps}")
+
+
+@rule(GgmlOp.SET, GgmlOp.ACC)
+def set_acc(node, srcs, caps):
+    # ggml_set/ggml_acc(a, b, nb1, nb2, nb3, offset): the result is a (copied unless inplace),
+    # b written into (SET) or added to (ACC) the view of it the op_params describe.
+    a, b = src(node, srcs, 0), src(node, srcs, 1)
+    types = (F32,) if node.op == GgmlOp.ACC else (F32, I32)
+    need(node.type == a.type == b.type and a.type in types, node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(contiguous(node) and contiguous(a), node, srcs, "src0 and result must be contiguous")
+    *strides, offset = node.op_params[:4]
+    need(min(*strides, offset) >= 0, node, srcs, "negative view strides or offset")
+    # the last element of the view must end inside the result (the kernel's assert lets the
+    # view's last element start at its end)
+    size = TYPE_TRAITS[a.type].type_size
+    last = offset + sum((n - 1) * st for n, st in zip(b.ne, (size, *strides)))
+    need(last + size <= node.nbytes, node, srcs, "the view of src1 ends past the result")
+
+
+@rule(GgmlOp.GROUP_NORM)
+def group_norm(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    groups = node.op_params[0]
+    # groups 0 divides by zero; the channel arithmetic is 32-bit
+    need(0 < groups and groups + a.ne[2] < 1 << 31, node, srcs, f"{groups} groups")
 
 
 def index_producers(op: int) -> bool:
