@@ -40,6 +40,7 @@ ISSUE_OPS = [
     "XIELU", "FLOOR", "CEIL", "ROUND", "TRUNC", "SUM", "SUM_ROWS", "MEAN", "ARGMAX", "ARGSORT",
     "TOP_K", "CONCAT", "PAD", "CLAMP", "SQR", "SQRT", "LOG", "SIN", "COS", "REPEAT", "CUMSUM",
     "LEAKY_RELU", "GROUP_NORM", "SET", "ACC", "ARANGE", "FILL", "ROPE_BACK",
+    "MUL_MAT_HADAMARD",  # MUL_MAT with ggml_mul_mat_set_hint(GGML_HINT_SRC0_IS_HADAMARD)
     "MUL_MAT", "MUL_MAT_ID", "FLASH_ATTN_EXT",  # the long ones last
 ]
 MAX_ARGS_BYTES = 100_000  # one argv string stays under Linux's MAX_ARG_STRLEN (128 KiB)

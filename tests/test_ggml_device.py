@@ -257,6 +257,66 @@ def cpy_dequant_permuted(s, bad):
     return [s.g.cpy(a, raw(s, F32, a.ne))]
 
 
+def cpy_f32_i32(s, bad):
+    # f32 <-> i32 converts element by element at any strides; i32 -> f16 is no kernel
+    a = s.g.transpose(s.leaf(I32, (8, 2), np.arange(16, dtype=np.int32)))
+    return [s.g.cpy(a, s.leaf(F16 if bad else F32, (2, 8)))]
+
+
+def sqr_types(s, bad):
+    # unary-ops.cpp aborts on f32 -> f16
+    return [s.node(GgmlOp.SQR, F16 if bad else F32, (8, 2), [s.leaf(F32, (8, 2))])]
+
+
+def leaky_relu_type(s, bad):
+    # the kernel goes by src0's type: f32 rows written into f16 ones run past them
+    return [s.node(GgmlOp.LEAKY_RELU, F16 if bad else F32, (8, 2), [s.leaf(F32, (8, 2))], [f32_bits(0.1)])]
+
+
+def sum_type(s, bad):
+    return [s.node(GgmlOp.SUM, F16 if bad else F32, (1,), [s.leaf(F32, (8, 2))])]
+
+
+def cumsum_shape(s, bad):
+    return [s.node(GgmlOp.CUMSUM, F32, (8, 3 if bad else 2), [s.leaf(F32, (8, 2))])]
+
+
+def repeat_shape(s, bad):
+    return [s.node(GgmlOp.REPEAT, F32, (8, 2), [s.leaf(F32, (3 if bad else 4, 1))])]
+
+
+def fill_type(s, bad):
+    t = I32 if bad else F32
+    return [s.node(GgmlOp.FILL, t, (8, 2), [s.leaf(t, (8, 2), np.zeros(16, np.int32))], [f32_bits(2.5)])]
+
+
+def arange_count(s, bad):
+    return [s.node(GgmlOp.ARANGE, F32, (16 if bad else 8,), [], [f32_bits(0.0), f32_bits(8.0), f32_bits(1.0)])]
+
+
+def set_offset(s, bad):
+    # a 32-float result; the ggml kernel's assert lets the view's last element start at the
+    # result's end (offset 100 + 7 floats = 128) and writes 4 bytes past it
+    a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (8, 1))
+    return [s.node(GgmlOp.SET, F32, (8, 4), [a, b], [32, 128, 128, 100 if bad else 96, 0])]
+
+
+def acc_strides(s, bad):
+    a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (4, 2))
+    return [s.node(GgmlOp.ACC, F32, (8, 4), [a, b], [-32 if bad else 32, 128, 128, 16, 0])]
+
+
+def group_norm_groups(s, bad):
+    # 0 groups: ggml divides by it (SIGFPE)
+    return [s.node(GgmlOp.GROUP_NORM, F32, (4, 2, 6), [s.leaf(F32, (4, 2, 6))], [0 if bad else 3, f32_bits(1e-6)])]
+
+
+def rope_back_dims(s, bad):
+    pos = s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
+    params = [0, 16 if bad else 8, 2, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0]
+    return [s.node(GgmlOp.ROPE_BACK, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -269,7 +329,9 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
          soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
          mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
-         cpy_dequant_permuted, outside_buffer]
+         cpy_dequant_permuted, cpy_f32_i32, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
+         fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
+         outside_buffer]
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +406,10 @@ def test_relaxed_rules_compute_what_ggml_means(ggml_server):
         d8 = s.leaf(Q8_0, (32, 2, 3), q8_0_blocks(scales, quants))
         dp = permuted(s, d8, (0, 2, 1, 3))
         df = s.g.cpy(dp, raw(s, F32, dp.ne))
-        s.compute(y, hy, qc, df)
+        # i32 -> f32 from a transposed src0
+        iv = s.leaf(I32, (8, 2), np.arange(-8, 8, dtype=np.int32))
+        fi = s.g.cpy(s.g.transpose(iv), raw(s, F32, (2, 8)))
+        s.compute(y, hy, qc, df, fi)
 
         xw = (bf16_bits(xv).astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_allclose(values(y, np.float32, (3, 4)), xw @ values(w, np.float32, (4, 8)).T, rtol=1e-5, atol=1e-6)
@@ -354,6 +419,48 @@ def test_relaxed_rules_compute_what_ggml_means(ggml_server):
         assert (values(qc, np.uint8, (4, 2, 3, 144)) == blocks.transpose(0, 2, 1, 3)).all()
         want = (scales.astype(np.float32)[:, None] * quants.reshape(6, 32)).reshape(3, 2, 32)
         np.testing.assert_array_equal(values(df, np.float32, (2, 3, 32)), want.transpose(1, 0, 2))
+        np.testing.assert_array_equal(values(fi, np.float32, (8, 2)), np.arange(-8, 8).reshape(2, 8).T)
+
+
+def test_ops_with_new_rules_compute_what_numpy_says(ggml_server):
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+
+        def values(t: Tensor, shape) -> np.ndarray:
+            return np.frombuffer(c.get_tensor(t.rpc()), np.float32).reshape(shape)
+
+        a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (4, 2))
+        x = s.leaf(F32, (4, 2, 6))
+        nodes = {
+            "sqr": s.node(GgmlOp.SQR, F32, (8, 4), [a]),
+            "leaky": s.node(GgmlOp.LEAKY_RELU, F32, (8, 4), [a], [f32_bits(0.1)]),
+            "sum": s.node(GgmlOp.SUM, F32, (1,), [a]),
+            "cumsum": s.node(GgmlOp.CUMSUM, F32, (8, 4), [a]),
+            "repeat": s.node(GgmlOp.REPEAT, F32, (8, 4), [b]),
+            "fill": s.node(GgmlOp.FILL, F32, (8, 4), [a], [f32_bits(2.5)]),
+            "arange": s.node(GgmlOp.ARANGE, F32, (6,), [], [f32_bits(1.0), f32_bits(4.0), f32_bits(0.5)]),
+            # b into rows 1-2, from column 4 (nb1 = 32 bytes, offset = 32 + 16)
+            "set": s.node(GgmlOp.SET, F32, (8, 4), [a, b], [32, 128, 128, 48, 0]),
+            "acc": s.node(GgmlOp.ACC, F32, (8, 4), [a, b], [32, 128, 128, 48, 0]),
+            "group_norm": s.node(GgmlOp.GROUP_NORM, F32, (4, 2, 6), [x], [3, f32_bits(1e-6)]),
+        }
+        s.compute(*nodes.values())
+        av, bv, xv = values(a, (4, 8)), values(b, (2, 4)), values(x, (6, 2, 4))
+        got = {k: values(t, t.ne[::-1]).squeeze() for k, t in nodes.items()}
+        placed = av.copy()
+        placed[1:3, 4:8] = bv
+        added = av.copy()
+        added[1:3, 4:8] += bv
+        groups = xv.reshape(3, -1)
+        normed = (groups - groups.mean(1, keepdims=True)) / np.sqrt(groups.var(1, keepdims=True) + 1e-6)
+        want = {
+            "sqr": av * av, "leaky": np.where(av > 0, av, 0.1 * av), "sum": av.sum(),
+            "cumsum": np.cumsum(av, 1), "repeat": np.tile(bv, (2, 2)), "fill": np.full((4, 8), 2.5),
+            "arange": np.arange(1.0, 4.0, 0.5), "set": placed, "acc": added,
+            "group_norm": normed.reshape(6, 2, 4),
+        }
+        for k in nodes:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):

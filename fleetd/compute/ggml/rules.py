@@ -339,8 +339,8 @@ def copy(node, srcs, caps):
         need(contiguous(node), node, srcs, "result is not contiguous")
     quant_a, quant_d = a.type not in TYPE_NOT_QUANT, node.type not in TYPE_NOT_QUANT
     if not quant_a and not quant_d:
-        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS), node, srcs,
-             "conversion not taken")
+        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS)
+             or (a.type, node.type) in ((F32, I32), (I32, F32)), node, srcs, "conversion not taken")
     elif a.type == node.type:
         # dup_bytes copies whole blocks (check_node: packed, whole): both contiguous in one
         # memcpy, one shape row by row at each side's strides, a strided result block by block.
