@@ -274,7 +274,8 @@ def leaky_relu_type(s, bad):
 
 
 def sum_type(s, bad):
-    return [s.node(GgmlOp.SUM, F16 if bad else F32, (1,), [s.leaf(F32, (8, 2))])]
+    # a transposed src0 is summed as the stock server does; an f16 result of f32 is no kernel
+    return [s.node(GgmlOp.SUM, F16 if bad else F32, (1,), [s.g.transpose(s.leaf(F32, (8, 2)))])]
 
 
 def cumsum_shape(s, bad):
@@ -317,6 +318,14 @@ def rope_back_dims(s, bad):
     return [s.node(GgmlOp.ROPE_BACK, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
 
 
+def rope_mrope_sections(s, bad):
+    # the mrope cache takes i0/2 modulo the sections' sum: 1 + -1 divides by zero
+    pos = s.leaf(I32, (12,), np.arange(12, dtype=np.int32))
+    params = [0, 8, 8, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0,
+              1 if bad else 2, -1 if bad else 2, 0, 0]
+    return [s.node(GgmlOp.ROPE, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -331,6 +340,7 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
          cpy_dequant_permuted, cpy_f32_i32, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
          fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
+         rope_mrope_sections,
          outside_buffer]
 
 
@@ -461,6 +471,30 @@ def test_ops_with_new_rules_compute_what_numpy_says(ggml_server):
         }
         for k in nodes:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_rope_reads_freq_factors_past_n_dims_from_a_padded_copy(ggml_server):
+    # ggml's rope cache reads ne0/2 factors though ggml_rope_ext needs n_dims/2: with 4 factors
+    # at the very end of a buffer the kernel would read 48 bytes past it. It reads a padded
+    # copy, and the result is the one a tensor of all 16 factors gives (only 4 are used).
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+        a, pos = s.leaf(F32, (32, 2, 3)), s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
+        factors = s.rng.uniform(1, 4, 16).astype(np.float32)
+        long = s.leaf(F32, (16,), factors)
+        handle, _ = c.alloc_buffer(16)
+        short = s.g.place(s.g.tensor(F32, (4,)), handle, c.buffer_get_base(handle))
+        c.set_tensor(short.rpc(), factors[:4].tobytes())
+        params = [0, 8, 0, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0]
+        want = s.node(GgmlOp.ROPE, F32, a.ne, [a, pos, long], params)
+        got = s.node(GgmlOp.ROPE, F32, a.ne, [a, pos, short], params)
+        s.compute(want, got)
+        c.set_tensor(short.rpc(), (factors[:4] * 2).tobytes())
+        c.graph_recompute()  # the copy is refreshed before every run
+        twice = c.get_tensor(got.rpc())
+        c.set_tensor(long.rpc(), (factors * 2).tobytes())
+        s.compute(want)
+        assert c.get_tensor(got.rpc()) == twice == c.get_tensor(want.rpc())
 
 
 def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):

@@ -47,11 +47,20 @@ class IndexUse:
     bound: int
 
 
+@dataclass(frozen=True, slots=True)
+class PaddedRead:
+    """The kernel reads `nbytes` from `tensor`'s start, more than its view holds, and uses only
+    the view's part: it gets a private copy of the view padded to that size."""
+
+    tensor: RpcTensor
+    nbytes: int
+
+
 class Refused(UnsupportedOp):
     pass
 
 
-Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse] | None"]
+Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse | PaddedRead] | None"]
 RULES: dict[int, Rule] = {}
 # Tensors of a node (-1: the result, i: src i) that its kernel addresses element by element
 # through nb0. Every other tensor must have packed rows (nb0 == type size), as kernels assert.
@@ -212,16 +221,28 @@ def norm(node, srcs, caps):
     need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
 
 
+# ops.cpp's own gelu/silu kernels: f32, f16 or bf16 in and the same out
+SAME_TYPE_UNARY = frozenset({UnaryOp.GELU, UnaryOp.GELU_ERF, UnaryOp.GELU_QUICK, UnaryOp.SILU})
+
+
 @rule(GgmlOp.UNARY)
 def unary(node, srcs, caps):
     a = src(node, srcs, 0)
-    need(0 <= node.op_params[0] < len(UnaryOp), node, srcs, f"unary op {node.op_params[0]}")
-    need(node.type == a.type == F32, node, srcs, "types not taken (f32 only)")
+    op = node.op_params[0]
+    need(0 <= op < len(UnaryOp), node, srcs, f"unary op {op}")
+    if op in SAME_TYPE_UNARY:
+        need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    else:  # unary-ops.cpp
+        need((a.type, node.type) in UNARY_TYPES, node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    # gelu/silu & co walk rows as one flat list (i*nb1): fine when the layout only grows;
-    # xielu asserts contiguous_1
-    packed = contiguous_from if node.op_params[0] == UnaryOp.XIELU else rows_ascending
-    need(packed(a, 1) and packed(node, 1), node, srcs, "row layout not taken")
+    # rows at each side's strides, elements packed (check_node); xielu asserts contiguous_1
+    if op == UnaryOp.XIELU:
+        need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "row layout not taken")
+
+
+# the kernels each GLU op has (the rest: f32, f16)
+GLU_TYPES = {GluOp.SWIGLU_OAI: (F32,), **{op: (F32, F16, BF16) for op in (
+    GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.GEGLU_ERF, GluOp.GEGLU_QUICK)}}
 
 
 @rule(GgmlOp.GLU)
@@ -229,9 +250,8 @@ def glu(node, srcs, caps):
     # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
     a, b = src(node, srcs, 0), opt_src(srcs, 1)
     need(0 <= node.op_params[0] < len(GluOp), node, srcs, f"glu op {node.op_params[0]}")
-    f16_ok = node.op_params[0] != GluOp.SWIGLU_OAI  # f32 only
-    need(node.type == a.type and (a.type == F32 or (a.type == F16 and f16_ok)), node, srcs,
-         "types not taken")
+    types = GLU_TYPES.get(node.op_params[0], (F32, F16))
+    need(node.type == a.type and a.type in types, node, srcs, "types not taken")
     need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
     if b is not None:
         need(same_shape(a, b) and b.type == a.type, node, srcs, "src1 differs from src0")
@@ -366,20 +386,40 @@ TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16,
 
 @rule(GgmlOp.ROPE, GgmlOp.ROPE_BACK)  # one kernel, run backwards for ROPE_BACK
 def rope(node, srcs, caps):
-    # ggml_rope_impl: positions i32, one per token (4 for mrope); n_dims <= ne0; freq factors f32.
+    # ggml_rope_impl / ggml_rope_multi: positions i32, one per token (4 for the mrope modes);
+    # n_dims <= ne0; freq factors f32, n_dims/2 of them.
     a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
     n_dims, mode, n_offs = node.op_params[1], node.op_params[2], node.op_params[15]
-    need(mode in (0, 2), node, srcs, f"rope mode {mode} (normal and neox only)")
+    need(mode in ROPE_MODES, node, srcs, f"rope mode {mode}")
     need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, node, srcs, f"n_dims {n_dims}")
     need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs,
          f"n_offs {n_offs}")
     need(pos.type == I32 and pos.ne[1:] == (1, 1, 1), node, srcs, "positions must be i32 vector")
-    need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
-    if freq is not None:
-        need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
+    if mode & ROPE_MROPE:
+        need(pos.ne[0] >= 4 * a.ne[2], node, srcs, "four positions per token (4 * src0.ne2)")
+        sections = node.op_params[11:15]
+        # the cache takes i0/2 modulo their sum: a zero sum divides by zero
+        need(min(sections) >= 0 and 0 < sum(sections) <= a.ne[0], node, srcs,
+             f"sections {list(sections)}")
+        if mode == ROPE_VISION:
+            need(2 * n_dims == a.ne[0] and n_offs == 0, node, srcs, "vision: n_dims = ne0/2, no offset")
+    else:
+        need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
     need(a.type in (F32, F16) and node.type == a.type, node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a, pos)
+    if freq is not None:
+        need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
+        # the rope cache reads a factor for every pair of ne0, of which only the first n_dims/2
+        # are used: the kernel gets a copy padded to ne0/2 factors
+        wanted = (a.ne[0] + 1) // 2 * 4
+        if freq.nbytes < wanted:
+            return [PaddedRead(freq, wanted)]
+    return None
+
+
+ROPE_MROPE, ROPE_VISION = 8, 24
+ROPE_MODES = (0, 2, ROPE_MROPE, ROPE_VISION, 40)  # normal, neox, mrope, vision, imrope
 
 
 @rule(GgmlOp.SOFT_MAX)
@@ -450,11 +490,14 @@ def argmax(node, srcs, caps):
 
 @rule(GgmlOp.CONCAT, strided=ANY_STRIDES)
 def concat(node, srcs, caps):
-    # ggml_concat: 4-byte elements, same type; dims equal except `dim`, which adds up
+    # ggml_concat: one type; dims equal except `dim`, which adds up. 1/2/4-byte elements are
+    # copied one by one at any strides; any other type row by row (packed rows, whole blocks).
     a, b, dim = src(node, srcs, 0), src(node, srcs, 1), node.op_params[0]
     need(0 <= dim < 4, node, srcs, f"dim {dim}")
-    need(a.type == b.type == node.type and TYPE_TRAITS[a.type].type_size == 4
-         and TYPE_TRAITS[a.type].blck_size == 1, node, srcs, "types not taken (4-byte elements)")
+    need(a.type == b.type == node.type, node, srcs, "types differ")
+    tr = TYPE_TRAITS[a.type]
+    if tr.blck_size > 1 or tr.type_size not in (1, 2, 4):
+        check_rows_packed(node, srcs, node, a, b)
     want = tuple(a.ne[i] + b.ne[i] if i == dim else a.ne[i] for i in range(4))
     need(all(a.ne[i] == b.ne[i] for i in range(4) if i != dim), node, srcs, "src shapes differ")
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
@@ -530,10 +573,13 @@ def leaky_relu(node, srcs, caps):
     need(rows_ascending(a) and rows_ascending(node), node, srcs, "row layout not taken")
 
 
-@rule(GgmlOp.SUM)
+@rule(GgmlOp.SUM, strided=(0,))
 def sum_all(node, srcs, caps):
+    # sums ne0 packed elements from each row's start whatever nb0 says (as the stock server):
+    # inside the view while nb0 >= the element size
     a = src(node, srcs, 0)
     need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    need(a.nb[0] >= TYPE_TRAITS[a.type].type_size, node, srcs, "src0 elements overlap")
     need(tuple(node.ne) == (1, 1, 1, 1), node, srcs, "result is not a scalar")
 
 
@@ -605,8 +651,9 @@ def index_producers(op: int) -> bool:
     return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
 
 
-def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
-    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads."""
+def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse | PaddedRead]:
+    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads
+    and the reads past a view it needs padded."""
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
