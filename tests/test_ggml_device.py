@@ -326,6 +326,23 @@ def rope_mrope_sections(s, bad):
     return [s.node(GgmlOp.ROPE, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
 
 
+def unary_f16(s, bad):
+    # gelu's f16 kernel writes f16: an f32 result is no kernel
+    x = s.leaf(F16, (8, 2))
+    return [s.node(GgmlOp.UNARY, F32 if bad else F16, (8, 2), [x], [8])]  # 8: GELU
+
+
+def glu_bf16(s, bad):
+    # swiglu has a bf16 kernel, swiglu_oai none
+    x = s.leaf(BF16, (8, 2), bf16_bits(s.rng.standard_normal(16)))
+    return [s.node(GgmlOp.GLU, BF16, (4, 2), [x], [3 if bad else 2, 0])]
+
+
+def concat_f16(s, bad):
+    b = s.leaf(F32 if bad else F16, (8, 3))
+    return [s.node(GgmlOp.CONCAT, F16, (8, 5), [s.leaf(F16, (8, 2)), b], [1])]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -340,7 +357,7 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
          cpy_dequant_permuted, cpy_f32_i32, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
          fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
-         rope_mrope_sections,
+         rope_mrope_sections, unary_f16, glu_bf16, concat_f16,
          outside_buffer]
 
 
