@@ -343,6 +343,12 @@ def concat_f16(s, bad):
     return [s.node(GgmlOp.CONCAT, F16, (8, 5), [s.leaf(F16, (8, 2)), b], [1])]
 
 
+def clamp_f16(s, bad):
+    # f16 rows clamped into f16; into f32 the kernel would write f16 (no kernel for it)
+    x = s.leaf(F16, (8, 2))
+    return [s.node(GgmlOp.CLAMP, F32 if bad else F16, (8, 2), [x], [f32_bits(-0.5), f32_bits(0.5)])]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -357,7 +363,7 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
          cpy_dequant_permuted, cpy_f32_i32, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
          fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
-         rope_mrope_sections, unary_f16, glu_bf16, concat_f16,
+         rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16,
          outside_buffer]
 
 

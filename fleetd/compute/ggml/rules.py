@@ -467,9 +467,10 @@ def flash_attn_ext(node, srcs, caps):
 
 @rule(GgmlOp.CLAMP)
 def clamp(node, srcs, caps):
-    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous
+    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous;
+    # f32 or f16 by src0's type, written as that type
     a = src(node, srcs, 0)
-    check_types(node, srcs, {F32}, {F32})
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
