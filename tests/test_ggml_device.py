@@ -427,6 +427,8 @@ def test_relaxed_rules_compute_what_ggml_means(ggml_server):
         w, xv = s.leaf(F32, (8, 4)), s.rng.standard_normal((3, 8)).astype(np.float32)
         x = s.leaf(BF16, (8, 3), bf16_bits(xv))
         y = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x])
+        x16 = s.leaf(F16, (8, 3))  # f16 is widened the same way
+        y16 = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x16])
         # the hadamard hint: a transform of src1's rows, equal to the product with src0
         h, hx = s.leaf(F32, (16, 16), hadamard(16)), s.leaf(F32, (16, 3))
         hy = s.node(GgmlOp.MUL_MAT, F32, (16, 3), [h, hx], [0, HADAMARD])
@@ -442,10 +444,13 @@ def test_relaxed_rules_compute_what_ggml_means(ggml_server):
         # i32 -> f32 from a transposed src0
         iv = s.leaf(I32, (8, 2), np.arange(-8, 8, dtype=np.int32))
         fi = s.g.cpy(s.g.transpose(iv), raw(s, F32, (2, 8)))
-        s.compute(y, hy, qc, df, fi)
+        s.compute(y, y16, hy, qc, df, fi)
 
         xw = (bf16_bits(xv).astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_allclose(values(y, np.float32, (3, 4)), xw @ values(w, np.float32, (4, 8)).T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values(y16, np.float32, (3, 4)),
+                                   values(x16, np.float16, (3, 8)).astype(np.float32) @ values(w, np.float32, (4, 8)).T,
+                                   rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(values(hy, np.float32, (3, 16)), values(hx, np.float32, (3, 16)) @ hadamard(16).T,
                                    rtol=1e-5, atol=1e-5)
         blocks = values(q, np.uint8, (4, 3, 2, 144))
