@@ -263,6 +263,14 @@ def cpy_f32_i32(s, bad):
     return [s.g.cpy(a, s.leaf(F16 if bad else F32, (2, 8)))]
 
 
+def cont_dequant(s, bad):
+    # ggml's dequantizing copy reads the result's layout from src1: a CONT has none
+    a = s.leaf(Q8_0, (32, 2), q8_0_blocks(np.ones(2, np.float16), np.arange(64) - 32))
+    if bad:
+        return [s.node(GgmlOp.CONT, F32, (32, 2), [a])]
+    return [s.g.cpy(a, raw(s, F32, (32, 2)))]
+
+
 def sqr_types(s, bad):
     # unary-ops.cpp aborts on f32 -> f16
     return [s.node(GgmlOp.SQR, F16 if bad else F32, (8, 2), [s.leaf(F32, (8, 2))])]
@@ -361,7 +369,7 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
          soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
          mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
-         cpy_dequant_permuted, cpy_f32_i32, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
+         cpy_dequant_permuted, cpy_f32_i32, cont_dequant, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
          fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
          rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16,
          outside_buffer]
@@ -639,7 +647,7 @@ def test_concurrent_sessions_do_not_leak(ggml_server):
 # -- against the stock server -------------------------------------------------------------------
 
 STOCK_KILLERS = [mul_mat_shape, mul_mat_type, op_past_enum, get_rows_range, group_norm_groups,
-                 rope_mrope_sections]  # the last two: integer division by zero (SIGFPE)
+                 rope_mrope_sections, cont_dequant]  # SIGFPE (division by zero) x2, SIGSEGV
 
 
 @pytest.mark.stock

@@ -374,7 +374,13 @@ def copy(node, srcs, caps):
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
     else:
         # dup_from_q: each block of src0 at its strides, dequantized into qk floats that run on
-        # from its element of the result: inside a row, or a contiguous result.
+        # from its element of the result: inside a row, or a contiguous result. It takes the
+        # result's shape and strides from src1 (ggml_cpy's b, which the result views): CONT or
+        # DUP have none (a NULL read).
+        target = opt_src(srcs, 1)
+        need(target is not None and tuple(target.ne) == tuple(node.ne)
+             and tuple(target.nb) == tuple(node.nb), node, srcs,
+             "dequantizing copy needs src1 of the result's shape and strides")
         need(node.type == F32 and a.type in caps.to_float, node, srcs, "conversion not taken")
         need(node.nb[0] == TYPE_TRAITS[F32].type_size, node, srcs, "result rows are not packed")
         need(node.ne[0] % TYPE_TRAITS[a.type].blck_size == 0 or contiguous(node), node, srcs,
