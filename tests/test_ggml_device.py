@@ -365,14 +365,13 @@ def outside_buffer(s, bad):
 
 
 CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_inside_argsort,
-         ids_rewritten_before_use, op_past_enum, op_without_rule,
-         add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
-         soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
-         mul_mat_bf16_src1, mul_mat_hadamard, mul_mat_q8_k_src1, cpy_quant_permuted,
-         cpy_dequant_permuted, cpy_f32_i32, cont_dequant, sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape,
-         fill_type, arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
-         rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16,
-         outside_buffer]
+         ids_rewritten_before_use, op_past_enum, op_without_rule, add_repeat, mul_result_shape,
+         rms_norm_type, get_rows_range, set_rows_range, rope_dims, soft_max_mask, flash_attn_kv,
+         glu_shape, unary_op, cpy_count, cpy_quant_block, mul_mat_bf16_src1, mul_mat_hadamard,
+         mul_mat_q8_k_src1, cpy_quant_permuted, cpy_dequant_permuted, cpy_f32_i32, cont_dequant,
+         sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape, fill_type,
+         arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
+         rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16, outside_buffer]
 
 
 @pytest.fixture(scope="module")

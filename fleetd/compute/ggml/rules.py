@@ -10,6 +10,12 @@ rule only reads and writes inside its tensors' views.
 Index tensors (GET_ROWS, SET_ROWS, MUL_MAT_ID) are the one data-dependent case: the kernels assert
 every index is in range. A rule names them with `needs_indices`; the device checks their values
 before every compute (or proves them in range when ARGSORT/TOP_K of this graph made them).
+A kernel that reads past a view and uses only the view's part (ROPE's freq factors) names it
+with `PaddedRead`: the device hands it a padded private copy.
+
+Where a kernel computes a case right, the rule takes it even when ggml's builder never makes it
+(test-backend-ops compares with those kernels); where ggml's own assert lets a kernel write past
+a view (SET's last element), the rule is the stricter one.
 """
 
 from __future__ import annotations
