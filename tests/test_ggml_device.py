@@ -532,6 +532,56 @@ def test_rope_reads_freq_factors_past_n_dims_from_a_padded_copy(ggml_server):
         assert c.get_tensor(got.rpc()) == twice == c.get_tensor(want.rpc())
 
 
+def test_copies_the_rules_take_never_write_outside_their_result(ggml_server):
+    # Seeded random same-type block copies and dequantizing copies, permuted, reshaped, gapped:
+    # whatever the rules let through must leave every byte of the result's buffer outside the
+    # result's extent as it was.
+    rng = np.random.default_rng(11)
+    ep, taken, size, at = endpoint(ggml_server), 0, 1 << 16, 8192
+
+    def view(s, t, ne, nb):
+        return s.g.view_of(t, ne, nb, 0)
+
+    for _ in range(60):
+        with RpcClient(ep).open() as c:
+            s = Slab(c)
+            kind = rng.choice(["same", "dequant"])
+            qtype = Q4_K if kind == "same" and rng.random() < 0.5 else Q8_0
+            blck = 256 if qtype == Q4_K else 32
+            ne = (blck * int(rng.integers(1, 3)), *(int(n) for n in rng.integers(1, 4, 3)))
+            a = raw(s, qtype, ne)
+            if rng.random() < 0.6:
+                a = permuted(s, a, (0, *(int(i) + 1 for i in rng.permutation(3))))
+            dtype = qtype if kind == "same" else F32
+            handle, _ = c.alloc_buffer(size)
+            base = c.buffer_get_base(handle)
+            whole = s.g.place(s.g.tensor(GgmlType.I8, (size,)), handle, base)
+            c.set_tensor(whole.rpc(), np.full(size, 0xAB, np.uint8).tobytes())
+            n = int(np.prod(a.ne))
+            # the source's shape, rows of one block, or (dequantizing) rows of half a block
+            row = rng.choice([blck, blck // 2] if kind == "dequant" else [blck])
+            shape = a.ne if rng.random() < 0.5 else (int(row), n // int(row))
+            dst = s.g.place(s.g.tensor(dtype, shape), handle, base + at)
+            layout = rng.choice(["contiguous", "permuted", "gapped"])
+            if layout == "permuted":
+                dst = permuted(s, dst, (0, 2, 1, 3))
+            elif layout == "gapped":
+                nb1 = dst.nb[1] + dst.nb[0]  # one element (block) between rows
+                dst = view(s, dst, dst.ne, (dst.nb[0], nb1, nb1 * dst.ne[1], nb1 * dst.ne[1] * dst.ne[2]))
+            node = s.g.cpy(a, dst)
+            try:
+                s.compute(node)
+                after = np.frombuffer(c.get_tensor(whole.rpc()), np.uint8)
+            except (PeerClosed, TransportError, ConnectionError):
+                continue  # refused: this connection closed
+            taken += 1
+            lo, hi = at, at + node.nbytes
+            outside = np.r_[after[:lo], after[hi:]]
+            assert (outside == 0xAB).all(), (kind, qtype, a.ne, a.nb, node.ne, node.nb)
+    assert 20 <= taken < 60, f"{taken} of 60 copies were taken"
+    assert send(ep, cpy_count, bad=False)
+
+
 def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):
     assert type(make_device("numpy")).__name__ == "NumpyDevice"
     monkeypatch.setenv("FLEETD_GGML_LIB_DIR", str(tmp_path))  # no libraries there
