@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything CI runs, then every test-backend-ops case of the supported ops against fleetd
-# (scripts/backend_ops.py, about 60 min on two cores; FLASH_ATTN_EXT alone is half of it),
+# (scripts/backend_ops.py, about 22 min on two busy cores on the ggml device, 60 with --device numpy),
 # which rewrites docs/op-coverage.md. Extra arguments go to backend_ops.py
 # (e.g. --servers fleetd,stock for the stock column as well).
 set -euo pipefail

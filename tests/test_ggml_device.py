@@ -39,6 +39,8 @@ except OSError as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"ggml libraries: {exc}", allow_module_level=True)
 
 F32, F16, I32, I64, Q8_0 = GgmlType.F32, GgmlType.F16, GgmlType.I32, GgmlType.I64, GgmlType.Q8_0
+BF16, Q4_K, Q8_K = GgmlType.BF16, GgmlType.Q4_K, GgmlType.Q8_K
+HADAMARD = 1  # MUL_MAT op_params[1]: ggml_mul_mat_set_hint(GGML_HINT_SRC0_IS_HADAMARD)
 
 
 class Slab:
@@ -119,7 +121,7 @@ def op_past_enum(s, bad):
 
 
 def op_without_rule(s, bad):
-    return [s.node(GgmlOp.SQR if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
+    return [s.node(GgmlOp.POOL_1D if bad else GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])]
 
 
 def add_repeat(s, bad):
@@ -184,6 +186,178 @@ def cpy_quant_block(s, bad):
     return [s.g.cpy(s.leaf(F32, (16 if bad else 32, 1)), dst)]
 
 
+def raw(s, type_, ne) -> Tensor:
+    """A leaf of seeded bytes (quantized blocks: the kernels only move or read them)."""
+    t = s.place(s.g.tensor(type_, ne))
+    s.client.set_tensor(t.rpc(), s.rng.integers(0, 256, t.nbytes, np.uint8).tobytes())
+    return t
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def mul_mat_bf16_src1(s, bad):
+    # f32 weights' dot is f32's own: bf16 src1 is widened into it; f16 weights dot with f16,
+    # and their kernel has no bf16 conversion of src1
+    w = s.leaf(F16 if bad else F32, (8, 4))
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, s.leaf(BF16, (8, 3), bf16_bits(s.rng.standard_normal(24)))])]
+
+
+def hadamard(n: int) -> np.ndarray:
+    """What GGML_HINT_SRC0_IS_HADAMARD says src0 holds: (-1)^popcount(r & c) / sqrt(n)."""
+    r, c = np.indices((n, n))
+    parity = np.vectorize(lambda v: bin(v).count("1") & 1)(r & c)
+    return np.where(parity == 0, 1.0, -1.0).astype(np.float32) / np.sqrt(n, dtype=np.float32)
+
+
+def mul_mat_hadamard(s, bad):
+    # the hinted kernel writes ne10 floats per result row: a one-row src0 leaves rows of one
+    w = s.leaf(F32, (16, 1)) if bad else s.leaf(F32, (16, 16), hadamard(16))
+    return [s.node(GgmlOp.MUL_MAT, F32, (w.ne[1], 3), [w, s.leaf(F32, (16, 3))], [0, HADAMARD])]
+
+
+def mul_mat_q8_k_src1(s, bad):
+    # q4_K weights dot with q8_K; the tiled kernel (src1 rows >= 8) reads q8_K rows at r * nb1
+    # over all 32 rows: a broadcast src1 (nb2 = 0) holds 8
+    x = raw(s, Q8_K, (256, 8, 4))
+    if bad:
+        x = s.g.view_of(x, (256, 8, 4), (x.nb[0], x.nb[1], 0, 0), 0)
+    return [s.node(GgmlOp.MUL_MAT, F32, (4, 8, 4), [raw(s, Q4_K, (256, 4)), x])]
+
+
+def permuted(s, t: Tensor, axes) -> Tensor:
+    """ggml_permute(t, *axes): dim i of t becomes dim axes[i]."""
+    ne, nb = [0] * 4, [0] * 4
+    for i, j in enumerate(axes):
+        ne[j], nb[j] = t.ne[i], t.nb[i]
+    return s.g.view_of(t, ne, nb, 0, GgmlOp.PERMUTE)
+
+
+def cpy_quant_permuted(s, bad):
+    # same-type q4_K, permuted src0: copied row by row when the shapes match; into a
+    # contiguous result of another shape ggml would copy 256x a row per row
+    a = permuted(s, raw(s, Q4_K, (256, 2, 3, 4)), (0, 2, 1, 3))
+    return [s.g.cpy(a, raw(s, Q4_K, (256, 6, 4) if bad else a.ne))]
+
+
+def q8_0_blocks(scales: np.ndarray, quants: np.ndarray) -> np.ndarray:
+    """q8_0 bytes: per block an f16 scale, then 32 int8."""
+    blocks = np.zeros(len(scales), np.dtype([("d", "<f2"), ("qs", "i1", 32)]))
+    blocks["d"], blocks["qs"] = scales, quants.reshape(-1, 32)
+    return blocks.view(np.uint8)
+
+
+def cpy_dequant_permuted(s, bad):
+    # q8_0 -> f32 from a permuted src0; each block lands as 32 floats from its element on:
+    # rows of 16 with a gap after each would take a block's second half past its row
+    if bad:
+        dst = raw(s, F32, (16, 13))
+        return [s.g.cpy(raw(s, Q8_0, (32, 6)), s.g.view_of(dst, (16, 12), (4, 68, 816, 816), 0))]
+    a = permuted(s, raw(s, Q8_0, (32, 2, 3)), (0, 2, 1, 3))
+    return [s.g.cpy(a, raw(s, F32, a.ne))]
+
+
+def cpy_f32_i32(s, bad):
+    # f32 <-> i32 converts element by element at any strides; i32 -> f16 is no kernel
+    a = s.g.transpose(s.leaf(I32, (8, 2), np.arange(16, dtype=np.int32)))
+    return [s.g.cpy(a, s.leaf(F16 if bad else F32, (2, 8)))]
+
+
+def cont_dequant(s, bad):
+    # ggml's dequantizing copy reads the result's layout from src1: a CONT has none
+    a = s.leaf(Q8_0, (32, 2), q8_0_blocks(np.ones(2, np.float16), np.arange(64) - 32))
+    if bad:
+        return [s.node(GgmlOp.CONT, F32, (32, 2), [a])]
+    return [s.g.cpy(a, raw(s, F32, (32, 2)))]
+
+
+def sqr_types(s, bad):
+    # unary-ops.cpp aborts on f32 -> f16
+    return [s.node(GgmlOp.SQR, F16 if bad else F32, (8, 2), [s.leaf(F32, (8, 2))])]
+
+
+def leaky_relu_type(s, bad):
+    # the kernel goes by src0's type: f32 rows written into f16 ones run past them
+    return [s.node(GgmlOp.LEAKY_RELU, F16 if bad else F32, (8, 2), [s.leaf(F32, (8, 2))], [f32_bits(0.1)])]
+
+
+def sum_type(s, bad):
+    # a transposed src0 is summed as the stock server does; an f16 result of f32 is no kernel
+    return [s.node(GgmlOp.SUM, F16 if bad else F32, (1,), [s.g.transpose(s.leaf(F32, (8, 2)))])]
+
+
+def cumsum_shape(s, bad):
+    return [s.node(GgmlOp.CUMSUM, F32, (8, 3 if bad else 2), [s.leaf(F32, (8, 2))])]
+
+
+def repeat_shape(s, bad):
+    return [s.node(GgmlOp.REPEAT, F32, (8, 2), [s.leaf(F32, (3 if bad else 4, 1))])]
+
+
+def fill_type(s, bad):
+    t = I32 if bad else F32
+    return [s.node(GgmlOp.FILL, t, (8, 2), [s.leaf(t, (8, 2), np.zeros(16, np.int32))], [f32_bits(2.5)])]
+
+
+def arange_count(s, bad):
+    return [s.node(GgmlOp.ARANGE, F32, (16 if bad else 8,), [], [f32_bits(0.0), f32_bits(8.0), f32_bits(1.0)])]
+
+
+def set_offset(s, bad):
+    # a 32-float result; the ggml kernel's assert lets the view's last element start at the
+    # result's end (offset 100 + 7 floats = 128) and writes 4 bytes past it
+    a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (8, 1))
+    return [s.node(GgmlOp.SET, F32, (8, 4), [a, b], [32, 128, 128, 100 if bad else 96, 0])]
+
+
+def acc_strides(s, bad):
+    a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (4, 2))
+    return [s.node(GgmlOp.ACC, F32, (8, 4), [a, b], [-32 if bad else 32, 128, 128, 16, 0])]
+
+
+def group_norm_groups(s, bad):
+    # 0 groups: ggml divides by it (SIGFPE)
+    return [s.node(GgmlOp.GROUP_NORM, F32, (4, 2, 6), [s.leaf(F32, (4, 2, 6))], [0 if bad else 3, f32_bits(1e-6)])]
+
+
+def rope_back_dims(s, bad):
+    pos = s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
+    params = [0, 16 if bad else 8, 2, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0]
+    return [s.node(GgmlOp.ROPE_BACK, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
+
+
+def rope_mrope_sections(s, bad):
+    # the mrope cache takes i0/2 modulo the sections' sum: 1 + -1 divides by zero
+    pos = s.leaf(I32, (12,), np.arange(12, dtype=np.int32))
+    params = [0, 8, 8, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0,
+              1 if bad else 2, -1 if bad else 2, 0, 0]
+    return [s.node(GgmlOp.ROPE, F32, (8, 2, 3), [s.leaf(F32, (8, 2, 3)), pos], params)]
+
+
+def unary_f16(s, bad):
+    # gelu's f16 kernel writes f16: an f32 result is no kernel
+    x = s.leaf(F16, (8, 2))
+    return [s.node(GgmlOp.UNARY, F32 if bad else F16, (8, 2), [x], [8])]  # 8: GELU
+
+
+def glu_bf16(s, bad):
+    # swiglu has a bf16 kernel, swiglu_oai none
+    x = s.leaf(BF16, (8, 2), bf16_bits(s.rng.standard_normal(16)))
+    return [s.node(GgmlOp.GLU, BF16, (4, 2), [x], [3 if bad else 2, 0])]
+
+
+def concat_f16(s, bad):
+    b = s.leaf(F32 if bad else F16, (8, 3))
+    return [s.node(GgmlOp.CONCAT, F16, (8, 5), [s.leaf(F16, (8, 2)), b], [1])]
+
+
+def clamp_f16(s, bad):
+    # f16 rows clamped into f16; into f32 the kernel would write f16 (no kernel for it)
+    x = s.leaf(F16, (8, 2))
+    return [s.node(GgmlOp.CLAMP, F32 if bad else F16, (8, 2), [x], [f32_bits(-0.5), f32_bits(0.5)])]
+
+
 def outside_buffer(s, bad):
     node = s.node(GgmlOp.SCALE, F32, (8,), [s.leaf(F32, (8,))], [f32_bits(2.0)])
     if bad:
@@ -192,10 +366,13 @@ def outside_buffer(s, bad):
 
 
 CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_inside_argsort,
-         ids_rewritten_before_use, op_past_enum, op_without_rule,
-         add_repeat, mul_result_shape, rms_norm_type, get_rows_range, set_rows_range, rope_dims,
-         soft_max_mask, flash_attn_kv, glu_shape, unary_op, cpy_count, cpy_quant_block,
-         outside_buffer]
+         ids_rewritten_before_use, op_past_enum, op_without_rule, add_repeat, mul_result_shape,
+         rms_norm_type, get_rows_range, set_rows_range, rope_dims, soft_max_mask, flash_attn_kv,
+         glu_shape, unary_op, cpy_count, cpy_quant_block, mul_mat_bf16_src1, mul_mat_hadamard,
+         mul_mat_q8_k_src1, cpy_quant_permuted, cpy_dequant_permuted, cpy_f32_i32, cont_dequant,
+         sqr_types, leaky_relu_type, sum_type, cumsum_shape, repeat_shape, fill_type,
+         arange_count, set_offset, acc_strides, group_norm_groups, rope_back_dims,
+         rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16, outside_buffer]
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +421,166 @@ def test_results_are_ggml_kernels(ggml_server):
         c.graph_recompute()  # the stored ggml graph, new input bytes
         got = np.frombuffer(c.get_tensor(y.rpc()), np.float32).reshape(3, 4)
         np.testing.assert_allclose(got, np.ones((3, 8), np.float32) @ wv.T, rtol=1e-5)
+
+
+def test_relaxed_rules_compute_what_ggml_means(ggml_server):
+    # The cases the rules used to refuse though the stock server computes them right.
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+
+        def values(t: Tensor, dtype, shape) -> np.ndarray:
+            return np.frombuffer(c.get_tensor(t.rpc()), dtype).reshape(shape)
+
+        # f32 x bf16: src1 widened to f32
+        w, xv = s.leaf(F32, (8, 4)), s.rng.standard_normal((3, 8)).astype(np.float32)
+        x = s.leaf(BF16, (8, 3), bf16_bits(xv))
+        y = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x])
+        x16 = s.leaf(F16, (8, 3))  # f16 is widened the same way
+        y16 = s.node(GgmlOp.MUL_MAT, F32, (4, 3), [w, x16])
+        # the hadamard hint: a transform of src1's rows, equal to the product with src0
+        h, hx = s.leaf(F32, (16, 16), hadamard(16)), s.leaf(F32, (16, 3))
+        hy = s.node(GgmlOp.MUL_MAT, F32, (16, 3), [h, hx], [0, HADAMARD])
+        # same-type q4_K from a permuted src0, block bytes moved as they are
+        q = raw(s, Q4_K, (256, 2, 3, 4))
+        qp = permuted(s, q, (0, 2, 1, 3))
+        qc = s.g.cpy(qp, raw(s, Q4_K, qp.ne))
+        # q8_0 -> f32 from a permuted src0
+        scales, quants = s.rng.uniform(0.5, 2, 6).astype(np.float16), s.rng.integers(-127, 128, 192)
+        d8 = s.leaf(Q8_0, (32, 2, 3), q8_0_blocks(scales, quants))
+        dp = permuted(s, d8, (0, 2, 1, 3))
+        df = s.g.cpy(dp, raw(s, F32, dp.ne))
+        # i32 -> f32 from a transposed src0
+        iv = s.leaf(I32, (8, 2), np.arange(-8, 8, dtype=np.int32))
+        fi = s.g.cpy(s.g.transpose(iv), raw(s, F32, (2, 8)))
+        s.compute(y, y16, hy, qc, df, fi)
+
+        xw = (bf16_bits(xv).astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_allclose(values(y, np.float32, (3, 4)), xw @ values(w, np.float32, (4, 8)).T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values(y16, np.float32, (3, 4)),
+                                   values(x16, np.float16, (3, 8)).astype(np.float32) @ values(w, np.float32, (4, 8)).T,
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(values(hy, np.float32, (3, 16)), values(hx, np.float32, (3, 16)) @ hadamard(16).T,
+                                   rtol=1e-5, atol=1e-5)
+        blocks = values(q, np.uint8, (4, 3, 2, 144))
+        assert (values(qc, np.uint8, (4, 2, 3, 144)) == blocks.transpose(0, 2, 1, 3)).all()
+        want = (scales.astype(np.float32)[:, None] * quants.reshape(6, 32)).reshape(3, 2, 32)
+        np.testing.assert_array_equal(values(df, np.float32, (2, 3, 32)), want.transpose(1, 0, 2))
+        np.testing.assert_array_equal(values(fi, np.float32, (8, 2)), np.arange(-8, 8).reshape(2, 8).T)
+
+
+def test_ops_with_new_rules_compute_what_numpy_says(ggml_server):
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+
+        def values(t: Tensor, shape) -> np.ndarray:
+            return np.frombuffer(c.get_tensor(t.rpc()), np.float32).reshape(shape)
+
+        a, b = s.leaf(F32, (8, 4)), s.leaf(F32, (4, 2))
+        x = s.leaf(F32, (4, 2, 6))
+        nodes = {
+            "sqr": s.node(GgmlOp.SQR, F32, (8, 4), [a]),
+            "leaky": s.node(GgmlOp.LEAKY_RELU, F32, (8, 4), [a], [f32_bits(0.1)]),
+            "sum": s.node(GgmlOp.SUM, F32, (1,), [a]),
+            "cumsum": s.node(GgmlOp.CUMSUM, F32, (8, 4), [a]),
+            "repeat": s.node(GgmlOp.REPEAT, F32, (8, 4), [b]),
+            "fill": s.node(GgmlOp.FILL, F32, (8, 4), [a], [f32_bits(2.5)]),
+            "arange": s.node(GgmlOp.ARANGE, F32, (6,), [], [f32_bits(1.0), f32_bits(4.0), f32_bits(0.5)]),
+            # b into rows 1-2, from column 4 (nb1 = 32 bytes, offset = 32 + 16)
+            "set": s.node(GgmlOp.SET, F32, (8, 4), [a, b], [32, 128, 128, 48, 0]),
+            "acc": s.node(GgmlOp.ACC, F32, (8, 4), [a, b], [32, 128, 128, 48, 0]),
+            "group_norm": s.node(GgmlOp.GROUP_NORM, F32, (4, 2, 6), [x], [3, f32_bits(1e-6)]),
+        }
+        s.compute(*nodes.values())
+        av, bv, xv = values(a, (4, 8)), values(b, (2, 4)), values(x, (6, 2, 4))
+        got = {k: values(t, t.ne[::-1]).squeeze() for k, t in nodes.items()}
+        placed = av.copy()
+        placed[1:3, 4:8] = bv
+        added = av.copy()
+        added[1:3, 4:8] += bv
+        groups = xv.reshape(3, -1)
+        normed = (groups - groups.mean(1, keepdims=True)) / np.sqrt(groups.var(1, keepdims=True) + 1e-6)
+        want = {
+            "sqr": av * av, "leaky": np.where(av > 0, av, 0.1 * av), "sum": av.sum(),
+            "cumsum": np.cumsum(av, 1), "repeat": np.tile(bv, (2, 2)), "fill": np.full((4, 8), 2.5),
+            "arange": np.arange(1.0, 4.0, 0.5), "set": placed, "acc": added,
+            "group_norm": normed.reshape(6, 2, 4),
+        }
+        for k in nodes:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_rope_reads_freq_factors_past_n_dims_from_a_padded_copy(ggml_server):
+    # ggml's rope cache reads ne0/2 factors though ggml_rope_ext needs n_dims/2: with 4 factors
+    # at the very end of a buffer the kernel would read 48 bytes past it. It reads a padded
+    # copy, and the result is the one a tensor of all 16 factors gives (only 4 are used).
+    with RpcClient(endpoint(ggml_server)).open() as c:
+        s = Slab(c)
+        a, pos = s.leaf(F32, (32, 2, 3)), s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
+        factors = s.rng.uniform(1, 4, 16).astype(np.float32)
+        long = s.leaf(F32, (16,), factors)
+        handle, _ = c.alloc_buffer(16)
+        short = s.g.place(s.g.tensor(F32, (4,)), handle, c.buffer_get_base(handle))
+        c.set_tensor(short.rpc(), factors[:4].tobytes())
+        params = [0, 8, 0, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), 0, 0]
+        want = s.node(GgmlOp.ROPE, F32, a.ne, [a, pos, long], params)
+        got = s.node(GgmlOp.ROPE, F32, a.ne, [a, pos, short], params)
+        s.compute(want, got)
+        c.set_tensor(short.rpc(), (factors[:4] * 2).tobytes())
+        c.graph_recompute()  # the copy is refreshed before every run
+        twice = c.get_tensor(got.rpc())
+        c.set_tensor(long.rpc(), (factors * 2).tobytes())
+        s.compute(want)
+        assert c.get_tensor(got.rpc()) == twice == c.get_tensor(want.rpc())
+
+
+def test_copies_the_rules_take_never_write_outside_their_result(ggml_server):
+    # Seeded random same-type block copies and dequantizing copies, permuted, reshaped, gapped:
+    # whatever the rules let through must leave every byte of the result's buffer outside the
+    # result's extent as it was.
+    rng = np.random.default_rng(11)
+    ep, taken, size, at = endpoint(ggml_server), 0, 1 << 16, 8192
+
+    def view(s, t, ne, nb):
+        return s.g.view_of(t, ne, nb, 0)
+
+    for _ in range(60):
+        with RpcClient(ep).open() as c:
+            s = Slab(c)
+            kind = rng.choice(["same", "dequant"])
+            qtype = Q4_K if kind == "same" and rng.random() < 0.5 else Q8_0
+            blck = 256 if qtype == Q4_K else 32
+            ne = (blck * int(rng.integers(1, 3)), *(int(n) for n in rng.integers(1, 4, 3)))
+            a = raw(s, qtype, ne)
+            if rng.random() < 0.6:
+                a = permuted(s, a, (0, *(int(i) + 1 for i in rng.permutation(3))))
+            dtype = qtype if kind == "same" else F32
+            handle, _ = c.alloc_buffer(size)
+            base = c.buffer_get_base(handle)
+            whole = s.g.place(s.g.tensor(GgmlType.I8, (size,)), handle, base)
+            c.set_tensor(whole.rpc(), np.full(size, 0xAB, np.uint8).tobytes())
+            n = int(np.prod(a.ne))
+            # the source's shape, rows of one block, or (dequantizing) rows of half a block
+            row = rng.choice([blck, blck // 2] if kind == "dequant" else [blck])
+            shape = a.ne if rng.random() < 0.5 else (int(row), n // int(row))
+            dst = s.g.place(s.g.tensor(dtype, shape), handle, base + at)
+            layout = rng.choice(["contiguous", "permuted", "gapped"])
+            if layout == "permuted":
+                dst = permuted(s, dst, (0, 2, 1, 3))
+            elif layout == "gapped":
+                nb1 = dst.nb[1] + dst.nb[0]  # one element (block) between rows
+                dst = view(s, dst, dst.ne, (dst.nb[0], nb1, nb1 * dst.ne[1], nb1 * dst.ne[1] * dst.ne[2]))
+            node = s.g.cpy(a, dst)
+            try:
+                s.compute(node)
+                after = np.frombuffer(c.get_tensor(whole.rpc()), np.uint8)
+            except (PeerClosed, TransportError, ConnectionError):
+                continue  # refused: this connection closed
+            taken += 1
+            lo, hi = at, at + node.nbytes
+            outside = np.r_[after[:lo], after[hi:]]
+            assert (outside == 0xAB).all(), (kind, qtype, a.ne, a.nb, node.ne, node.nb)
+    assert 20 <= taken < 60, f"{taken} of 60 copies were taken"
+    assert send(ep, cpy_count, bad=False)
 
 
 def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, caplog):
@@ -388,7 +725,8 @@ def test_concurrent_sessions_do_not_leak(ggml_server):
 
 # -- against the stock server -------------------------------------------------------------------
 
-STOCK_KILLERS = [mul_mat_shape, mul_mat_type, op_past_enum, get_rows_range]
+STOCK_KILLERS = [mul_mat_shape, mul_mat_type, op_past_enum, get_rows_range, group_norm_groups,
+                 rope_mrope_sections, cont_dequant]  # SIGFPE (division by zero) x2, SIGSEGV
 
 
 @pytest.mark.stock

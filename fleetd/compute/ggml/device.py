@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetd.compute.ggml import lib as ggml
-from fleetd.compute.ggml.rules import IndexUse, Refused, TypeCaps, check_node, index_producers
+from fleetd.compute.ggml.rules import IndexUse, PaddedRead, Refused, TypeCaps, check_node, index_producers
 from fleetd.compute.host_memory import host_pages
 from fleetd.compute.reachable import reachable_tensors
 from fleetd.errors import ComputeError, RemoteProtocolError
@@ -83,6 +83,7 @@ class GgmlPlan:
         self.device, self.n_nodes = device, n_nodes
         self.keep_alive: list = []  # the buffers' arrays: a freed buffer's memory stays valid here
         self.index_checks: list[IndexCheck] = []
+        self.padded: list[tuple[np.ndarray, np.ndarray]] = []  # (bytes in a buffer, their padded copy)
         self.written: list = []  # Buffers the graph writes (their generation is bumped)
         self.private_data: dict[int, int] = {}  # tensor id -> address of its checked copy
         self.graph = None
@@ -90,6 +91,8 @@ class GgmlPlan:
         weakref.finalize(self, self.foreign.free)
 
     def run(self, xp=None) -> None:  # xp: the numpy plan's signature, unused here
+        for source, private in self.padded:
+            private[: len(source)] = source
         for c in self.index_checks:
             c.private[:] = c.source
             if int(c.view.min()) < 0 or int(c.view.max()) >= c.bound:
@@ -200,10 +203,31 @@ class GgmlCpuDevice:
 
         plan = GgmlPlan(self, len(nodes))
         for i, use in uses:
-            self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
+            if isinstance(use, PaddedRead):
+                self._plan_padded_read(plan, i, use, buffers, nodes, writes)
+            else:
+                self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
         if tensors:
             self._build_ggml_graph(plan, graph, tensors, buffers, rows)
         return plan
+
+    def _plan_padded_read(self, plan, consumer: int, use: PaddedRead, buffers, nodes, writes):
+        """The view's bytes copied before every run into an array of the size the kernel reads,
+        the rest 1.0f (ROPE's freq factors past n_dims/2: read, never used)."""
+        t = use.tensor
+        if t.id in plan.private_data:
+            return
+        lo, hi = t.data, t.data + t.nbytes
+        for j, handle, start, end in writes:
+            if j < consumer and handle == t.buffer and start < hi and lo < end:
+                raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
+                              f"{nodes[consumer].describe()} reads past its end")
+        buf = buffers[t.id]
+        source = buf.array[lo - buf.base : hi - buf.base] if buf is not None else np.empty(0, np.uint8)
+        private = np.ones(use.nbytes // 4, np.float32).view(np.uint8)
+        plan.padded.append((source, private))
+        plan.private_data[t.id] = private.ctypes.data
+        plan.keep_alive.append(private)
 
     def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, writes):
         idx = use.index

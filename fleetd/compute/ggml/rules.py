@@ -10,6 +10,12 @@ rule only reads and writes inside its tensors' views.
 Index tensors (GET_ROWS, SET_ROWS, MUL_MAT_ID) are the one data-dependent case: the kernels assert
 every index is in range. A rule names them with `needs_indices`; the device checks their values
 before every compute (or proves them in range when ARGSORT/TOP_K of this graph made them).
+A kernel that reads past a view and uses only the view's part (ROPE's freq factors) names it
+with `PaddedRead`: the device hands it a padded private copy.
+
+Where a kernel computes a case right, the rule takes it even when ggml's builder never makes it
+(test-backend-ops compares with those kernels); where ggml's own assert lets a kernel write past
+a view (SET's last element), the rule is the stricter one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
@@ -45,11 +53,20 @@ class IndexUse:
     bound: int
 
 
+@dataclass(frozen=True, slots=True)
+class PaddedRead:
+    """The kernel reads `nbytes` from `tensor`'s start, more than its view holds, and uses only
+    the view's part: it gets a private copy of the view padded to that size."""
+
+    tensor: RpcTensor
+    nbytes: int
+
+
 class Refused(UnsupportedOp):
     pass
 
 
-Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse] | None"]
+Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse | PaddedRead] | None"]
 RULES: dict[int, Rule] = {}
 # Tensors of a node (-1: the result, i: src i) that its kernel addresses element by element
 # through nb0. Every other tensor must have packed rows (nb0 == type size), as kernels assert.
@@ -210,16 +227,28 @@ def norm(node, srcs, caps):
     need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
 
 
+# ops.cpp's own gelu/silu kernels: f32, f16 or bf16 in and the same out
+SAME_TYPE_UNARY = frozenset({UnaryOp.GELU, UnaryOp.GELU_ERF, UnaryOp.GELU_QUICK, UnaryOp.SILU})
+
+
 @rule(GgmlOp.UNARY)
 def unary(node, srcs, caps):
     a = src(node, srcs, 0)
-    need(0 <= node.op_params[0] < len(UnaryOp), node, srcs, f"unary op {node.op_params[0]}")
-    need(node.type == a.type == F32, node, srcs, "types not taken (f32 only)")
+    op = node.op_params[0]
+    need(0 <= op < len(UnaryOp), node, srcs, f"unary op {op}")
+    if op in SAME_TYPE_UNARY:
+        need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    else:  # unary-ops.cpp
+        need((a.type, node.type) in UNARY_TYPES, node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    # gelu/silu & co walk rows as one flat list (i*nb1): fine when the layout only grows;
-    # xielu asserts contiguous_1
-    packed = contiguous_from if node.op_params[0] == UnaryOp.XIELU else rows_ascending
-    need(packed(a, 1) and packed(node, 1), node, srcs, "row layout not taken")
+    # rows at each side's strides, elements packed (check_node); xielu asserts contiguous_1
+    if op == UnaryOp.XIELU:
+        need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "row layout not taken")
+
+
+# the kernels each GLU op has (the rest: f32, f16)
+GLU_TYPES = {GluOp.SWIGLU_OAI: (F32,), **{op: (F32, F16, BF16) for op in (
+    GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.GEGLU_ERF, GluOp.GEGLU_QUICK)}}
 
 
 @rule(GgmlOp.GLU)
@@ -227,9 +256,8 @@ def glu(node, srcs, caps):
     # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
     a, b = src(node, srcs, 0), opt_src(srcs, 1)
     need(0 <= node.op_params[0] < len(GluOp), node, srcs, f"glu op {node.op_params[0]}")
-    f16_ok = node.op_params[0] != GluOp.SWIGLU_OAI  # f32 only
-    need(node.type == a.type and (a.type == F32 or (a.type == F16 and f16_ok)), node, srcs,
-         "types not taken")
+    types = GLU_TYPES.get(node.op_params[0], (F32, F16))
+    need(node.type == a.type and a.type in types, node, srcs, "types not taken")
     need(contiguous_from(a, 1) and contiguous_from(node, 1), node, srcs, "rows are not packed")
     if b is not None:
         need(same_shape(a, b) and b.type == a.type, node, srcs, "src1 differs from src0")
@@ -240,10 +268,14 @@ def glu(node, srcs, caps):
         need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
 
 
+HINT_SRC0_IS_HADAMARD = 1  # op_params[1] of MUL_MAT (ggml_mul_mat_set_hint)
+
+
 @rule(GgmlOp.MUL_MAT)
 def mul_mat(node, srcs, caps):
     # ggml_mul_mat: ggml_can_mul_mat(a, b), !transposed(a), result [a.ne1, b.ne1, b.ne2, b.ne3]
-    # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32 or that dot's own type.
+    # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32, that dot's own type, or f16/bf16
+    # widened into the f32 work buffer when the dot is f32's own.
     a, b = src(node, srcs, 0), src(node, srcs, 1)
     need(a.ne[0] == b.ne[0], node, srcs, "src0.ne0 != src1.ne0")
     need(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, node, srcs, "src0 does not broadcast")
@@ -251,10 +283,23 @@ def mul_mat(node, srcs, caps):
     want = (a.ne[1], b.ne[1], b.ne[2], b.ne[3])
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
     need(node.type == F32, node, srcs, "result must be f32")
-    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
-    need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
     check_rows_packed(node, srcs, node, a, b)
     need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs, "result is permuted")
+    if node.op_params[1] == HINT_SRC0_IS_HADAMARD:
+        # The kernel skips src0 and runs a fast Walsh-Hadamard transform of each src1 row into
+        # the result row: ne10 floats per row, so the result rows must be that long.
+        need(a.type == F32 and b.type in (F32, F16), node, srcs, "hadamard: src0 f32, src1 f32/f16")
+        need(a.ne[1] == a.ne[0], node, srcs, "hadamard: src0 is not square")
+        n = b.ne[0]
+        need(n & (n - 1) == 0, node, srcs, f"hadamard: {n} is not a power of 2 (the kernel asserts)")
+        return
+    need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
+    dot = caps.vec_dot_type[a.type]
+    widened = b.type in (F16, BF16) and dot == F32
+    need(b.type in (F32, dot) or widened, node, srcs, "src1 type not taken")
+    if b.type == GgmlType.Q8_K:
+        # the tiled K-quant kernel walks pre-quantized src1 rows as one flat list (r * nb1)
+        need(contiguous(b), node, srcs, "q8_K src1 must be contiguous")
 
 
 @rule(GgmlOp.MUL_MAT_ID)
@@ -273,6 +318,8 @@ def mul_mat_id(node, srcs, caps):
     need(node.type == F32, node, srcs, "result must be f32")
     need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
     need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
+    if b.type == GgmlType.Q8_K:  # the tiled kernel reads pre-quantized rows at (i11 + i12*ne11)*nb11
+        need(contiguous(b), node, srcs, "q8_K src1 must be contiguous")
     check_rows_packed(node, srcs, node, a, b, ids)
     return [IndexUse(ids, a.ne[2])]
 
@@ -311,46 +358,80 @@ def set_rows(node, srcs, caps):
 @rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT, strided=ANY_STRIDES)  # ops/dup walks any strides
 def copy(node, srcs, caps):
     # ggml_cpy/ggml_cont: same element count; ops/dup: float <-> float at any strides, same type
-    # bytes, f32 -> a quantized type into packed rows, quantized -> f32 packed.
+    # bytes (below), f32 -> a quantized type into packed rows, quantized -> f32 (below).
     a = src(node, srcs, 0)
     need(nelements(a) == nelements(node), node, srcs, "element counts differ")
     if node.op == GgmlOp.CONT:
         need(contiguous(node), node, srcs, "result is not contiguous")
     quant_a, quant_d = a.type not in TYPE_NOT_QUANT, node.type not in TYPE_NOT_QUANT
     if not quant_a and not quant_d:
-        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS), node, srcs,
-             "conversion not taken")
-    elif a.type == node.type or quant_d:
+        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS)
+             or (a.type, node.type) in ((F32, I32), (I32, F32)), node, srcs, "conversion not taken")
+    elif a.type == node.type:
+        # dup_bytes copies whole blocks (check_node: packed, whole): both contiguous in one
+        # memcpy, one shape row by row at each side's strides, a strided result block by block.
+        # What is left, a strided src0 of another shape into a contiguous result, copies
+        # ne00 * type_size bytes per row: blck_size times a row, past both tensors.
+        need(contiguous(a) or same_shape(a, node) or not contiguous(node), node, srcs,
+             "a strided quantized src0 of another shape into a contiguous result")
+    elif quant_d:
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
-        need(a.type == node.type or (a.type in FLOATS and node.type in caps.from_float),
-             node, srcs, "conversion not taken")
+        need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
-        if a.type == node.type:
-            need(contiguous(a), node, srcs, "quantized copy needs contiguous src0")
     else:
+        # dup_from_q: each block of src0 at its strides, dequantized into qk floats that run on
+        # from its element of the result: inside a row, or a contiguous result. It takes the
+        # result's shape and strides from src1 (ggml_cpy's b, which the result views): CONT or
+        # DUP have none (a NULL read).
+        target = opt_src(srcs, 1)
+        need(target is not None and tuple(target.ne) == tuple(node.ne)
+             and tuple(target.nb) == tuple(node.nb), node, srcs,
+             "dequantizing copy needs src1 of the result's shape and strides")
         need(node.type == F32 and a.type in caps.to_float, node, srcs, "conversion not taken")
-        need(contiguous(a) and contiguous(node), node, srcs, "dequantizing copy needs contiguous")
+        need(node.nb[0] == TYPE_TRAITS[F32].type_size, node, srcs, "result rows are not packed")
+        need(node.ne[0] % TYPE_TRAITS[a.type].blck_size == 0 or contiguous(node), node, srcs,
+             "result rows split a block and are not contiguous")
 
 
 TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16, GgmlType.F64})
 
 
-@rule(GgmlOp.ROPE)
+@rule(GgmlOp.ROPE, GgmlOp.ROPE_BACK)  # one kernel, run backwards for ROPE_BACK
 def rope(node, srcs, caps):
-    # ggml_rope_impl: positions i32, one per token (4 for mrope); n_dims <= ne0; freq factors f32.
+    # ggml_rope_impl / ggml_rope_multi: positions i32, one per token (4 for the mrope modes);
+    # n_dims <= ne0; freq factors f32, n_dims/2 of them.
     a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
     n_dims, mode, n_offs = node.op_params[1], node.op_params[2], node.op_params[15]
-    need(mode in (0, 2), node, srcs, f"rope mode {mode} (normal and neox only)")
+    need(mode in ROPE_MODES, node, srcs, f"rope mode {mode}")
     need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, node, srcs, f"n_dims {n_dims}")
     need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs,
          f"n_offs {n_offs}")
     need(pos.type == I32 and pos.ne[1:] == (1, 1, 1), node, srcs, "positions must be i32 vector")
-    need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
-    if freq is not None:
-        need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
+    if mode & ROPE_MROPE:
+        need(pos.ne[0] >= 4 * a.ne[2], node, srcs, "four positions per token (4 * src0.ne2)")
+        sections = node.op_params[11:15]
+        # the cache takes i0/2 modulo their sum: a zero sum divides by zero
+        need(min(sections) >= 0 and 0 < sum(sections) <= a.ne[0], node, srcs,
+             f"sections {list(sections)}")
+        if mode == ROPE_VISION:
+            need(2 * n_dims == a.ne[0] and n_offs == 0, node, srcs, "vision: n_dims = ne0/2, no offset")
+    else:
+        need(pos.ne[0] == a.ne[2], node, srcs, "one position per token (src0.ne2)")
     need(a.type in (F32, F16) and node.type == a.type, node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a, pos)
+    if freq is not None:
+        need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
+        # the rope cache reads a factor for every pair of ne0, of which only the first n_dims/2
+        # are used: the kernel gets a copy padded to ne0/2 factors
+        wanted = (a.ne[0] + 1) // 2 * 4
+        if freq.nbytes < wanted:
+            return [PaddedRead(freq, wanted)]
+    return None
+
+
+ROPE_MROPE, ROPE_VISION = 8, 24
+ROPE_MODES = (0, 2, ROPE_MROPE, ROPE_VISION, 40)  # normal, neox, mrope, vision, imrope
 
 
 @rule(GgmlOp.SOFT_MAX)
@@ -398,9 +479,10 @@ def flash_attn_ext(node, srcs, caps):
 
 @rule(GgmlOp.CLAMP)
 def clamp(node, srcs, caps):
-    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous
+    # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous;
+    # f32 or f16 by src0's type, written as that type
     a = src(node, srcs, 0)
-    check_types(node, srcs, {F32}, {F32})
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
 
@@ -421,11 +503,14 @@ def argmax(node, srcs, caps):
 
 @rule(GgmlOp.CONCAT, strided=ANY_STRIDES)
 def concat(node, srcs, caps):
-    # ggml_concat: 4-byte elements, same type; dims equal except `dim`, which adds up
+    # ggml_concat: one type; dims equal except `dim`, which adds up. 1/2/4-byte elements are
+    # copied one by one at any strides; any other type row by row (packed rows, whole blocks).
     a, b, dim = src(node, srcs, 0), src(node, srcs, 1), node.op_params[0]
     need(0 <= dim < 4, node, srcs, f"dim {dim}")
-    need(a.type == b.type == node.type and TYPE_TRAITS[a.type].type_size == 4
-         and TYPE_TRAITS[a.type].blck_size == 1, node, srcs, "types not taken (4-byte elements)")
+    need(a.type == b.type == node.type, node, srcs, "types differ")
+    tr = TYPE_TRAITS[a.type]
+    if tr.blck_size > 1 or tr.type_size not in (1, 2, 4):
+        check_rows_packed(node, srcs, node, a, b)
     want = tuple(a.ne[i] + b.ne[i] if i == dim else a.ne[i] for i in range(4))
     need(all(a.ne[i] == b.ne[i] for i in range(4) if i != dim), node, srcs, "src shapes differ")
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
@@ -480,13 +565,108 @@ def sum_rows(node, srcs, caps):
     check_rows_packed(node, srcs, node, a)
 
 
+# unary-ops.cpp: same element type, or f16/bf16 in and f32 out
+UNARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16), (BF16, F32), (F16, F32)})
+
+
+@rule(GgmlOp.SQR, GgmlOp.SQRT, GgmlOp.LOG, GgmlOp.SIN, GgmlOp.COS)
+def elementwise(node, srcs, caps):
+    # rows at each side's strides, elements packed (check_node): any row layout
+    a = src(node, srcs, 0)
+    need((a.type, node.type) in UNARY_TYPES, node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.LEAKY_RELU)
+def leaky_relu(node, srcs, caps):
+    # walks rows as one flat list (i * nb1), like UNARY
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(rows_ascending(a) and rows_ascending(node), node, srcs, "row layout not taken")
+
+
+@rule(GgmlOp.SUM, strided=(0,))
+def sum_all(node, srcs, caps):
+    # sums ne0 packed elements from each row's start whatever nb0 says (as the stock server):
+    # inside the view while nb0 >= the element size
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in FLOATS, node, srcs, "types not taken")
+    need(a.nb[0] >= TYPE_TRAITS[a.type].type_size, node, srcs, "src0 elements overlap")
+    need(tuple(node.ne) == (1, 1, 1, 1), node, srcs, "result is not a scalar")
+
+
+@rule(GgmlOp.CUMSUM)
+def cumsum(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.REPEAT)
+def repeat(node, srcs, caps):
+    # ggml_repeat(a, b): a's type in b's shape; copied row by row at both sides' strides
+    a = src(node, srcs, 0)
+    need(node.type == a.type and TYPE_TRAITS[a.type].blck_size == 1
+         and TYPE_TRAITS[a.type].type_size in (2, 4), node, srcs, "types not taken (2/4-byte)")
+    need(can_repeat(a, node), node, srcs, "src0 does not repeat into the result")
+
+
+@rule(GgmlOp.FILL)
+def fill(node, srcs, caps):
+    # the kernel picks the element type from src0 and writes the result's rows with it
+    a = src(node, srcs, 0)
+    need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+
+
+@rule(GgmlOp.ARANGE)
+def arange(node, srcs, caps):
+    # writes element i at i * 4 for i < ceil((stop - start) / step), asserting that count
+    need(node.type == F32 and contiguous(node), node, srcs, "result must be contiguous f32")
+    start, stop, step = (np.float32(f32_param(node, i)) for i in range(3))
+    with np.errstate(all="ignore"):
+        steps = np.ceil((stop - start) / step)
+    need(bool(np.isfinite(steps)) and steps == nelements(node), node, srcs,
+         f"result has {nelements(node)} elements, arange makes {steps}")
+
+
+@rule(GgmlOp.SET, GgmlOp.ACC)
+def set_acc(node, srcs, caps):
+    # ggml_set/ggml_acc(a, b, nb1, nb2, nb3, offset): the result is a (copied unless inplace),
+    # b written into (SET) or added to (ACC) the view of it the op_params describe.
+    a, b = src(node, srcs, 0), src(node, srcs, 1)
+    types = (F32,) if node.op == GgmlOp.ACC else (F32, I32)
+    need(node.type == a.type == b.type and a.type in types, node, srcs, "types not taken")
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    need(contiguous(node) and contiguous(a), node, srcs, "src0 and result must be contiguous")
+    *strides, offset = node.op_params[:4]
+    need(min(*strides, offset) >= 0, node, srcs, "negative view strides or offset")
+    # the last element of the view must end inside the result (the kernel's assert lets the
+    # view's last element start at its end)
+    size = TYPE_TRAITS[a.type].type_size
+    last = offset + sum((n - 1) * st for n, st in zip(b.ne, (size, *strides)))
+    need(last + size <= node.nbytes, node, srcs, "the view of src1 ends past the result")
+
+
+@rule(GgmlOp.GROUP_NORM)
+def group_norm(node, srcs, caps):
+    a = src(node, srcs, 0)
+    check_types(node, srcs, {F32}, {F32})
+    need(same_shape(node, a), node, srcs, "result shape differs from src0")
+    groups = node.op_params[0]
+    # groups 0 divides by zero; the channel arithmetic is 32-bit
+    need(0 < groups and groups + a.ne[2] < 1 << 31, node, srcs, f"{groups} groups")
+
+
 def index_producers(op: int) -> bool:
     """Ops whose i32 results are indices into their src0's rows: in range by construction."""
     return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
 
 
-def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse]:
-    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads."""
+def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse | PaddedRead]:
+    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads
+    and the reads past a view it needs padded."""
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
