@@ -37,6 +37,9 @@ class Dims:
 
 TINY = Dims()  # the end-to-end tests: seconds per model on two cores
 BENCH = Dims(n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_layer=8, n_ff_expert=768)  # ~100M params
+# The mid-size shape (24 layers, n_embd 768: ~150M params, ~85 MB Q4_K, ~160 MB Q8_0):
+# many layers per graph, so per-node graph work shows beside the kernels.
+MID = Dims(n_embd=768, n_head=12, n_head_kv=4, n_ff=2048, n_layer=24)
 # The lab's model: a hidden state wide enough that moving it costs link time (n_embd 2048, 8 KiB
 # per token in f32), few layers so it generates in seconds and loads over a slow link (~50 MB f16).
 WIDE = Dims(n_embd=2048, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=3)
@@ -47,7 +50,7 @@ LOAD = Dims(n_embd=2048, n_head=16, n_head_kv=4, head_dim=128, n_ff=5632, n_laye
 # The smallest model with matrices on that path (f16 FFN, 11264 x 512; one layer, ~36 MB f16):
 # the test of benchmarks/load.py.
 HASH = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=1)
-SIZES = {"tiny": TINY, "bench": BENCH, "wide": WIDE, "load": LOAD, "hash": HASH}
+SIZES = {"tiny": TINY, "bench": BENCH, "mid": MID, "wide": WIDE, "load": LOAD, "hash": HASH}
 # Random weights make chaotic models: rounding-level differences between two correct servers
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream
 # dominates) and wide logit and router margins keep the models decisive, as trained ones are.
