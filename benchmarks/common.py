@@ -43,17 +43,27 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
                         preexec_fn=_pin(SERVER_CPUS)) as local:
             yield local.endpoints[0]
         return
+    with stock_process(threads, extra) as (endpoint, _proc):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def stock_process(threads: int = 1, extra: list[str] | None = None, env: dict | None = None,
+                  log: Path | None = None):
+    """Yield (endpoint, Popen) of a running stock ggml-rpc-server pinned to SERVER_CPUS, its
+    output into `log` (or nowhere); stopped on exit."""
     port = free_port()
     args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
-    proc = subprocess.Popen(args + (extra or []), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=_pin(SERVER_CPUS))
+    with open(log or os.devnull, "ab") as out:  # the child keeps its own fd
+        proc = subprocess.Popen(args + (extra or []), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_pin(SERVER_CPUS))
     try:
         wait_listening(port)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         try:
-            proc.wait(5)
+            proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fleetd.models import SIZES, generate
+from fleetd.models import generate_named
 from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
@@ -79,10 +79,7 @@ def ensure_models(models_dir: Path, names: list[str]) -> None:
     if not missing:
         return
     for name in missing:
-        parts = name.split("-")
-        size = parts.pop() if parts[-1] in SIZES else "tiny"
-        arch, type_name = parts
-        generate(arch, type_name, models_dir, size)
+        generate_named(name, models_dir)
 
 
 def table(results: list[dict], arms: list[str]) -> str:

@@ -41,13 +41,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CLIENT_CPUS, SERVER_CPUS, save, show  # noqa: E402
+from common import CLIENT_CPUS, SERVER_CPUS, save, show, stock_process  # noqa: E402
 from decode import median, peak_rss_mib  # noqa: E402
 
 from fleetd.fleet.local import LocalFleet  # noqa: E402
-from fleetd.models import SIZES, generate  # noqa: E402
+from fleetd.models import generate_named  # noqa: E402
 from fleetd.tools import find_tool  # noqa: E402
-from fleetd.transport import free_port, wait_listening  # noqa: E402
 
 DEFAULT_MODELS = ["llama-q8_0-load", "llama-f16-load"]
 MODES = ("none", "cold", "warm")
@@ -62,41 +61,22 @@ def stamp_s(m: re.Match) -> float:
     return minutes * 60 + secs + ms / 1e3 + us / 1e6
 
 
-def model_path(models_dir: Path, name: str) -> Path:
-    parts = name.split("-")
-    size = parts.pop() if parts[-1] in SIZES else "tiny"
-    if len(parts) != 2:
-        raise SystemExit(f"model {name!r}: expected <arch>-<type>[-<size>] of fleetd.models")
-    return generate(parts[0], parts[1], models_dir, size)
-
-
 @contextlib.contextmanager
 def server(arm: str, cache: Path | None, workdir: Path):
     """(endpoint, pid) of a fresh server: "stock", or fleetd with the device `arm`."""
-    pin = lambda: os.sched_setaffinity(0, SERVER_CPUS)  # noqa: E731
     if arm != "stock":
         args = ["--device", arm, "--threads", "1"] + (["--cache-dir", str(cache)] if cache else [])
+        pin = lambda: os.sched_setaffinity(0, SERVER_CPUS)  # noqa: E731
         with LocalFleet(1, workdir, server_args=args, control=False, preexec_fn=pin) as local:
             yield local.endpoints[0], local.processes[0].pid
         return
-    port = free_port()
-    args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
     env = dict(os.environ)
+    extra = []
     if cache:  # the stock server's -c directory is $LLAMA_CACHE/rpc
-        args.append("-c")
+        extra.append("-c")
         env["LLAMA_CACHE"] = str(cache)
-    with open(workdir / "stock.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
-    try:
-        wait_listening(port)
-        yield f"127.0.0.1:{port}", proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with stock_process(1, extra, env, workdir / "stock.log") as (endpoint, proc):
+        yield endpoint, proc.pid
 
 
 def cpu_seconds(pid: int) -> float:
@@ -224,7 +204,10 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be positive")
     arms = ["stock", *[d for d in args.devices.split(",") if d]]
-    models = [model_path(Path(args.models_dir), n) for n in args.models.split(",") if n]
+    try:
+        models = [generate_named(n, Path(args.models_dir)) for n in args.models.split(",") if n]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     with contextlib.ExitStack() as stack:
         if args.workdir:
             workdir = Path(args.workdir)

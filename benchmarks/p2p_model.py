@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show  # noqa: E402
 
 from fleetd.fleet.local import LocalFleet  # noqa: E402
-from fleetd.models import SIZES, generate  # noqa: E402
+from fleetd.models import generate_named  # noqa: E402
 from fleetd.tools import find_p2p_tool  # noqa: E402
 
 STATS_LINE = re.compile(r"^(\w+)\s+(\d+)\s+(\d+)\s+(\d+)$", re.M)
@@ -72,9 +72,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.nodes < 2 or args.n < 1 or args.rounds < 1:
         ap.error("--nodes must be >= 2, -n and --rounds >= 1")
-    parts = args.model.split("-")
-    size = parts.pop() if parts[-1] in SIZES else "tiny"
-    model = generate(parts[0], parts[1], Path(args.models_dir), size)
+    model = generate_named(args.model, Path(args.models_dir))
     runs: dict[str, list[dict]] = {"hub": [], "direct": []}
     with LocalFleet(args.nodes) as fleet:
         for r in range(args.rounds):

@@ -207,6 +207,16 @@ def write_model(path: Path, arch: str, type_name: str, d: Dims = TINY) -> None:
 ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3")
 
 
+def generate_named(name: str, out_dir: Path) -> Path:
+    """`generate` for a model named as its file is, "<arch>-<type>[-<size>]" (the benchmarks'
+    --models names): "llama-q8_0", "llama-q4_k-bench"."""
+    parts = name.split("-")
+    size = parts.pop() if parts[-1] in SIZES else "tiny"
+    if len(parts) != 2:
+        raise ValueError(f"model {name!r}: expected <arch>-<type>[-<size>] of fleetd.models")
+    return generate(parts[0], parts[1], out_dir, size)
+
+
 def generate(arch: str, type_name: str, out_dir: Path, size: str = "tiny") -> Path:
     """Write `<out_dir>/<arch>-<type>[-<size>].gguf` (reused when already there); its path."""
     if arch not in ARCHS:

@@ -36,3 +36,12 @@ def test_load_benchmark_runs_and_both_servers_cache_the_same_files(tmp_path):
     stock_files = sorted(p.name for p in (work / "cache-stock" / "rpc").iterdir())
     fleetd_files = sorted(p.name for p in (work / "cache-cpu").iterdir())
     assert stock_files == fleetd_files and len(stock_files) == 3
+
+
+def test_benchmark_model_names_are_the_generated_file_names(tmp_path):
+    from fleetd.models import generate, generate_named
+    assert generate_named("llama-f32", tmp_path) == generate("llama", "f32", tmp_path)
+    assert generate_named("llama-f32", tmp_path).name == "llama-f32.gguf"
+    for bad in ("llama", "llama-f32-huge", "llama-nope"):
+        with pytest.raises(ValueError):
+            generate_named(bad, tmp_path)
