@@ -8,9 +8,15 @@ from pathlib import Path
 LLAMA_VERSION = "0.3.36"  # llama-cpp-python sdist that vendors the pinned llama.cpp
 
 
-def tools_dir() -> Path:
+def build_dir() -> Path:
+    """scripts/build-llama.sh's cache for the pinned version ($FLEETD_LLAMA_CACHE or
+    ~/.cache/fleetd): bin/, lib/, lib-portable/, p2p/."""
     root = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd"))
-    return root / f"llama.cpp-{LLAMA_VERSION}" / "bin"
+    return root / f"llama.cpp-{LLAMA_VERSION}"
+
+
+def tools_dir() -> Path:
+    return build_dir() / "bin"
 
 
 def _find(directory: Path, name: str, build: str) -> Path:
@@ -36,12 +42,12 @@ def have_tool(name: str) -> bool:
 def portable_ggml_dir() -> Path:
     """The portable ggml build (FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml): CPU variants
     without -march=native, what `fleetctl deploy` ships to nodes."""
-    return tools_dir().parent / "lib-portable"
+    return build_dir() / "lib-portable"
 
 
 def p2p_tools_dir() -> Path:
     """The patched client (scripts/build-llama-p2p.sh): tools that take the direct path."""
-    return tools_dir().parent / "p2p" / "bin"
+    return build_dir() / "p2p" / "bin"
 
 
 def find_p2p_tool(name: str) -> Path:

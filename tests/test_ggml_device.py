@@ -28,7 +28,7 @@ from fleetd.client.rpc import RpcClient
 from fleetd.compute.device import make_device
 from fleetd.errors import PeerClosed, TransportError
 from fleetd.models import generate
-from fleetd.tools import have_tool, find_tool
+from fleetd.tools import find_tool, have_tool, portable_ggml_dir
 from fleetd.wire import GgmlOp, GgmlType
 
 try:
@@ -598,7 +598,7 @@ def test_buffers_are_aligned_for_ggml():
         assert dev.alloc(size).ctypes.data % 32 == 0
 
 
-PORTABLE = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd")) / "llama.cpp-0.3.36" / "lib-portable"
+PORTABLE = portable_ggml_dir()
 
 
 @pytest.mark.skipif(not list(PORTABLE.glob("libggml-cpu-*.so")), reason="no portable build "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fleetd.tools import LLAMA_VERSION
+from fleetd.tools import LLAMA_VERSION, build_dir
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
@@ -131,8 +131,7 @@ def library_dirs() -> list[Path]:
     own libfleetd-native.so is looked for in the same places (fleetd.compute.native)."""
     if os.environ.get("FLEETD_GGML_LIB_DIR"):
         return [Path(os.environ["FLEETD_GGML_LIB_DIR"])]
-    cache = Path(os.environ.get("FLEETD_LLAMA_CACHE", Path.home() / ".cache" / "fleetd"))
-    return [cache / f"llama.cpp-{LLAMA_VERSION}" / "lib", Path(__file__).with_name("_lib")]
+    return [build_dir() / "lib", Path(__file__).with_name("_lib")]
 
 
 def _best_cpu_variant(directory: Path) -> Path | None:
