@@ -218,10 +218,9 @@ class GgmlCpuDevice:
         if t.id in plan.private_data:
             return
         lo, hi = t.data, t.data + t.nbytes
-        for j, handle, start, end in writes:
-            if j < consumer and handle == t.buffer and start < hi and lo < end:
-                raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
-                              f"{nodes[consumer].describe()} reads past its end")
+        if (j := _writer_between(writes, 0, consumer, t.buffer, lo, hi)) is not None:
+            raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
+                          f"{nodes[consumer].describe()} reads past its end")
         buf = buffers[t.id]
         source = buf.array[lo - buf.base : hi - buf.base] if buf is not None else np.empty(0, np.uint8)
         private = np.ones(use.nbytes // 4, np.float32).view(np.uint8)
@@ -266,12 +265,11 @@ class GgmlCpuDevice:
                 plan.index_checks.append(check)
                 plan.private_data[idx.id] = private.ctypes.data
                 plan.keep_alive.append(private)
-        for j, handle, start, end in writes:
-            if after <= j < consumer and handle == idx.buffer and start < hi and lo < end:
-                raise Refused(
-                    f"GRAPH_COMPUTE: {nodes[j].describe()} overwrites the row ids {idx.describe()} "
-                    f"before {nodes[consumer].describe()} reads them"
-                )
+        if (j := _writer_between(writes, after, consumer, idx.buffer, lo, hi)) is not None:
+            raise Refused(
+                f"GRAPH_COMPUTE: {nodes[j].describe()} overwrites the row ids {idx.describe()} "
+                f"before {nodes[consumer].describe()} reads them"
+            )
 
     def _build_ggml_graph(self, plan: GgmlPlan, graph: GraphCompute, tensors, buffers, rows) -> None:
         """One ggml_tensor per reachable wire tensor, filled column-wise straight from the wire
@@ -336,6 +334,14 @@ class GgmlCpuDevice:
             if t.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and t.op not in METADATA_OPS and buffers[nid]:
                 written[buffers[nid].handle] = buffers[nid]
         plan.written = list(written.values())
+
+
+def _writer_between(writes, first: int, consumer: int, buffer: int, lo: int, hi: int) -> int | None:
+    """The first node in [first, consumer) that writes bytes [lo, hi) of `buffer`, or None."""
+    for j, handle, start, end in writes:
+        if first <= j < consumer and handle == buffer and start < hi and lo < end:
+            return j
+    return None
 
 
 def _reachable(graph: GraphCompute, registry) -> tuple[dict[int, RpcTensor], dict, dict, dict]:
