@@ -80,6 +80,10 @@ def test_up_rates_answers_and_down_removes_everything(tmp_path):
             answers = fleet.map(lambda node: node.status())
             assert answers.ok, answers.failed
             assert sorted(s.rpc_host for s in answers.values()) == sorted(n.address for n in nodes)
+        # what `lab up` prints as the next step: status (control API and HELLO on the RPC port,
+        # which listens on the node's own address inside its namespace, never on loopback)
+        assert main(["status", str(lab.nodes_file), "--json"]) == 0
+        assert main(["ab", str(lab.nodes_file), "--json", "--steps", "2", "--n-embd", "256", "--rows", "4"]) == 0
         # the coordinator reaches the nodes over its own links only: no route to the switch
         assert "via" in sh("ip", "route", "get", nodes[0].address)
         assert nodes[0].coordinator_link in sh("ip", "route", "get", nodes[0].address)

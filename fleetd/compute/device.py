@@ -58,6 +58,12 @@ class Device:
         if self.dequant_cache is not None:
             self.dequant_cache.written(buf)
 
+    def session_ended(self, session_id: int) -> None:
+        """A session closed (the ggml device lets its compute worker go)."""
+
+    def close(self) -> None:
+        """The daemon stops."""
+
     def buffer_freed(self, buf) -> None:
         if self.dequant_cache is not None:
             self.dequant_cache.release(buf)

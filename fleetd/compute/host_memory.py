@@ -12,6 +12,8 @@ same TLB behaviour under the same kernels, and no RSS rounded up to 2 MiB pages.
 from __future__ import annotations
 
 import mmap
+import os
+import weakref
 
 import numpy as np
 
@@ -26,3 +28,38 @@ def host_pages(size: int) -> np.ndarray | None:
     except (OSError, OverflowError, ValueError):
         return None
     return np.frombuffer(pages, np.uint8, size)
+
+
+class SharedPages(mmap.mmap):
+    """A memfd mapped shared: the daemon's buffer, which a compute worker maps by the same fd.
+    The fd closes when the mapping's last user lets go (a worker being handed it holds a view)."""
+
+    fd: int
+
+
+def shared_pages(size: int, name: str = "fleetd-buffer") -> np.ndarray | None:
+    """Like host_pages, over a memfd (MAP_SHARED: what a worker writes, the daemon reads); the
+    same page size, zero pages until written, no huge pages (shmem THP is off by default)."""
+    if size < 0:
+        return None
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, max(size, 1))
+        pages = SharedPages(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, OverflowError, ValueError):
+        os.close(fd)
+        return None
+    pages.fd = fd
+    weakref.finalize(pages, os.close, fd)
+    return np.frombuffer(pages, np.uint8, size)
+
+
+def memfd_of(array) -> int | None:
+    """The memfd behind an array made by shared_pages (or a view of one), else None."""
+    base = array
+    while base is not None and not isinstance(base, SharedPages):
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    return base.fd if base is not None else None

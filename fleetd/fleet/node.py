@@ -92,10 +92,10 @@ class Node:
         """A stream to host:port as the node sees it: plain TCP for a local node, else an SSH
         direct-tcpip channel."""
         t = self.ssh_options.connect_timeout
-        if self.spec.via_netns:  # a lab node (fleetctl lab): loopback inside its namespace
+        if self.spec.via_netns:  # a lab node (fleetctl lab): `host` as seen inside its namespace
             from fleetd.fleet.netns import connect_in_netns
 
-            return connect_in_netns(self.spec.via_netns, ("127.0.0.1", port), t)
+            return connect_in_netns(self.spec.via_netns, (host, port), t)
         if self.is_local:
             try:
                 return socket.create_connection((host, port), timeout=t)
@@ -105,10 +105,13 @@ class Node:
                 raise ControlUnreachable(f"{what} {host}:{port}: {(exc.strerror or str(exc)).lower()}: {hint}") from exc
         return open_tunnel(self.ssh(), self.spec, port, t, host)
 
-    def hello(self, bound: str = "0.0.0.0") -> tuple[int, int, int]:
+    def hello(self, bound: str | None = None) -> tuple[int, int, int]:
         """HELLO on the node's RPC port, asked from the node's side (through SSH for a remote
         node), so `status` says up only when the port clients use answers too. `bound` is the
-        address fleetd reports it listens on; a wildcard is asked on loopback."""
+        address fleetd reports it listens on (None: asked of its control API); a wildcard is
+        asked on loopback. A lab node listens on its own address only, never on loopback."""
+        if bound is None:
+            bound = self.status().rpc_host
         port = self.spec.rpc_port
         host = "127.0.0.1" if bound in ("0.0.0.0", "", "?") else "::1" if bound == "::" else bound
         where = f"{self.name}: RPC port {host}:{port}"

@@ -39,6 +39,12 @@ class ServerLimits:
     request_timeout: float = 10.0
     min_request_rate: int = 4 * KIB
     max_peer_links: int = 16  # COPY_TENSOR_TO destinations one session keeps open
+    # Contained compute (the ggml device): live worker processes, one per computing session;
+    # a worker idle this long is reaped (the next graph starts another); a graph still
+    # computing after graph_timeout is killed with its worker (no real model comes near it).
+    max_workers: int = 64
+    worker_idle_timeout: float = 300.0
+    graph_timeout: float = 600.0
 
     @classmethod
     def from_settings(cls, settings: dict) -> ServerLimits:
@@ -91,3 +97,6 @@ class ServerConfig:
     # Off only to measure what counting costs (benchmarks/transfer.py); the control API then
     # reports zeros for commands.
     count_commands: bool = True
+    # The user compute workers run as when the daemon runs as root (None: fleetd, else nobody);
+    # a daemon that is not root runs its workers as itself.
+    worker_user: str | None = None

@@ -156,6 +156,7 @@ class Server:
         if self._spare_fd is not None and not (self._accept_thread and self._accept_thread.is_alive()):
             os.close(self._spare_fd)
             self._spare_fd = None
+        self.state.close()
 
     def _accept_loop(self) -> None:
         """Never dies: a failure closes what it holds, backs off, and marks the daemon unhealthy

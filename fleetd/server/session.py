@@ -234,6 +234,8 @@ class Session:
         except OSError:
             pass
         self.peer_links.close()
+        for dev in self.state.devices:
+            dev.session_ended(self.id)
         self.plans.clear()
         self.plan_buffers.clear()
         for buf in self.state.registry.owned_by(self.id):
@@ -456,8 +458,11 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
 
 def _run(s: Session, plan: Plan, dev) -> None:
     t0 = time.perf_counter()
-    with s.state.exec_lock:
-        plan.run(dev.xp)
+    if dev.kind == "ggml":  # in this session's contained worker, side by side with the others
+        dev.run(plan, s.id, time.monotonic() + s.limits.graph_timeout, s.sock)
+    else:  # the numpy device computes in the daemon, one graph at a time
+        with s.state.exec_lock:
+            plan.run(dev.xp)
     s.counters.graph_computes += 1
     s.counters.compute_seconds += time.perf_counter() - t0
 

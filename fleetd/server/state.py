@@ -106,8 +106,13 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices: list[Device] = [make_device(d, config.dequant_cache, config.threads) for d in config.devices]
+        for dev in self.devices:  # graphs compute in contained workers from the start
+            if hasattr(dev, "start_workers"):
+                dev.start_workers(config.worker_user, config.limits.max_workers,
+                                  config.limits.worker_idle_timeout)
         self.registry = BufferRegistry()
-        # Held by graph compute and by COPY_TENSOR's copy inside the daemon; never during I/O
+        # Held by the numpy device's compute and by COPY_TENSOR's copy inside the daemon (the
+        # ggml device computes in workers, side by side); never during I/O
         # (GET_TENSOR and COPY_TENSOR_TO send straight from a buffer without it).
         self.exec_lock = threading.Lock()
         self.stats = StatsBook()  # command counters of closed sessions
@@ -133,6 +138,11 @@ class ServerState:
         self.started = time.time()
         # The RPC address; the daemon sets the bound one (port 0 picks a free port).
         self.address: tuple[str, int] = (config.host, config.port)
+
+    def close(self) -> None:
+        """The daemon stops: devices let their workers and fork servers go."""
+        for dev in self.devices:
+            dev.close()
 
     def _drop_plans_using(self, buf) -> None:
         # A stored graph of any session must not keep a freed buffer alive or write into it.

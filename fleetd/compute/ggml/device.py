@@ -4,7 +4,9 @@ fleetd keeps owning buffers, sessions, validation and the wire. A GRAPH_COMPUTE 
 the stock `create_node` does (ids, types, buffers, extents), every node is checked against its
 op's rule (rules.py), and the graph becomes a ggml graph once: one `ggml_tensor` per wire tensor
 in a no_alloc context, data pointers into our buffers, src/view links, op, op_params and flags as
-sent. The plan is kept for GRAPH_RECOMPUTE and computed in one `ggml_backend_graph_compute` call.
+sent. The plan is kept for GRAPH_RECOMPUTE and computed in one `ggml_backend_graph_compute` call,
+in the session's contained worker process (workers.py): the daemon validates and describes the
+graph (a GraphSpec), the worker builds and computes it over its own mappings of the buffers.
 
 This module imports nothing of fleetd.compute outside this package: `make_device` in
 fleetd/compute/device.py imports it, and buffers/views import that module.
@@ -12,23 +14,23 @@ fleetd/compute/device.py imports it, and buffers/views import that module.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
-import weakref
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from fleetd.compute.ggml import lib as ggml
 from fleetd.compute.ggml.rules import IndexUse, PaddedRead, Refused, TypeCaps, check_node, index_producers
-from fleetd.compute.host_memory import host_pages
+from fleetd.compute.ggml.worker import GraphSpec
+from fleetd.compute.ggml.workers import WorkerPool
+from fleetd.compute.host_memory import shared_pages
 from fleetd.compute.reachable import reachable_tensors
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlType, GraphCompute, RpcTensor
 from fleetd.wire.ggml import GGML_OP_COUNT
 
-INDEX_DTYPES = {GgmlType.I32: np.dtype("<i4"), GgmlType.I64: np.dtype("<i8")}
 
 
 def default_threads() -> int:
@@ -37,95 +39,34 @@ def default_threads() -> int:
     return int(n) if n.isdigit() and int(n) > 0 else max(1, (os.cpu_count() or 2) // 2)
 
 
-class BackendPool:
-    """CPU backends, one per graph computing at a time: a backend owns one work buffer."""
-
-    def __init__(self, lib: ggml.GgmlLibrary, threads: int) -> None:
-        self._lib, self.threads = lib, threads
-        self._free: list[int] = []
-        self._lock = threading.Lock()
-        self.created = 0
-
-    def acquire(self) -> int:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            self.created += 1
-        backend = self._lib.ggml_backend_cpu_init()
-        if not backend:
-            raise ComputeError("ggml_backend_cpu_init failed")
-        self._lib.ggml_backend_cpu_set_n_threads(backend, self.threads)
-        return backend
-
-    def release(self, backend: int) -> None:
-        with self._lock:
-            self._free.append(backend)
-
-
 @dataclass(slots=True)
 class IndexCheck:
-    """Row numbers that no node of the graph writes. Before each run they are copied out of the
-    buffer into `private` (the kernel reads that copy: another session's SET_TENSOR cannot change
-    them between the check and the kernel) and checked there."""
+    """Row numbers that no node of the graph writes. Before each run the worker copies them out
+    of the buffer into a private array (the kernel reads that copy: another session's SET_TENSOR
+    cannot change them between the check and the kernel) and checks them there."""
 
     tensor: int  # wire id
-    source: np.ndarray  # the index tensor's bytes in its buffer
-    private: np.ndarray  # a copy the ggml tensor points at
-    view: np.ndarray  # the copy, typed and strided as the wire says
+    handle: int  # the buffer they are in, and where
+    offset: int
+    nbytes: int
+    type: int
+    ne: tuple
+    nb: tuple
     bound: int
     what: str
 
 
 class GgmlPlan:
-    """A validated wire graph as a ggml graph over our buffers; computed in one call."""
+    """A validated wire graph, described for the worker (spec), with the buffers it reaches."""
 
-    def __init__(self, device: GgmlCpuDevice, n_nodes: int) -> None:
-        self.device, self.n_nodes = device, n_nodes
-        self.keep_alive: list = []  # the buffers' arrays: a freed buffer's memory stays valid here
-        self.index_checks: list[IndexCheck] = []
-        self.padded: list[tuple[np.ndarray, np.ndarray]] = []  # (bytes in a buffer, their padded copy)
-        self.written: list = []  # Buffers the graph writes (their generation is bumped)
-        self.private_data: dict[int, int] = {}  # tensor id -> address of its checked copy
-        self.graph = None
-        self.foreign = _Foreign(device)
-        weakref.finalize(self, self.foreign.free)
+    def __init__(self, device: GgmlCpuDevice, spec: GraphSpec, buffers: dict, written: list) -> None:
+        self.device, self.spec = device, spec
+        self.buffers = buffers  # handle -> Buffer, for the worker's mappings
+        self.written = written  # Buffers the graph writes (their generation is bumped)
 
-    def run(self, xp=None) -> None:  # xp: the numpy plan's signature, unused here
-        for source, private in self.padded:
-            private[: len(source)] = source
-        for c in self.index_checks:
-            c.private[:] = c.source
-            if int(c.view.min()) < 0 or int(c.view.max()) >= c.bound:
-                raise RemoteProtocolError(f"GRAPH_COMPUTE: {c.what} holds a row outside [0, {c.bound})")
-        if self.graph is None:  # a graph without nodes: nothing to compute, as in ggml
-            return
-        lib, pool = self.device.lib, self.device.backends
-        backend = pool.acquire()
-        try:
-            status = lib.ggml_backend_graph_compute(backend, self.graph)
-        finally:
-            pool.release(backend)
-        for buf in self.written:
-            buf.touched()
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise ComputeError(f"ggml compute: {lib.ggml_status_to_string(status).decode()}")
-
-
-class _Foreign:
-    """What a plan holds in the library: its context and the buffers wrapping our memory."""
-
-    def __init__(self, device: GgmlCpuDevice) -> None:
-        self.lib, self.device, self.ctx, self.buffers = device.lib, device, None, []
-        device.live_plans += 1
-
-    def free(self) -> None:
-        self.device.live_plans -= 1
-        for b in self.buffers:
-            self.lib.ggml_backend_buffer_free(b)
-        self.buffers.clear()
-        if self.ctx:
-            self.lib.ggml_free(self.ctx)
-            self.ctx = None
+    def run(self, owner: int = 0, timeout: float = 600.0) -> None:
+        """Compute in the worker of `owner` (a session id; 0 for a caller outside the server)."""
+        self.device.run(self, owner, time.monotonic() + timeout)
 
 
 class GgmlCpuDevice:
@@ -139,17 +80,41 @@ class GgmlCpuDevice:
     fallback = None  # it is the device `cpu` asks for
 
     def __init__(self, lib: ggml.GgmlLibrary, threads: int | None = None) -> None:
-        self.lib = lib
+        self.lib = lib  # for the type traits: the daemon itself never computes
         self.library = str(lib.cpu_path)  # which build and CPU variant computes (/v1/status)
-        self.backends = BackendPool(lib, threads or default_threads())
+        self.threads = threads or default_threads()
         self.caps = _type_caps(lib)
-        self.live_plans = 0  # plans whose ggml context is not freed yet (tests watch it)
+        self.workers: WorkerPool | None = None
+        self._start_lock = threading.Lock()
+
+    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float) -> None:
+        """Start the fork server: graphs compute in contained workers from now on."""
+        self.workers = WorkerPool(self.threads, user, max_workers, idle_timeout)
+        self.workers.start()
+
+    def run(self, plan: GgmlPlan, session_id: int, deadline: float, client=None) -> None:
+        """Compute `plan` in this session's worker (see WorkerPool.compute for what it raises)."""
+        if self.workers is None:  # used outside a server (tests, tools): default limits
+            with self._start_lock:
+                if self.workers is None:
+                    self.start_workers(None, 64, 300.0)
+        self.workers.compute(session_id, plan, deadline, client)
+        for buf in plan.written:
+            buf.touched()
+
+    def session_ended(self, session_id: int) -> None:
+        if self.workers is not None:
+            self.workers.release(session_id)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
 
     # -- what the wire asks ---------------------------------------------------------------------
 
     def alloc(self, size: int):
         """A flat uint8 array of `size` bytes on a page boundary (`alignment` divides it), or None."""
-        return host_pages(size)
+        return shared_pages(size)
 
     def memory(self) -> tuple[int, int]:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -173,7 +138,7 @@ class GgmlCpuDevice:
 
     def describe(self) -> str:
         free, total = self.memory()
-        threads = self.backends.threads
+        threads = self.threads
         return f"{self.name} (ggml CPU kernels, {threads} threads, {total >> 20} MiB, {free >> 20} MiB free)"
 
     # -- graphs ----------------------------------------------------------------------------------
@@ -201,32 +166,28 @@ class GgmlCpuDevice:
             if node.flags & ggml.GGML_TENSOR_FLAG_COMPUTE:
                 writes.append((i, node.buffer, node.data, node.data + sizes[node.id]))
 
-        plan = GgmlPlan(self, len(nodes))
+        plan = _Draft()
         for i, use in uses:
             if isinstance(use, PaddedRead):
                 self._plan_padded_read(plan, i, use, buffers, nodes, writes)
             else:
                 self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
-        if tensors:
-            self._build_ggml_graph(plan, graph, tensors, buffers, rows)
-        return plan
+        return _finish(self, plan, graph, tensors, buffers, rows)
 
     def _plan_padded_read(self, plan, consumer: int, use: PaddedRead, buffers, nodes, writes):
         """The view's bytes copied before every run into an array of the size the kernel reads,
         the rest 1.0f (ROPE's freq factors past n_dims/2: read, never used)."""
         t = use.tensor
-        if t.id in plan.private_data:
+        if t.id in plan.private:
             return
         lo, hi = t.data, t.data + t.nbytes
         if (j := _writer_between(writes, 0, consumer, t.buffer, lo, hi)) is not None:
             raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
                           f"{nodes[consumer].describe()} reads past its end")
         buf = buffers[t.id]
-        source = buf.array[lo - buf.base : hi - buf.base] if buf is not None else np.empty(0, np.uint8)
-        private = np.ones(use.nbytes // 4, np.float32).view(np.uint8)
-        plan.padded.append((source, private))
-        plan.private_data[t.id] = private.ctypes.data
-        plan.keep_alive.append(private)
+        handle, off = (buf.handle, lo - buf.base) if buf is not None else (0, 0)
+        plan.padded.append((t.id, handle, off, t.nbytes if buf is not None else 0, use.nbytes))
+        plan.private.add(t.id)
 
     def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, writes):
         idx = use.index
@@ -256,84 +217,49 @@ class GgmlCpuDevice:
                 same.bound = min(same.bound, use.bound)
             elif idx.nbytes:
                 buf = buffers[idx.id]
-                off = idx.data - buf.base
-                source = buf.array[off : off + idx.nbytes]
-                private = np.empty(idx.nbytes, np.uint8)
-                view = np.ndarray(idx.ne[::-1], INDEX_DTYPES[idx.type], buffer=private,
-                                  strides=idx.nb[::-1])
-                check = IndexCheck(idx.id, source, private, view, use.bound, idx.describe())
+                check = IndexCheck(idx.id, buf.handle, idx.data - buf.base, idx.nbytes, idx.type,
+                                   tuple(idx.ne), tuple(idx.nb), use.bound, idx.describe())
                 plan.index_checks.append(check)
-                plan.private_data[idx.id] = private.ctypes.data
-                plan.keep_alive.append(private)
+                plan.private.add(idx.id)
         if (j := _writer_between(writes, after, consumer, idx.buffer, lo, hi)) is not None:
             raise Refused(
                 f"GRAPH_COMPUTE: {nodes[j].describe()} overwrites the row ids {idx.describe()} "
                 f"before {nodes[consumer].describe()} reads them"
             )
 
-    def _build_ggml_graph(self, plan: GgmlPlan, graph: GraphCompute, tensors, buffers, rows) -> None:
-        """One ggml_tensor per reachable wire tensor, filled column-wise straight from the wire
-        records (per-field ctypes writes cost ~70 us per tensor)."""
-        lib = self.lib
-        n_nodes = max(1, len(graph.nodes))
-        mem = lib.ggml_tensor_overhead() * len(tensors) + lib.ggml_graph_overhead_custom(n_nodes, False)
-        ctx = lib.ggml_init(ggml.GgmlInitParams(mem, None, True))
-        if not ctx:
-            raise ComputeError("ggml_init failed")
-        plan.foreign.ctx = ctx
-        order = list(tensors)
-        wire = graph.tensors[np.fromiter((rows[tid] for tid in order), np.int64, len(order))]
-        ne = (ctypes.c_int64 * 4)(1, 1, 1, 1)
-        addrs = np.empty(len(order), np.uint64)
-        for i, tid in enumerate(order):
-            addrs[i] = ctypes.addressof(lib.ggml_new_tensor(ctx, tensors[tid].type, 1, ne).contents)
 
-        out = np.zeros(len(order), ggml.TENSOR_DTYPE)
-        for field in ("type", "ne", "nb", "op", "op_params", "flags", "view_offs"):
-            out[field] = wire[field]
-        names = np.frombuffer(wire["name"].tobytes(), np.uint8).reshape(len(order), -1).copy()
-        names[:, -1] = 0  # ggml_set_name keeps 63 bytes and a terminator
-        out["name"] = names.view(out.dtype["name"]).ravel()
-        # links: wire ids -> the ggml_tensor addresses just made (0 stays NULL)
-        ids = np.fromiter(order, np.uint64, len(order))
-        sorter = np.argsort(ids)
+class _Draft:
+    """What build_plan gathers before the spec is made: row-id checks and padded reads."""
 
-        def address_of(wire_ids: np.ndarray) -> np.ndarray:
-            pos = np.searchsorted(ids, wire_ids, sorter=sorter).clip(0, len(ids) - 1)
-            return np.where(wire_ids == 0, np.uint64(0), addrs[sorter[pos]])
+    def __init__(self) -> None:
+        self.index_checks: list[IndexCheck] = []
+        self.padded: list[tuple] = []  # (tensor id, handle, offset, nbytes, padded nbytes)
+        self.private: set[int] = set()  # tensor ids the kernel reads from a private copy
 
-        out["src"] = address_of(wire["src"])
-        out["view_src"] = address_of(wire["view_src"])
-        # memory: each distinct buffer becomes one ggml CPU buffer over our array
-        for buf in {id(b): b for b in buffers.values() if b is not None}.values():
-            mask = np.fromiter((buffers[tid] is buf for tid in order), bool, len(order))
-            bb = lib.ggml_backend_cpu_buffer_from_ptr(buf.array.ctypes.data, buf.size)
-            plan.foreign.buffers.append(bb)
-            plan.keep_alive.append(buf.array)
-            out["buffer"][mask] = bb
-            out["data"][mask] = wire["data"][mask] - np.uint64(buf.base) + np.uint64(buf.array.ctypes.data)
-        for i, tid in enumerate(order):
-            if tid in plan.private_data:  # checked row ids: the kernel reads the checked copy
-                out["data"][i] = plan.private_data[tid]
-        step = int(addrs[1] - addrs[0]) if len(order) > 1 else 0
-        if len(order) > 1 and np.all(np.diff(addrs) == step) and step >= out.itemsize:
-            # the context lays its objects out back to back: one strided write
-            span = (ctypes.c_char * (step * (len(order) - 1) + out.itemsize)).from_address(int(addrs[0]))
-            np.ndarray(len(order), out.dtype, buffer=span, strides=(step,))[:] = out
-        else:
-            for i, a in enumerate(addrs):
-                ctypes.memmove(int(a), out[i : i + 1].ctypes.data, out.itemsize)
 
-        plan.graph = lib.ggml_new_graph_custom(ctx, n_nodes, False)
-        where = dict(zip(order, addrs.tolist()))
-        for nid in graph.nodes:
-            lib.ggml_graph_add_node(plan.graph, ctypes.cast(where[nid], ggml.ggml_tensor_p))
-        written = {}
-        for nid in graph.nodes:
-            t = tensors[nid]
-            if t.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and t.op not in METADATA_OPS and buffers[nid]:
-                written[buffers[nid].handle] = buffers[nid]
-        plan.written = list(written.values())
+def _finish(device: GgmlCpuDevice, draft: _Draft, graph: GraphCompute, tensors, buffers, rows) -> GgmlPlan:
+    """The GraphSpec the worker builds: the reachable tensors' wire records, the buffers with
+    bytes, the checks; and what the daemon keeps (the Buffers, those the graph writes)."""
+    order = list(tensors)
+    wire = graph.tensors[np.fromiter((rows[tid] for tid in order), np.int64, len(order))].copy()
+    mapped = {b.handle: b for b in buffers.values() if b is not None}
+    # tensors whose buffer has no bytes (or none at all) point nowhere, as before
+    no_memory = np.fromiter((buffers[tid] is None for tid in order), bool, len(order))
+    wire["buffer"][no_memory] = 0
+    wire["data"][no_memory] = 0
+    written = {}
+    for nid in graph.nodes:
+        t = tensors[nid]
+        if t.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and t.op not in METADATA_OPS and buffers[nid]:
+            written[buffers[nid].handle] = buffers[nid]
+    spec = GraphSpec(
+        order=np.fromiter(order, np.uint64, len(order)), wire=wire, nodes=list(graph.nodes),
+        handles=list(mapped),
+        index_checks=[(c.tensor, c.handle, c.offset, c.nbytes, c.type, c.ne, c.nb, c.bound, c.what)
+                      for c in draft.index_checks],
+        padded=draft.padded,
+    )
+    return GgmlPlan(device, spec, mapped, list(written.values()))
 
 
 def _writer_between(writes, first: int, consumer: int, buffer: int, lo: int, hi: int) -> int | None:

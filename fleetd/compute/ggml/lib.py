@@ -90,6 +90,7 @@ _FUNCTIONS = [
     ("base", "ggml_graph_overhead_custom", [c_size_t, c_bool], c_size_t),
     ("base", "ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)], ggml_tensor_p),
     ("base", "ggml_new_graph_custom", [ggml_context_p, c_size_t, c_bool], ggml_cgraph_p),
+    ("base", "ggml_add", [ggml_context_p, ggml_tensor_p, ggml_tensor_p], ggml_tensor_p),
     ("base", "ggml_graph_add_node", [ggml_cgraph_p, ggml_tensor_p], None),
     ("base", "ggml_graph_n_nodes", [ggml_cgraph_p], c_int),
     ("base", "ggml_nbytes", [ggml_tensor_p], c_size_t),

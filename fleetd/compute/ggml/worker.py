@@ -1,0 +1,227 @@
+"""The contained side of the ggml device: one process per session, forked by the fork server.
+
+It maps only the buffers its daemon hands it (memfds, one per buffer), builds the validated
+graphs it is sent as ggml graphs over those mappings and computes them. Before its first
+message it drops to the worker user and loads the seccomp filter (fleetd.compute.sandbox), so
+a kernel that goes wrong can hurt only its own session: the other sessions' bytes are not in
+its address space, and it can neither open nor connect nor exec. Anything unexpected ends the
+process; the daemon sees its channel close and closes that session's connection.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleetd.compute.ggml import lib as ggml
+from fleetd.compute.ggml.channel import (
+    MSG_COMPUTE,
+    MSG_FORGET,
+    REPLY_DONE,
+    REPLY_FAILED,
+    REPLY_READY,
+    REPLY_REFUSED,
+    recv_message,
+    send_message,
+)
+
+INDEX_DTYPES = {26: np.dtype("<i4"), 27: np.dtype("<i8")}  # GGML_TYPE_I32, GGML_TYPE_I64
+MAX_MESSAGE = 1 << 30
+
+
+@dataclass
+class GraphSpec:
+    """A graph the daemon validated, as plain data: what the worker needs to build it in ggml.
+
+    `wire` holds the wire records of every reachable tensor (in `order`); their `buffer` and
+    `data` fields are the daemon's handles and addresses, which the worker maps to its own."""
+
+    order: np.ndarray  # uint64 wire ids
+    wire: np.ndarray  # wire tensor records, one per id in `order`
+    nodes: list[int]
+    handles: list[int]  # the buffers (with bytes) the graph reaches
+    # (tensor id, handle, offset, nbytes, type, ne, nb, bound, what): row ids copied out,
+    # checked, and read by the kernel from the copy
+    index_checks: list[tuple] = field(default_factory=list)
+    # (tensor id, handle, offset, nbytes, padded nbytes): read into a copy of the padded size
+    padded: list[tuple] = field(default_factory=list)
+
+
+class Mapping:
+    """One buffer's memfd mapped into this process."""
+
+    def __init__(self, fd: int, base: int, size: int) -> None:
+        self.pages = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        probe = ctypes.c_char.from_buffer(self.pages)
+        self.address = ctypes.addressof(probe)
+        del probe  # the address stays valid while the mapping lives; no export keeps it open
+        self.base, self.size = base, size
+
+    def bytes_at(self, offset: int, n: int) -> np.ndarray:
+        return np.frombuffer(self.pages, np.uint8, n, offset)
+
+
+class WorkerPlan:
+    """A GraphSpec built in ggml over this process's mappings."""
+
+    def __init__(self, lib: ggml.GgmlLibrary, spec: GraphSpec, maps: dict[int, Mapping]) -> None:
+        self.lib, self.handles = lib, set(spec.handles)
+        self.ctx = None
+        self.graph = None
+        self.buffers: list[int] = []
+        self.checks = []  # (source view, private copy, typed view, bound, what)
+        self.padded = []  # (source view, private copy)
+        private: dict[int, int] = {}
+        for tid, handle, off, nbytes, typ, ne, nb, bound, what in spec.index_checks:
+            copy = np.empty(nbytes, np.uint8)
+            view = np.ndarray(ne[::-1], INDEX_DTYPES[typ], buffer=copy, strides=nb[::-1])
+            self.checks.append((maps[handle].bytes_at(off, nbytes), copy, view, bound, what))
+            private[tid] = copy.ctypes.data
+        for tid, handle, off, nbytes, padded_nbytes in spec.padded:
+            copy = np.ones(padded_nbytes // 4, np.float32).view(np.uint8)
+            source = maps[handle].bytes_at(off, nbytes) if handle else np.empty(0, np.uint8)
+            self.padded.append((source, copy))
+            private[tid] = copy.ctypes.data
+        if len(spec.order):
+            self._build(spec, maps, private)
+
+    def _build(self, spec: GraphSpec, maps: dict[int, Mapping], private: dict[int, int]) -> None:
+        """One ggml_tensor per reachable wire tensor, filled column-wise from the wire records
+        (per-field ctypes writes cost ~70 us per tensor)."""
+        lib, order, wire = self.lib, spec.order, spec.wire
+        n = len(order)
+        n_nodes = max(1, len(spec.nodes))
+        mem = lib.ggml_tensor_overhead() * n + lib.ggml_graph_overhead_custom(n_nodes, False)
+        self.ctx = lib.ggml_init(ggml.GgmlInitParams(mem, None, True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        ne = (ctypes.c_int64 * 4)(1, 1, 1, 1)
+        addrs = np.empty(n, np.uint64)
+        for i in range(n):
+            addrs[i] = ctypes.addressof(lib.ggml_new_tensor(self.ctx, int(wire["type"][i]), 1, ne).contents)
+        out = np.zeros(n, ggml.TENSOR_DTYPE)
+        for name in ("type", "ne", "nb", "op", "op_params", "flags", "view_offs"):
+            out[name] = wire[name]
+        names = np.frombuffer(wire["name"].tobytes(), np.uint8).reshape(n, -1).copy()
+        names[:, -1] = 0  # ggml_set_name keeps 63 bytes and a terminator
+        out["name"] = names.view(out.dtype["name"]).ravel()
+        sorter = np.argsort(order)
+
+        def address_of(wire_ids: np.ndarray) -> np.ndarray:
+            pos = np.searchsorted(order, wire_ids, sorter=sorter).clip(0, n - 1)
+            return np.where(wire_ids == 0, np.uint64(0), addrs[sorter[pos]])
+
+        out["src"] = address_of(wire["src"])
+        out["view_src"] = address_of(wire["view_src"])
+        for handle in spec.handles:  # each buffer becomes one ggml CPU buffer over its mapping
+            m = maps[handle]
+            mask = wire["buffer"] == np.uint64(handle)
+            bb = lib.ggml_backend_cpu_buffer_from_ptr(m.address, m.size)
+            self.buffers.append(bb)
+            out["buffer"][mask] = bb
+            out["data"][mask] = wire["data"][mask] - np.uint64(m.base) + np.uint64(m.address)
+        if private:
+            pos = np.searchsorted(order, np.fromiter(private, np.uint64), sorter=sorter)
+            out["data"][sorter[pos]] = np.fromiter(private.values(), np.uint64)
+        step = int(addrs[1] - addrs[0]) if n > 1 else 0
+        if n > 1 and np.all(np.diff(addrs) == step) and step >= out.itemsize:
+            # the context lays its objects out back to back: one strided write
+            span = (ctypes.c_char * (step * (n - 1) + out.itemsize)).from_address(int(addrs[0]))
+            np.ndarray(n, out.dtype, buffer=span, strides=(step,))[:] = out
+        else:
+            for i, a in enumerate(addrs):
+                ctypes.memmove(int(a), out[i : i + 1].ctypes.data, out.itemsize)
+        self.graph = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
+        pos = np.searchsorted(order, np.asarray(spec.nodes, np.uint64), sorter=sorter)
+        for a in addrs[sorter[pos]].tolist():
+            lib.ggml_graph_add_node(self.graph, ctypes.cast(a, ggml.ggml_tensor_p))
+
+    def run(self, backend: int) -> tuple[int, str]:
+        for source, copy in self.padded:
+            copy[: len(source)] = source
+        for source, copy, view, bound, what in self.checks:
+            copy[:] = source
+            if view.size and (int(view.min()) < 0 or int(view.max()) >= bound):
+                return REPLY_REFUSED, f"GRAPH_COMPUTE: {what} holds a row outside [0, {bound})"
+        if self.graph is None:  # a graph without nodes: nothing to compute, as in ggml
+            return REPLY_DONE, ""
+        status = self.lib.ggml_backend_graph_compute(backend, self.graph)
+        if status != ggml.GGML_STATUS_SUCCESS:
+            return REPLY_FAILED, f"ggml compute: {self.lib.ggml_status_to_string(status).decode()}"
+        return REPLY_DONE, ""
+
+    def free(self) -> None:
+        for b in self.buffers:
+            self.lib.ggml_backend_buffer_free(b)
+        self.buffers.clear()
+        if self.ctx:
+            self.lib.ggml_free(self.ctx)
+            self.ctx = None
+        self.checks.clear()
+        self.padded.clear()
+
+
+def warm_up(lib: ggml.GgmlLibrary, backend: int) -> None:
+    """One tiny graph before the sandbox closes: the CPU backend's lazy set-up (feature
+    detection, the thread pool) happens while it may still read /proc and /sys."""
+    ctx = lib.ggml_init(ggml.GgmlInitParams(1 << 20, None, False))
+    try:
+        ne = (ctypes.c_int64 * 4)(64, 1, 1, 1)
+        a = lib.ggml_new_tensor(ctx, 0, 1, ne)
+        b = lib.ggml_new_tensor(ctx, 0, 1, ne)
+        ctypes.memset(a.contents.data, 0, 256)
+        ctypes.memset(b.contents.data, 0, 256)
+        graph = lib.ggml_new_graph_custom(ctx, 4, False)
+        lib.ggml_graph_add_node(graph, lib.ggml_add(ctx, a, b))
+        lib.ggml_backend_graph_compute(backend, graph)
+    finally:
+        lib.ggml_free(ctx)
+
+
+def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int, ready: str) -> None:
+    """The worker's loop: messages in, one reply per compute. Returns when the daemon closes."""
+    current_threads = threads
+    maps: dict[int, Mapping] = {}
+    plans: dict[int, WorkerPlan] = {}
+    send_message(sock, REPLY_READY, ready.encode())
+    while True:
+        try:
+            kind, payload, fds = recv_message(sock, MAX_MESSAGE, max_fds=1 << 16)
+        except EOFError:
+            return
+        msg = pickle.loads(payload)
+        for handle in msg.get("unmap", ()):
+            for key in [k for k, p in plans.items() if handle in p.handles]:
+                plans.pop(key).free()
+            m = maps.pop(handle, None)
+            if m is not None:
+                m.pages.close()
+        for (handle, base, size), fd in zip(msg.get("maps", ()), fds):
+            try:
+                maps[handle] = Mapping(fd, base, size)
+            finally:
+                os.close(fd)  # the mapping keeps the memory; the worker holds no fd
+        if kind == MSG_FORGET:
+            for key in msg.get("keys", ()):
+                if key in plans:
+                    plans.pop(key).free()
+            continue
+        if kind != MSG_COMPUTE:
+            raise ValueError(f"unknown message {kind}")
+        key = msg["key"]
+        if msg.get("spec") is not None:
+            if key in plans:
+                plans.pop(key).free()
+            plans[key] = WorkerPlan(lib, msg["spec"], maps)
+        want = msg.get("threads") or threads
+        if want != current_threads:
+            lib.ggml_backend_cpu_set_n_threads(backend, want)
+            current_threads = want
+        status, text = plans[key].run(backend)
+        send_message(sock, status, text.encode())

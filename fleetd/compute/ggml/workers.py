@@ -1,0 +1,408 @@
+"""The daemon's side of contained compute: the fork server process, one worker per computing
+session, and the pool that caps, shares and reaps them.
+
+A worker is a cache of the session's compute state (its mappings and its built graph): the daemon
+keeps every GraphSpec, so a reaped, evicted or killed worker is replaced by a new one that gets
+the buffers and the spec again. What the daemon never does is trust a worker: it reads a kind
+and a short text back, and a worker that dies, hangs past the deadline or computes for a client
+that has gone is killed and costs that session its connection, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from fleetd.compute.ggml.channel import (
+    MAX_REPLY,
+    MSG_COMPUTE,
+    REPLY_DONE,
+    REPLY_FAILED,
+    REPLY_READY,
+    REPLY_REFUSED,
+    recv_exact,
+    recv_message,
+    send_message,
+)
+from fleetd.compute.ggml.forkserver import EXITED, PID, SPAWN
+from fleetd.compute.host_memory import memfd_of
+from fleetd.errors import ComputeError, RemoteProtocolError
+
+log = logging.getLogger("fleetd.workers")
+
+READY_TIMEOUT = 30.0  # a fork server or a worker that is not up by then is broken
+
+
+class WorkerDied(ComputeError):
+    """The session's worker ended mid-graph (a signal, an abort) or was killed."""
+
+
+class ClientGone(ConnectionError):
+    """The client hung up while its graph computed: the compute was cancelled."""
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+class ForkServer:
+    """`python -m fleetd.compute.ggml.forkserver` and the two sockets to it."""
+
+    def __init__(self, threads: int, user: str | None) -> None:
+        ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        events, events_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetd.compute.ggml.forkserver", str(ctl_child.fileno()),
+             str(events_child.fileno()), str(threads), user or ""],
+            pass_fds=(ctl_child.fileno(), events_child.fileno()), stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C on the daemon's terminal is the daemon's alone
+        )
+        ctl_child.close()
+        events_child.close()
+        self._ctl, self._events = ctl, events
+        self._lock = threading.Lock()
+        self._exits: dict[int, "Worker"] = {}
+        self._exits_lock = threading.Lock()
+        ctl.settimeout(READY_TIMEOUT)
+        try:
+            kind, payload, _ = recv_message(ctl, MAX_REPLY)
+        except (OSError, EOFError) as exc:
+            self.close()
+            raise OSError(f"compute fork server did not start: {exc}") from exc
+        if kind != REPLY_READY:
+            self.close()
+            raise OSError(f"compute fork server: {payload.decode(errors='replace')}")
+        self.library = payload.decode()
+        ctl.settimeout(None)
+        self._reader = threading.Thread(target=self._read_exits, name="fleetd-worker-exits", daemon=True)
+        self._reader.start()
+
+    def spawn(self, threads: int) -> "Worker":
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with self._lock:
+                send_message(self._ctl, SPAWN, b"", [theirs.fileno()])
+                self._ctl.settimeout(READY_TIMEOUT)
+                try:
+                    (pid,) = PID.unpack(recv_exact(self._ctl, PID.size))
+                finally:
+                    self._ctl.settimeout(None)
+                worker = Worker(pid, mine, threads)
+                with self._exits_lock:
+                    self._exits[pid] = worker
+        except (OSError, EOFError) as exc:
+            mine.close()
+            raise ComputeError(f"cannot start a compute worker: {exc}") from exc
+        finally:
+            theirs.close()
+        worker.wait_ready()
+        return worker
+
+    def _read_exits(self) -> None:
+        while True:
+            try:
+                pid, status = EXITED.unpack(recv_exact(self._events, EXITED.size))
+            except (OSError, EOFError):
+                return
+            with self._exits_lock:
+                worker = self._exits.pop(pid, None)
+            if worker is not None:
+                worker.exited(status)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        for s in (self._ctl, self._events):
+            try:
+                s.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Worker:
+    """One contained process and what the daemon knows it holds."""
+
+    def __init__(self, pid: int, sock: socket.socket, threads: int) -> None:
+        self.pid, self.sock = pid, sock
+        self.threads = threads
+        self.lock = threading.Lock()  # held while a session uses it; the reaper only try-locks
+        self.mapped: dict[int, object] = {}  # handle -> Buffer
+        self.built: object | None = None  # the plan whose spec it holds
+        self.last_used = time.monotonic()
+        self.dead = False
+        self.status: int | None = None
+        self.walls = ""
+        self._exited = threading.Event()
+
+    def wait_ready(self) -> None:
+        self.sock.settimeout(READY_TIMEOUT)
+        try:
+            kind, payload, _ = recv_message(self.sock, MAX_REPLY)
+        except (OSError, EOFError) as exc:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid} did not start: {self._why(exc)}") from None
+        finally:
+            self.sock.settimeout(None)
+        if kind != REPLY_READY:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid}: unexpected first message {kind}")
+        self.walls = payload.decode(errors="replace")
+
+    def exited(self, status: int) -> None:
+        self.status = status
+        self.dead = True
+        self._exited.set()
+
+    def _why(self, exc: BaseException | None = None) -> str:
+        self._exited.wait(2.0)  # the fork server reports the status right after the close
+        if self.status is not None:
+            return describe_status(self.status)
+        return f"its channel closed ({exc})" if exc else "its channel closed"
+
+    def kill(self) -> None:
+        self.dead = True
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def compute(self, plan, threads: int, deadline: float, client: socket.socket | None) -> None:
+        """Hand the worker what it lacks of `plan` (buffers, the spec), run it, wait for the
+        answer. Raises RemoteProtocolError (the data broke a rule: row ids), ComputeError (ggml
+        failed, the worker died or ran past the deadline) or ClientGone."""
+        maps, fds = [], []
+        unmap = [h for h, b in self.mapped.items() if b.freed]
+        for h in unmap:
+            del self.mapped[h]
+        for handle in plan.spec.handles:
+            if handle not in self.mapped:
+                buf = plan.buffers[handle]
+                fd = memfd_of(buf.array)
+                if fd is None:
+                    raise ComputeError(f"buffer {handle:#x} is not shared memory")
+                maps.append((handle, buf.base, buf.size))
+                fds.append(fd)
+                self.mapped[handle] = buf
+        spec = plan.spec if self.built is not plan else None
+        payload = pickle.dumps({"key": 0, "spec": spec, "maps": maps, "unmap": unmap,
+                                "threads": threads}, protocol=5)
+        self.last_used = time.monotonic()
+        try:
+            send_message(self.sock, MSG_COMPUTE, payload, fds)
+        except OSError as exc:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid} died: {self._why(exc)}") from None
+        self.built = plan
+        kind, text = self._wait_reply(deadline, client)
+        self.last_used = time.monotonic()
+        if kind == REPLY_DONE:
+            return
+        if kind == REPLY_REFUSED:
+            raise RemoteProtocolError(text)
+        if kind == REPLY_FAILED:
+            raise ComputeError(text)
+        self.kill()
+        raise WorkerDied(f"compute worker {self.pid}: unexpected reply {kind}")
+
+    def _wait_reply(self, deadline: float, client: socket.socket | None) -> tuple[int, str]:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        if client is not None:
+            poller.register(client, select.POLLRDHUP)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise ComputeError(f"graph still computing at the deadline: worker {self.pid} killed")
+            for fd, ev in poller.poll(min(left, 1.0) * 1000):
+                if fd == self.sock.fileno():
+                    try:
+                        self.sock.settimeout(10.0)  # a reply is a few bytes once it starts
+                        kind, payload, _ = recv_message(self.sock, MAX_REPLY)
+                        self.sock.settimeout(None)
+                        return kind, payload.decode(errors="replace")[:1000]
+                    except (OSError, EOFError, ValueError) as exc:
+                        self.kill()
+                        raise WorkerDied(f"compute worker {self.pid} died mid-graph: "
+                                         f"{self._why(exc)}") from None
+                if ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                    self.kill()
+                    raise ClientGone("the client hung up while its graph computed: cancelled")
+
+
+class WorkerPool:
+    """At most `max_workers` workers, one per session that computes; idle ones are reaped after
+    `idle_timeout`, and at the cap the least recently used idle one makes room. Threads are
+    shared out among the sessions computing at the same moment: each graph gets
+    max(1, threads // computing), so two sessions on a node with 4 compute threads get 2 each
+    and the cores are not oversubscribed."""
+
+    def __init__(self, threads: int, user: str | None, max_workers: int, idle_timeout: float) -> None:
+        self.threads, self.user = threads, user
+        self.max_workers, self.idle_timeout = max_workers, idle_timeout
+        self._server: ForkServer | None = None
+        self._by_session: dict[int, Worker] = {}
+        self._cond = threading.Condition()
+        self._computing = 0
+        self.deaths = 0  # workers that died or were killed mid-graph
+        self.spawned = 0
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._server = ForkServer(self.threads, self.user)
+        self._reaper = threading.Thread(target=self._reap, name="fleetd-worker-reaper", daemon=True)
+        self._reaper.start()
+
+    @property
+    def library(self) -> str:
+        return self._server.library if self._server else ""
+
+    def live(self) -> int:
+        with self._cond:
+            return len(self._by_session)
+
+    def worker_pids(self) -> dict[int, int]:
+        """session id -> pid of its worker (tests and /v1/status)."""
+        with self._cond:
+            return {sid: w.pid for sid, w in self._by_session.items()}
+
+    def compute(self, session_id: int, plan, deadline: float, client: socket.socket | None) -> None:
+        worker = self._acquire(session_id, deadline)
+        try:
+            with self._cond:
+                self._computing += 1
+                share = max(1, self.threads // self._computing)
+            try:
+                worker.compute(plan, share, deadline, client)
+            except (ComputeError, ClientGone):
+                if worker.dead:
+                    with self._cond:
+                        self.deaths += 1
+                        if self._by_session.get(session_id) is worker:
+                            del self._by_session[session_id]
+                        self._cond.notify_all()
+                raise
+            finally:
+                with self._cond:
+                    self._computing -= 1
+        finally:
+            worker.lock.release()
+
+    def _acquire(self, session_id: int, deadline: float) -> Worker:
+        """This session's worker, locked; spawned (after evicting an idle one at the cap) when
+        it has none."""
+        with self._cond:
+            while True:
+                w = self._by_session.get(session_id)
+                if w is not None and not w.dead:
+                    break
+                if w is not None:
+                    del self._by_session[session_id]
+                if len(self._by_session) < self.max_workers or self._evict_idle():
+                    w = None
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ComputeError(f"all {self.max_workers} compute workers busy until the deadline")
+                self._cond.wait(min(left, 1.0))
+            if w is None:
+                self._by_session[session_id] = placeholder = _Reserved()
+        if w is not None:
+            w.lock.acquire()
+            if not w.dead:
+                return w
+            w.lock.release()
+            return self._acquire(session_id, deadline)
+        try:
+            w = self._server.spawn(self.threads)
+        except BaseException:
+            with self._cond:
+                if self._by_session.get(session_id) is placeholder:
+                    del self._by_session[session_id]
+                self._cond.notify_all()
+            raise
+        w.lock.acquire()
+        with self._cond:
+            self.spawned += 1
+            self._by_session[session_id] = w
+        log.debug("session %d: compute worker %s", session_id, w.walls)
+        return w
+
+    def _evict_idle(self) -> bool:
+        """Kill the least recently used idle worker (caller holds _cond). False: none idle."""
+        idle = [(w.last_used, sid, w) for sid, w in self._by_session.items()
+                if isinstance(w, Worker) and w.lock.acquire(blocking=False)]
+        if not idle:
+            return False
+        idle.sort(key=lambda x: x[0])
+        _, sid, victim = idle[0]
+        for _, _, w in idle:
+            if w is not victim:
+                w.lock.release()
+        del self._by_session[sid]
+        victim.kill()
+        victim.lock.release()
+        return True
+
+    def release(self, session_id: int) -> None:
+        """The session ended: its worker goes (it holds nothing the daemon needs)."""
+        with self._cond:
+            w = self._by_session.pop(session_id, None)
+            self._cond.notify_all()
+        if isinstance(w, Worker):
+            w.kill()
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(self.idle_timeout, 5.0)):
+            now = time.monotonic()
+            with self._cond:
+                for sid, w in list(self._by_session.items()):
+                    if (isinstance(w, Worker) and now - w.last_used > self.idle_timeout
+                            and w.lock.acquire(blocking=False)):
+                        del self._by_session[sid]
+                        w.kill()
+                        w.lock.release()
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            workers = list(self._by_session.values())
+            self._by_session.clear()
+        for w in workers:
+            if isinstance(w, Worker):
+                w.kill()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+class _Reserved:
+    """A slot taken while its worker starts (counts against the cap)."""
+
+    dead = False
