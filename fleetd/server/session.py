@@ -117,23 +117,25 @@ class Session:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        # Log the text of an error, never the exception: a handler that keeps records would
+        # keep its traceback's frames, and with them the buffers of a closed session.
         try:
             self._serve()
         except RemoteProtocolError as exc:
-            log.warning("session %d %s: closed: %s", self.id, self.peer, exc)
+            log.warning("session %d %s: closed: %s", self.id, self.peer, str(exc))
         except SessionTimeout as exc:
-            log.info("session %d %s: closed: %s", self.id, self.peer, exc)
+            log.info("session %d %s: closed: %s", self.id, self.peer, str(exc))
         except BlockingIOError:  # SO_SNDTIMEO: the client stopped reading our response
             log.info("session %d %s: closed: client took no response bytes for %gs",
                      self.id, self.peer, self.limits.request_timeout)
         except ComputeError as exc:
-            log.warning("session %d %s: graph failed, closed: %s", self.id, self.peer, exc)
+            log.warning("session %d %s: graph failed, closed: %s", self.id, self.peer, str(exc))
         except (ConnectionError, TimeoutError) as exc:
-            log.info("session %d %s: connection lost: %s", self.id, self.peer, exc)
+            log.info("session %d %s: connection lost: %s", self.id, self.peer, str(exc))
         except FleetdError as exc:
-            log.warning("session %d %s: closed: %s", self.id, self.peer, exc)
+            log.warning("session %d %s: closed: %s", self.id, self.peer, str(exc))
         except OSError as exc:
-            log.info("session %d %s: socket error: %s", self.id, self.peer, exc)
+            log.info("session %d %s: socket error: %s", self.id, self.peer, str(exc))
         except Exception:
             log.exception("session %d %s: internal error, closing this session", self.id, self.peer)
         finally:

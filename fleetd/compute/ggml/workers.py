@@ -69,6 +69,9 @@ class ForkServer:
             [sys.executable, "-m", "fleetd.compute.ggml.forkserver", str(ctl_child.fileno()),
              str(events_child.fileno()), str(threads), user or ""],
             pass_fds=(ctl_child.fileno(), events_child.fileno()), stdin=subprocess.DEVNULL,
+            # ggml's backtrace on an abort opens /proc and forks a debugger: under seccomp the
+            # fopen fails and it dereferences NULL. The assert's own message is what matters.
+            env=dict(os.environ, GGML_NO_BACKTRACE="1"),
             start_new_session=True,  # Ctrl-C on the daemon's terminal is the daemon's alone
         )
         ctl_child.close()
@@ -181,6 +184,8 @@ class Worker:
 
     def kill(self) -> None:
         self.dead = True
+        self.mapped.clear()  # no reference of a dead worker keeps a buffer's memory alive
+        self.built = None
         try:
             os.kill(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -289,7 +294,7 @@ class WorkerPool:
     def worker_pids(self) -> dict[int, int]:
         """session id -> pid of its worker (tests and /v1/status)."""
         with self._cond:
-            return {sid: w.pid for sid, w in self._by_session.items()}
+            return {sid: w.pid for sid, w in self._by_session.items() if isinstance(w, Worker)}
 
     def compute(self, session_id: int, plan, deadline: float, client: socket.socket | None) -> None:
         worker = self._acquire(session_id, deadline)

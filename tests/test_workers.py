@@ -1,0 +1,370 @@
+"""Contained compute: a session's graphs run in a worker process that maps only the buffers the
+session computes on, unprivileged, under seccomp. A worker that dies (a rule weakened on purpose
+here, or a signal), hangs past the deadline or computes for a client that has gone costs only
+that session its connection; the daemon, the other sessions and every buffer's bytes carry on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import connection_closed, endpoint
+
+from fleetd.client.graph import GraphBuilder
+from fleetd.client.rpc import RpcClient
+from fleetd.compute.host_memory import memfd_of
+from fleetd.compute.sandbox import proc_status
+from fleetd.errors import FleetdError
+from fleetd.server import Server, ServerConfig
+from fleetd.server.config import ServerLimits
+from fleetd.wire import GgmlOp, GgmlType
+
+try:
+    from fleetd.compute.ggml.device import GgmlCpuDevice, load_device
+
+    load_device()
+except OSError as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"ggml libraries: {exc}", allow_module_level=True)
+
+F32, I32 = GgmlType.F32, GgmlType.I32
+pytestmark = pytest.mark.timeout(180)
+
+
+def start(**limits) -> Server:
+    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"],
+                              limits=ServerLimits(**limits)))
+    srv.start()
+    assert isinstance(srv.state.devices[0], GgmlCpuDevice)
+    return srv
+
+
+@pytest.fixture
+def server():
+    srv = start()
+    yield srv
+    srv.stop()
+
+
+class Slab:
+    """One remote buffer of one session, tensors placed one after another in it."""
+
+    def __init__(self, client: RpcClient, size: int):
+        self.client, self.g, self.size = client, GraphBuilder(), size
+        self.handle, _ = client.alloc_buffer(size)
+        self.base, self.next = client.buffer_get_base(self.handle), 0
+
+    def place(self, type_, ne):
+        t = self.g.tensor(type_, ne, self.handle, self.base + self.next)
+        self.next += (t.nbytes + 63) // 64 * 64
+        assert self.next <= self.size
+        return t
+
+    def node(self, op, type_, ne, srcs):
+        t = self.place(type_, ne)
+        t.op, t.src = op, list(srcs)
+        return t
+
+    def whole(self) -> bytes:
+        everything = self.g.tensor(GgmlType.I8, (self.size,), self.handle, self.base)
+        return bytes(self.client.get_tensor(everything.rpc()))
+
+
+class Bystander:
+    """A session that holds a buffer and computes a small MUL_MAT while others fail."""
+
+    def __init__(self, ep: str, seed: int):
+        self.client = RpcClient(ep).open()
+        self.slab = Slab(self.client, 1 << 16)
+        rng = np.random.default_rng(seed)
+        self.w, self.x = self.slab.place(F32, (32, 16)), self.slab.place(F32, (32, 4))
+        self.wv = rng.standard_normal((16, 32)).astype(np.float32)
+        self.xv = rng.standard_normal((4, 32)).astype(np.float32)
+        self.client.set_tensor(self.w.rpc(), self.wv.tobytes())
+        self.client.set_tensor(self.x.rpc(), self.xv.tobytes())
+        self.y = self.slab.node(GgmlOp.MUL_MAT, F32, (16, 4), [self.w, self.x])
+        self.want = (self.xv @ self.wv.T).astype(np.float32)
+
+    def compute_and_check(self) -> bytes:
+        self.client.graph_compute(self.slab.g.serialize([self.y]))
+        got = np.frombuffer(self.client.get_tensor(self.y.rpc()), np.float32).reshape(4, 16)
+        np.testing.assert_allclose(got, self.want, rtol=1e-4, atol=1e-4)
+        return self.slab.whole()
+
+
+def long_graph(slab: Slab, n: int = 400):
+    """n MUL_MATs of 1024x1024 by 1024x32 (27 GFLOP for 400): seconds on any CPU."""
+    w, x = slab.place(F32, (1024, 1024)), slab.place(F32, (1024, 32))
+    at = slab.place(F32, (1024, 32)).data  # every result in the same place
+    ys = []
+    for _ in range(n):
+        y = slab.g.tensor(F32, (1024, 32), slab.handle, at)
+        y.op, y.src = GgmlOp.MUL_MAT, [w, x]
+        ys.append(y)
+    return slab.g.serialize(ys)
+
+
+def worker_pid_of_new_session(srv: Server, known: set[int], timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = set(srv.state.devices[0].workers.worker_pids().values()) - known
+        if new:
+            return new.pop()
+        time.sleep(0.01)
+    raise AssertionError("no worker started for the session")
+
+
+def computing(pid: int, timeout: float = 30.0) -> None:
+    """Wait until the worker has used CPU time on the graph."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if int(fields[11]) + int(fields[12]) > 5:  # utime + stime, in clock ticks
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"worker {pid} never computed")
+
+
+def counts() -> tuple[int, int, int]:
+    status = proc_status(os.getpid())
+    return int(status["VmRSS"].split()[0]), int(status["Threads"]), len(os.listdir("/proc/self/fd"))
+
+
+def settle(srv: Server, sessions: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.state.sessions.count() == sessions and srv.state.devices[0].workers.live() == sessions:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{srv.state.sessions.count()} sessions, "
+                         f"{srv.state.devices[0].workers.live()} workers")
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc_status(pid)["State"].startswith("Z"):
+                time.sleep(0.01)
+                continue
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_dying_worker_costs_only_its_session(server, monkeypatch, caplog):
+    ep = endpoint(server)
+    pool = server.state.devices[0].workers
+    a, b = Bystander(ep, 1), Bystander(ep, 2)
+    bytes_a, bytes_b = a.compute_and_check(), b.compute_and_check()
+    # one victim of each kind first, so the daemon's pools and caches are warm before counting
+    rounds = []
+    for how in ("signal", "abort", "signal", "abort"):
+        known = set(pool.worker_pids().values())
+        victim = RpcClient(ep).open()
+        slab = Slab(victim, 8 << 20)
+        if how == "signal":  # SIGSEGV in the middle of a long graph
+            victim.graph_compute(long_graph(slab))
+            pid = worker_pid_of_new_session(server, known)
+            computing(pid)
+        else:  # a rule weakened here: GET_ROWS row ids are not checked, the kernel asserts
+            monkeypatch.setattr(GgmlCpuDevice, "_plan_index_check", lambda *args: None)
+            data = slab.place(F32, (8, 4))
+            rows = slab.place(I32, (2,))
+            victim.set_tensor(rows.rpc(), np.array([1, 1 << 30], np.int32).tobytes())
+            out = slab.node(GgmlOp.GET_ROWS, F32, (8, 2), [data, rows])
+            victim.graph_compute(slab.g.serialize([out]))
+        errors: list = []
+        side = [threading.Thread(target=lambda c=c: _keep(c, errors)) for c in (a, b)]
+        for t in side:
+            t.start()  # the other two compute while the victim's worker dies
+        if how == "signal":
+            os.kill(pid, signal.SIGSEGV)
+        assert connection_closed(victim.sock, 30), f"{how}: the victim's connection stayed open"
+        for t in side:
+            t.join(60)
+        assert not errors, errors
+        monkeypatch.undo()
+        victim.close()
+        settle(server, 2)
+        assert a.compute_and_check() == bytes_a and b.compute_and_check() == bytes_b
+        rounds.append(counts())
+    assert pool.deaths == 4
+    closed = [r.getMessage() for r in caplog.records if "graph failed, closed" in r.getMessage()]
+    assert len(closed) == 4, closed  # one line per death
+    assert sum("killed by SIGSEGV" in m for m in closed) == 2, closed
+    assert sum("killed by SIGABRT" in m for m in closed) == 2, closed
+    (rss0, threads0, fds0), (rss1, threads1, fds1) = rounds[1], rounds[3]
+    assert (threads1, fds1) == (threads0, fds0), rounds
+    assert rss1 - rss0 < 8 * 1024, f"daemon RSS grew {rss1 - rss0} KiB over two worker deaths"
+    a.client.close()
+    b.client.close()
+
+
+def _keep(bystander: Bystander, errors: list) -> None:
+    try:
+        for _ in range(5):
+            bystander.compute_and_check()
+    except Exception as exc:  # noqa: BLE001 - reported by the caller's assert
+        errors.append(exc)
+
+
+def test_a_worker_maps_only_its_own_sessions_buffers(server):
+    ep = endpoint(server)
+    token = np.random.default_rng(11).integers(0, 256, 48, dtype=np.uint8).tobytes()
+    other = RpcClient(ep).open()
+    secret = Slab(other, 1 << 16)
+    secret_t = secret.place(GgmlType.I8, (len(token) * 64,))
+    other.set_tensor(secret_t.rpc(), token * 64)
+    other.sync()
+    mine = Bystander(ep, 3)
+    mine.compute_and_check()
+    pid = server.state.devices[0].workers.worker_pids()[max(server.state.devices[0].workers.worker_pids())]
+
+    registry = server.state.registry
+    inode = {h: os.fstat(memfd_of(registry.get(h).array)).st_ino for h in (secret.handle, mine.slab.handle)}
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    shared = [line for line in maps if "memfd:" in line]
+    inodes = {int(line.split()[4]) for line in shared}
+    assert inodes == {inode[mine.slab.handle]}, shared  # its own buffer, nothing else shared
+    # and the other session's bytes are nowhere in its memory, at any address
+    found = []
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if "r" not in perms or "[vvar" in line or "[vsyscall" in line:
+                continue
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            try:
+                mem.seek(lo)
+                if token in mem.read(hi - lo):
+                    found.append(line)
+            except OSError:
+                continue
+    assert not found, found
+    status = proc_status(pid)
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1", status
+    assert status["CapEff"] == "0" * 16 and status["CapBnd"] == "0" * 16, status
+    if os.geteuid() == 0:
+        assert status["Uid"].split()[0] != "0", status
+    mine.client.close()
+    other.close()
+
+
+SANDBOXED = """
+import os, socket, sys
+from fleetd.compute import sandbox
+sandbox.drop_privileges(sandbox.worker_identity(None))
+sandbox.install_seccomp()
+results = {}
+def attempt(name, fn):
+    try:
+        fn()
+        results[name] = "allowed"
+    except OSError as exc:
+        results[name] = exc.errno
+attempt("open", lambda: open("/etc/hostname", "rb"))
+attempt("open_write", lambda: open("/tmp/fleetd-sandbox-probe", "wb"))
+attempt("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+attempt("fork", os.fork)
+attempt("exec", lambda: os.execv("/bin/true", ["true"]))
+attempt("kill_parent", lambda: os.kill(os.getppid(), 0))
+import threading
+t = threading.Thread(target=lambda: results.__setitem__("thread", "ran")); t.start(); t.join()
+os.write(1, repr(results).encode())
+"""
+
+
+def test_the_seccomp_filter_denies_files_sockets_processes():
+    """The worker's own sandbox calls, in a fresh process: threads yes; files, sockets, fork,
+    exec and signals to others no (EPERM)."""
+    proc = subprocess.run([sys.executable, "-c", SANDBOXED], capture_output=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)))
+    assert proc.returncode == 0, proc.stderr.decode()
+    results = eval(proc.stdout.decode())  # noqa: S307 - our own repr of a dict of ints and strs
+    eperm = 1
+    assert results == {"open": eperm, "open_write": eperm, "socket": eperm, "unix_socket": eperm,
+                       "fork": eperm, "exec": eperm, "kill_parent": eperm, "thread": "ran"}, results
+    assert not Path("/tmp/fleetd-sandbox-probe").exists()
+
+
+def test_a_graph_past_the_deadline_is_killed_and_the_daemon_serves_on():
+    srv = start(graph_timeout=1.0)
+    try:
+        ep = endpoint(srv)
+        pool = srv.state.devices[0].workers
+        c = RpcClient(ep).open()
+        c.graph_compute(long_graph(Slab(c, 8 << 20), 4000))
+        pid = worker_pid_of_new_session(srv, set())
+        t0 = time.monotonic()
+        assert connection_closed(c.sock, 30)
+        assert time.monotonic() - t0 < 20
+        assert gone(pid)
+        c.close()
+        b = Bystander(ep, 4)
+        b.compute_and_check()
+        b.client.close()
+        assert pool.deaths == 1
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_hangs_up_mid_graph_cancels_it(server):
+    ep = endpoint(server)
+    pool = server.state.devices[0].workers
+    c = RpcClient(ep).open()
+    c.graph_compute(long_graph(Slab(c, 8 << 20), 4000))
+    pid = worker_pid_of_new_session(server, set())
+    computing(pid)
+    c.close()
+    assert gone(pid), "the worker kept computing for a client that had gone"
+    deadline = time.monotonic() + 10
+    while server.state.sessions.count() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.state.sessions.count() == 0 and pool.live() == 0
+    b = Bystander(ep, 5)
+    b.compute_and_check()
+    b.client.close()
+
+
+def test_workers_are_capped_and_idle_ones_make_room():
+    srv = start(max_workers=2)
+    try:
+        ep = endpoint(srv)
+        pool = srv.state.devices[0].workers
+        sessions = [Bystander(ep, 10 + i) for i in range(4)]
+        for _ in range(2):
+            for s in sessions:  # four sessions take turns on two workers
+                s.compute_and_check()
+                assert pool.live() <= 2
+        assert pool.spawned >= 4 and pool.deaths == 0
+        for s in sessions:
+            s.client.close()
+    finally:
+        srv.stop()
+
+
+def test_a_stopped_daemon_leaves_no_worker_or_fork_server():
+    srv = start()
+    b = Bystander(endpoint(srv), 6)
+    b.compute_and_check()
+    pool = srv.state.devices[0].workers
+    pids = list(pool.worker_pids().values()) + [pool._server.proc.pid]
+    b.client.close()
+    srv.stop()
+    assert all(gone(p) for p in pids)
+
+
+def test_fleetd_error_types_are_what_sessions_catch():
+    from fleetd.compute.ggml.workers import WorkerDied
+
+    assert issubclass(WorkerDied, FleetdError)
