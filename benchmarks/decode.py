@@ -9,6 +9,12 @@ Models are fleetd.models' ("<arch>-<type>[-bench]", generated when missing). lla
 sends GRAPH_RECOMPUTE for every decode step whose graph is unchanged, so tg measures fleetd's
 plan-cache hot path. fleetd runs from the interpreter running this script, with its
 PYTHONPATH: `PYTHONPATH=/other/checkout benchmarks/decode.py` measures that checkout's server.
+`--baseline DIR` adds an arm `cpu@base`: the ggml device of the checkout in DIR, in the same run
+(e.g. a worktree of the commit before contained compute).
+
+Memory: the stock server's and each daemon's peak RSS (VmHWM), and for fleetd the peak of the
+proportional set size (Pss, /proc/PID/smaps_rollup) of the daemon plus its fork server and
+compute workers, sampled every 0.2 s: buffer pages the daemon and a worker both map count once.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,14 +39,15 @@ from fleetd.transport import free_port, wait_listening
 DEFAULT_MODELS = ["llama-q4_k-bench", "llama-q8_0-bench", "llama-f16-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
 
 
-def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str],
+                 checkout: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = None
     if kind == "fleetd":
         # -P: not the working directory's fleetd but PYTHONPATH's, then this checkout's.
         args = [sys.executable, "-P", "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
                 "-t", str(threads), "--log-level", "warning", *fleetd_args]
-        path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+        path = [p for p in (checkout, os.environ.get("PYTHONPATH"), str(REPO)) if p]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
@@ -59,6 +67,53 @@ def peak_rss_mib(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class TreeMemory:
+    """The peak of the summed Pss of a process and all its descendants, sampled in a thread."""
+
+    def __init__(self, pid: int, every: float = 0.2) -> None:
+        self.pid, self.peak_kib, self.processes = pid, 0, 1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            pids = [self.pid, *descendants(self.pid)]
+            self.processes = max(self.processes, len(pids))
+            self.peak_kib = max(self.peak_kib, sum(pss_kib(p) for p in pids))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib / 1024
 
 
 def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
@@ -88,6 +143,7 @@ def table(results: list[dict], arms: list[str]) -> str:
     head = f"{'model':20} {'test':4} {'stock t/s':>10}"
     head += "".join(f" {a + ' t/s':>11} {'ratio':>6}" for a in fleetd)
     head += "".join(f" {a + ' MiB':>11}" for a in arms)
+    head += "".join(f" {a + ' tree':>12}" for a in fleetd)
     lines = [head, "-" * len(head)]
     for r in results:
         for kind in ("pp", "tg"):
@@ -98,6 +154,7 @@ def table(results: list[dict], arms: list[str]) -> str:
                 line += f" {f or 0:11.1f} {(f / s if s and f else float('nan')):6.2f}"
             if kind == "pp":  # one peak per server and model
                 line += "".join(f" {r[a].get('peak_rss_mib') or 0:11.0f}" for a in arms)
+                line += "".join(f" {r[a].get('peak_pss_tree_mib') or 0:12.0f}" for a in fleetd)
             lines.append(line)
     return "\n".join(lines)
 
@@ -123,8 +180,11 @@ def main() -> int:
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
     ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
+    ap.add_argument("--baseline", metavar="DIR", help="also run the ggml device of the checkout in DIR (arm cpu@base)")
     args = ap.parse_args()
     devices = [d for d in args.devices.split(",") if d]
+    if args.baseline:
+        devices.append("cpu@base")
     if args.rounds < 1 or args.reps < 1 or args.pp < 1 or args.tg < 1 or args.threads < 1:
         ap.error("--rounds, --reps, --pp, --tg and --threads must be positive")
 
@@ -137,12 +197,16 @@ def main() -> int:
         runs: dict[str, list[dict]] = {a: [] for a in arms}
         for rnd in range(args.rounds):
             for arm in (arms if rnd % 2 == 0 else arms[::-1]):
-                extra = [] if arm == "stock" else ["--device", arm, *shlex.split(args.fleetd_args)]
+                device, _, base = arm.partition("@")
+                extra = [] if arm == "stock" else ["--device", device, *shlex.split(args.fleetd_args)]
                 proc, endpoint = start_server("stock" if arm == "stock" else "fleetd", args.threads,
-                                              Path(args.log), extra)
+                                              Path(args.log), extra, args.baseline if base else None)
+                tree = TreeMemory(proc.pid)
                 try:
                     got = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
                     got["peak_rss_mib"] = peak_rss_mib(proc.pid)
+                    got["peak_pss_tree_mib"] = tree.stop()
+                    got["processes"] = tree.processes
                     runs[arm].append(got)
                 finally:
                     proc.terminate()
@@ -151,6 +215,7 @@ def main() -> int:
         for arm in arms:
             row[arm] = {k: median([r[k] for r in runs[arm] if r.get(k)]) for k in ("pp", "tg")}
             row[arm]["peak_rss_mib"] = max(r["peak_rss_mib"] or 0 for r in runs[arm])
+            row[arm]["peak_pss_tree_mib"] = max(r["peak_pss_tree_mib"] or 0 for r in runs[arm])
         results.append(row)
         print(f"{name}: " + ", ".join(f"{a} {row[a]}" for a in arms), flush=True)
     print(table(results, arms))

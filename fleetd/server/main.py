@@ -31,6 +31,7 @@ FLEETD_DEFAULTS = {
     "allow": None,
     "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
+    "worker_user": None,
 }
 
 # -- limits flags: one per ServerLimits field, --max-memory 8G, --idle-timeout 3600, ...
@@ -49,6 +50,11 @@ LIMIT_HELP = {
                        "--min-request-rate applies (default 10)",
     "min_request_rate": "bytes/s a request must arrive at after the grace (default 4K)",
     "max_peer_links": "COPY_TENSOR_TO destinations one session keeps linked (default 16)",
+    "max_workers": "compute worker processes alive at once, one per computing session; at the "
+                   "cap the least recently used idle one makes room (default 64)",
+    "worker_idle_timeout": "seconds a compute worker may idle before it is reaped (default 300)",
+    "graph_timeout": "seconds one graph may compute before its worker is killed and its "
+                     "connection closed (default 600)",
 }
 
 
@@ -95,6 +101,9 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     )
     _add_limit_flags(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--worker-user", metavar="USER",
+                   help="user the contained compute workers run as when fleetd runs as root "
+                        "(default: fleetd if it exists, else nobody)")
     p.add_argument("--no-counters", action="store_true", help=argparse.SUPPRESS)  # benchmarks only
     p.add_argument("-V", "--version", action="version", version=f"fleetd {__version__}")
     return p
@@ -120,6 +129,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
         "p2p": False if args.no_p2p else None,
         "allow": args.allow.split(",") if args.allow else None,
+        "worker_user": args.worker_user,
     }
     limits = dict(settings["limits"]) if isinstance(settings["limits"], dict) else None
     if limits is None:
@@ -160,7 +170,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         dequant_cache=settings["dequant_cache"],
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
         allow=settings["allow"], limits=settings["limits"],
-        count_commands=not args.no_counters,
+        count_commands=not args.no_counters, worker_user=settings["worker_user"],
     )
     try:
         return serve_forever(config)
