@@ -83,8 +83,8 @@ def flat_case(op):
                                 GgmlOp.LEAKY_RELU], ids=lambda o: o.name)
 def test_flat_row_kernels_are_checked_at_their_nb1_steps(op):
     """Today: SCALE/CLAMP pass (contiguous skips ne1 == 1), ARGSORT/TOP_K check packed rows
-    only, LEAKY_RELU checks rows_ascending over dims: all taken, rows 1..3 written 128-384 KiB
-    past a 32-byte result."""
+    only: all taken, rows 1..3 written 128-384 KiB past a 32-byte result. (LEAKY_RELU's own
+    rows_ascending already refused this one; it now goes through the same Touch.)"""
     with pytest.raises(Refused, match="flat rows"):
         check(flat_case(op))
     # the same node with the packed nb1 computes
@@ -203,9 +203,12 @@ class Graph:
         return DEVICE.build_plan(self.g.serialize(list(nodes)), self.registry)
 
 
+GAPPED = (4, 16, 64, 64)  # rows of 2 i32 16 bytes apart: 8-byte gaps an ARGSORT never writes
+
+
 def strided_argsort(g: Graph):
-    """ARGSORT of 3 rows of 3 into rows 24 bytes apart: 12-byte gaps it never writes."""
-    return g.node(GgmlOp.ARGSORT, I32, (3, 3), [g.leaf(F32, (3, 3))], [1], nb=(4, 24, 72, 72))
+    """ARGSORT of 4 rows of 2 into GAPPED rows (56 bytes)."""
+    return g.node(GgmlOp.ARGSORT, I32, (2, 4), [g.leaf(F32, (2, 4))], [1], nb=GAPPED)
 
 
 def consumers(g: Graph, ids: Tensor):
@@ -223,13 +226,13 @@ def consumers(g: Graph, ids: Tensor):
 
 @pytest.mark.parametrize("op", ["GET_ROWS", "SET_ROWS", "MUL_MAT_ID", "ADD_ID"])
 def test_ids_in_the_gaps_of_a_strided_argsort_are_checked_on_a_private_copy(op):
-    """Today: a view inside the ARGSORT's [data, data + nbytes) counted as made here; at +12 it
+    """Today: a view inside the ARGSORT's [data, data + nbytes) counted as made here; at +8 it
     reads the gaps, which hold the client's bytes, unchecked (MUL_MAT_ID: heap writes at
     client-chosen offsets; the others: GGML_ASSERT, the daemon aborts). Now the view has a
     private copy checked before each run, so no ARGSORT of the graph may write it before."""
     g = Graph()
     order = strided_argsort(g)
-    ids = g.g.view_of(order, (2, 3), (4, 24, 72, 72), 12)
+    ids = g.g.view_of(order, (2, 3), GAPPED, 8)  # bytes [8, 48) of [0, 56)
     with pytest.raises(Refused, match="overwrites the row ids"):
         g.plan(order, consumers(g, ids)[op])
 
@@ -396,16 +399,16 @@ def test_wire_rope_odd_ne0(ggml_server):
 
 
 def test_wire_mul_mat_id_ids_in_argsort_gaps(ggml_server):
-    """Today: the ids view at +12 of a strided ARGSORT counts as made here, its bytes are the
+    """Today: the ids view at +8 of a gapped ARGSORT counts as made here, its bytes are the
     client's (1000: a heap write 1000 experts on). Now: refused, the victim untouched."""
     def build(s, victim):
-        probs = s.leaf(F32, (3, 3))
-        gaps = s.leaf(I32, (18,), np.full(18, 1000, np.int32))  # where the ARGSORT will go
-        order = s.g.tensor(I32, (3, 3))
+        probs = s.leaf(F32, (2, 4))
+        gaps = s.leaf(I32, (16,), np.full(16, 1000, np.int32))  # where the ARGSORT will go
+        order = s.g.tensor(I32, (2, 4))
         order.op, order.src, order.op_params[0] = GgmlOp.ARGSORT, [probs], 1
-        order.nb = (4, 24, 72, 72)
+        order.nb = GAPPED
         s.g.place(order, s.handle, gaps.data)
-        ids = s.g.view_of(order, (2, 3), (4, 24, 72, 72), 12)
+        ids = s.g.view_of(order, (2, 3), GAPPED, 8)
         mm = node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [s.leaf(F32, (8, 4, 3)), s.leaf(F32, (8, 1, 3)), ids])
         return [order, into(victim, mm)]
 
