@@ -4,12 +4,17 @@ A node from the wire reaches the kernel without `ggml_mul_mat()` & co. having lo
 kernels then either stop the process (`GGML_ASSERT`, `GGML_ABORT` on a type they lack) or, worse,
 trust the shapes (MUL_MAT with src0.ne0 != src1.ne0 reads past its input). One rule per op, next
 to the op, mirrors the builder's asserts and the kernel's own; a node whose op has no rule is
-refused. With the extents of every tensor validated (graph.py's rules), a node that passes its
-rule only reads and writes inside its tensors' views.
+refused. What each kernel addresses is one description, `Touch`: per tensor its rows, at
+i1*nb1 + i2*nb2 + i3*nb3 or (FLAT, e.g. SCALE, CLAMP, ARGSORT, TOP_K, GLU, flash attention's
+result) as one flat list at r * nb1 over all ne1*ne2*ne3 rows, size-1 dims included, and the
+bytes addressed per row. check_node refuses a node when any touch ends past the tensor's
+ggml_nbytes, the extent the device checked against the tensor's buffer; a rule names a touch
+where its kernel differs from the default (ROPE's pairs, flash attention's nb1-byte rows).
 
 Index tensors (GET_ROWS, SET_ROWS, MUL_MAT_ID) are the one data-dependent case: the kernels assert
 every index is in range. A rule names them with `needs_indices`; the device checks their values
-before every compute (or proves them in range when ARGSORT/TOP_K of this graph made them).
+on the private copy the kernel reads, before every compute, unless an ARGSORT/TOP_K of this
+graph wrote every byte of them (`made_by`: that packed tensor or a view on its element grid).
 A kernel that reads past a view and uses only the view's part (ROPE's freq factors) names it
 with `PaddedRead`: the device hands it a padded private copy.
 
