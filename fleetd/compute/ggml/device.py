@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetd.compute.ggml import lib as ggml
-from fleetd.compute.ggml.rules import IndexUse, PaddedRead, Refused, TypeCaps, check_node, index_producers
+from fleetd.compute.ggml.rules import IndexUse, PaddedRead, Refused, TypeCaps, check_node, made_by
 from fleetd.compute.ggml.worker import GraphSpec
 from fleetd.compute.ggml.workers import WorkerPool
+from fleetd.compute.ggml.writes import WriteLog
 from fleetd.compute.host_memory import shared_pages
 from fleetd.compute.reachable import reachable_tensors
 from fleetd.errors import ComputeError, RemoteProtocolError
@@ -144,11 +145,14 @@ class GgmlCpuDevice:
     # -- graphs ----------------------------------------------------------------------------------
 
     def build_plan(self, graph: GraphCompute, registry) -> GgmlPlan:
-        """Validate the graph (ids, types, buffers, extents, per-op rules), then build it in ggml."""
+        """Validate the graph (ids, types, buffers, extents, per-op rules), then build it in ggml.
+        Linear in the nodes but for a log factor: one walk checks the rules, one plans the
+        checked reads against a WriteLog."""
         tensors, buffers, sizes, rows = _reachable(graph, registry)
         nodes = [tensors[nid] for nid in graph.nodes]
-        writes = []  # (node index, buffer handle, start, end) of every computed node
-        uses: list[tuple[int, IndexUse]] = []
+        writes: list[tuple[int, int, int, int]] = []  # (node index, buffer, start, end), in order
+        uses: list[tuple[int, IndexUse | PaddedRead]] = []
+        first_at: dict[int, int] = {}  # wire id -> the first position it is computed at
         for i, node in enumerate(nodes):
             if node.op >= GGML_OP_COUNT:
                 raise Refused(f"GRAPH_COMPUTE: {node.describe()}: op {node.op} past the op enum")
@@ -165,23 +169,32 @@ class GgmlCpuDevice:
                     )
             if node.flags & ggml.GGML_TENSOR_FLAG_COMPUTE:
                 writes.append((i, node.buffer, node.data, node.data + sizes[node.id]))
+                first_at.setdefault(node.id, i)
 
         plan = _Draft()
-        for i, use in uses:
+        read = [(u.tensor if isinstance(u, PaddedRead) else u.index) for _, u in uses]
+        log = WriteLog([w[1:] for w in writes] + [(t.buffer, t.data, t.data + t.nbytes) for t in read])
+        checks: dict[int, IndexCheck] = {}
+        w = 0
+        for i, use in uses:  # in node order: the writes of the nodes before i, then i's reads
+            while w < len(writes) and writes[w][0] < i:
+                log.write(*writes[w])
+                w += 1
             if isinstance(use, PaddedRead):
-                self._plan_padded_read(plan, i, use, buffers, nodes, writes)
+                self._plan_padded_read(plan, i, use, buffers, nodes, log)
             else:
-                self._plan_index_check(plan, i, use, tensors, buffers, nodes, writes)
+                self._plan_index_check(plan, i, use, tensors, buffers, nodes, log, first_at, checks)
+        self.plan_steps = log.steps[0]  # tests count plan building's work
         return _finish(self, plan, graph, tensors, buffers, rows)
 
-    def _plan_padded_read(self, plan, consumer: int, use: PaddedRead, buffers, nodes, writes):
+    def _plan_padded_read(self, plan, consumer: int, use: PaddedRead, buffers, nodes, log):
         """The view's bytes copied before every run into an array of the size the kernel reads,
         the rest 1.0f (ROPE's freq factors past n_dims/2: read, never used)."""
         t = use.tensor
         if t.id in plan.private:
             return
         lo, hi = t.data, t.data + t.nbytes
-        if (j := _writer_between(writes, 0, consumer, t.buffer, lo, hi)) is not None:
+        if (j := _writer_between(log, 0, t.buffer, lo, hi)) is not None:
             raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
                           f"{nodes[consumer].describe()} reads past its end")
         buf = buffers[t.id]
@@ -189,20 +202,19 @@ class GgmlCpuDevice:
         plan.padded.append((t.id, handle, off, t.nbytes if buf is not None else 0, use.nbytes))
         plan.private.add(t.id)
 
-    def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, writes):
+    def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, log,
+                          first_at, checks):
+        """Row ids are checked on the private copy the kernel reads, unless they are the very
+        tensor an ARGSORT/TOP_K before the consumer wrote whole (rules.made_by) and nothing
+        rewrote since; either way no node before the consumer may write them after that."""
         idx = use.index
         root = idx
         while root.view_src and root.op in METADATA_OPS and root.view_src in tensors:
             root = tensors[root.view_src]
-        producer = next((j for j, n in enumerate(nodes[:consumer]) if n.id == root.id), None)
+        producer = first_at.get(root.id)
         lo, hi = idx.data, idx.data + idx.nbytes
-        made_here = (
-            producer is not None and index_producers(root.op) and root.type == idx.type
-            and root.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and root.buffer == idx.buffer
-            and root.data <= lo and hi <= root.data + root.nbytes  # a view really inside it
-        )
-        if made_here:
-            # ARGSORT/TOP_K of this graph: rows of their src0; no node in between may rewrite them
+        if producer is not None and producer < consumer and made_by(idx, root):
+            # rows of the sorted src0; in range when the consumer indexes at least that many
             src0 = tensors.get(root.src[0])
             if src0 is None or src0.ne[0] > use.bound:
                 raise Refused(
@@ -212,16 +224,17 @@ class GgmlCpuDevice:
             after = producer + 1
         else:
             after = 0
-            same = next((c for c in plan.index_checks if c.tensor == idx.id), None)
+            same = checks.get(idx.id)
             if same is not None:  # one copy per tensor, checked against the smallest bound
                 same.bound = min(same.bound, use.bound)
             elif idx.nbytes:
                 buf = buffers[idx.id]
-                check = IndexCheck(idx.id, buf.handle, idx.data - buf.base, idx.nbytes, idx.type,
-                                   tuple(idx.ne), tuple(idx.nb), use.bound, idx.describe())
+                check = checks[idx.id] = IndexCheck(
+                    idx.id, buf.handle, idx.data - buf.base, idx.nbytes, idx.type,
+                    tuple(idx.ne), tuple(idx.nb), use.bound, idx.describe())
                 plan.index_checks.append(check)
                 plan.private.add(idx.id)
-        if (j := _writer_between(writes, after, consumer, idx.buffer, lo, hi)) is not None:
+        if (j := _writer_between(log, after, idx.buffer, lo, hi)) is not None:
             raise Refused(
                 f"GRAPH_COMPUTE: {nodes[j].describe()} overwrites the row ids {idx.describe()} "
                 f"before {nodes[consumer].describe()} reads them"
@@ -262,12 +275,11 @@ def _finish(device: GgmlCpuDevice, draft: _Draft, graph: GraphCompute, tensors, 
     return GgmlPlan(device, spec, mapped, list(written.values()))
 
 
-def _writer_between(writes, first: int, consumer: int, buffer: int, lo: int, hi: int) -> int | None:
-    """The first node in [first, consumer) that writes bytes [lo, hi) of `buffer`, or None."""
-    for j, handle, start, end in writes:
-        if first <= j < consumer and handle == buffer and start < hi and lo < end:
-            return j
-    return None
+def _writer_between(log: WriteLog, first: int, buffer: int, lo: int, hi: int) -> int | None:
+    """The latest node logged so far (all before the consumer) at or after `first` that writes
+    bytes [lo, hi) of `buffer`, or None."""
+    j = log.last(buffer, lo, hi)
+    return j if j >= first else None
 
 
 def _reachable(graph: GraphCompute, registry) -> tuple[dict[int, RpcTensor], dict, dict, dict]:

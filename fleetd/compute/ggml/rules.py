@@ -4,12 +4,17 @@ A node from the wire reaches the kernel without `ggml_mul_mat()` & co. having lo
 kernels then either stop the process (`GGML_ASSERT`, `GGML_ABORT` on a type they lack) or, worse,
 trust the shapes (MUL_MAT with src0.ne0 != src1.ne0 reads past its input). One rule per op, next
 to the op, mirrors the builder's asserts and the kernel's own; a node whose op has no rule is
-refused. With the extents of every tensor validated (graph.py's rules), a node that passes its
-rule only reads and writes inside its tensors' views.
+refused. What each kernel addresses is one description, `Touch`: per tensor its rows, at
+i1*nb1 + i2*nb2 + i3*nb3 or (FLAT, e.g. SCALE, CLAMP, ARGSORT, TOP_K, GLU, flash attention's
+result) as one flat list at r * nb1 over all ne1*ne2*ne3 rows, size-1 dims included, and the
+bytes addressed per row. check_node refuses a node when any touch ends past the tensor's
+ggml_nbytes, the extent the device checked against the tensor's buffer; a rule names a touch
+where its kernel differs from the default (ROPE's pairs, flash attention's nb1-byte rows).
 
 Index tensors (GET_ROWS, SET_ROWS, MUL_MAT_ID) are the one data-dependent case: the kernels assert
 every index is in range. A rule names them with `needs_indices`; the device checks their values
-before every compute (or proves them in range when ARGSORT/TOP_K of this graph made them).
+on the private copy the kernel reads, before every compute, unless an ARGSORT/TOP_K of this
+graph wrote every byte of them (`made_by`: that packed tensor or a view on its element grid).
 A kernel that reads past a view and uses only the view's part (ROPE's freq factors) names it
 with `PaddedRead`: the device hands it a padded private copy.
 
@@ -28,7 +33,7 @@ import numpy as np
 
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
-from fleetd.wire.ggml import GluOp, UnaryOp, type_name
+from fleetd.wire.ggml import GluOp, UnaryOp, contiguous_strides, type_name
 
 F32, F16, BF16, I32, I64 = GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64
 FLOATS = frozenset({F32, F16, BF16})
@@ -62,23 +67,51 @@ class PaddedRead:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """The bytes a kernel addresses in `tensor`, as offsets from its data: in each row,
+    `row_bytes` from the row's start; rows at i1*nb1 + i2*nb2 + i3*nb3 over every (i1, i2, i3)
+    (`stride` None), or, for kernels that walk rows as one flat list, row r < ne1*ne2*ne3 at
+    r * `stride` (nb1, or another tensor's nb1 where the kernel uses that). Dims of size 1 count:
+    a flat walk steps by nb1 whatever ne1 is. `extent` of the default touch is ggml_nbytes."""
+
+    tensor: RpcTensor
+    row_bytes: int
+    stride: int | None = None
+
+    def extent(self) -> int:
+        """One past the last byte addressed, from the tensor's data (0 for an empty tensor)."""
+        ne, nb = self.tensor.ne, self.tensor.nb
+        if min(ne) <= 0:
+            return 0
+        if self.stride is None:
+            last_row = (ne[1] - 1) * nb[1] + (ne[2] - 1) * nb[2] + (ne[3] - 1) * nb[3]
+        else:
+            last_row = (ne[1] * ne[2] * ne[3] - 1) * self.stride
+        return last_row + self.row_bytes
+
+
 class Refused(UnsupportedOp):
     pass
 
 
-Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse | PaddedRead] | None"]
+Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse | PaddedRead | Touch] | None"]
 RULES: dict[int, Rule] = {}
 # Tensors of a node (-1: the result, i: src i) that its kernel addresses element by element
 # through nb0. Every other tensor must have packed rows (nb0 == type size), as kernels assert.
 STRIDED: dict[int, tuple[int, ...]] = {}
+# Tensors of a node that its kernel walks as one flat list of rows (row r at r * nb1, see Touch);
+# every other tensor is addressed row by row at nb1..nb3.
+FLAT: dict[int, tuple[int, ...]] = {}
 ANY_STRIDES = tuple(range(-1, 10))
 
 
-def rule(*ops: GgmlOp, strided: tuple[int, ...] = ()):
+def rule(*ops: GgmlOp, strided: tuple[int, ...] = (), flat: tuple[int, ...] = ()):
     def register(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
             STRIDED[op] = strided
+            FLAT[op] = flat
         return fn
 
     return register
@@ -134,27 +167,36 @@ def row_size(t: RpcTensor) -> int:
 
 
 def contiguous_from(t: RpcTensor, n: int) -> bool:
-    """ggml_is_contiguous_n: dims above n are packed (dims of size 1 do not count)."""
+    """ggml_is_contiguous_n as pinned (ggml_is_contiguous_m_n(t, n, 4)): dims above n packed
+    (a dim of size 1 there takes any stride), each dim up to n sets the next one's stride from
+    its own, whatever its size."""
     tr = TYPE_TRAITS[t.type]
     next_nb = tr.type_size
     if t.ne[0] != tr.blck_size and t.nb[0] != next_nb:
         return False
     next_nb *= t.ne[0] // tr.blck_size
     for i in range(1, 4):
-        if t.ne[i] != 1:
-            if i > n:
-                if t.nb[i] != next_nb:
-                    return False
-                next_nb *= t.ne[i]
-            else:
-                next_nb = t.ne[i] * t.nb[i]
+        if i > n:
+            if t.ne[i] != 1 and t.nb[i] != next_nb:
+                return False
+            next_nb *= t.ne[i]
+        else:
+            next_nb = t.ne[i] * t.nb[i]
     return True
 
 
-def rows_ascending(t: RpcTensor, _n: int = 1) -> bool:
-    """Rows never overlap and each dim starts past the previous one: a kernel that walks row r
-    at r*nb1 (r < nrows) stays inside the tensor's extent."""
-    return t.nb[1] >= row_size(t) and t.nb[2] >= t.ne[1] * t.nb[1] and t.nb[3] >= t.ne[2] * t.nb[2]
+def row_extent(t: RpcTensor) -> int:
+    """The bytes of one row from its start, as ggml_nbytes counts them."""
+    tr = TYPE_TRAITS[t.type]
+    if tr.blck_size == 1:
+        return (t.ne[0] - 1) * t.nb[0] + tr.type_size
+    return t.ne[0] * t.nb[0] // tr.blck_size
+
+
+def packed(t: RpcTensor) -> bool:
+    """Every stride the packed one, size-1 dims included: flat rows and rows by dims are the
+    same bytes, and a kernel writing all its rows writes every byte of the extent."""
+    return tuple(t.nb) == contiguous_strides(t.type, tuple(t.ne))
 
 
 def contiguous(t: RpcTensor) -> bool:
@@ -207,12 +249,17 @@ def binary(node, srcs, caps):
     check_rows_packed(node, srcs, node, a)  # src1 may be strided: walked element by element
 
 
-@rule(GgmlOp.SCALE)
+@rule(GgmlOp.SCALE, flat=(-1, 0))
 def scale(node, srcs, caps):
+    # ops/scale: row i1 < nrows at i1*nb1 of the result and i1*nb01 of src0 (with a bias, src0
+    # at the result's i1*nb1 too)
     a = src(node, srcs, 0)
     need(node.type == a.type and a.type in (F32, BF16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
+    if f32_param(node, 1) != 0.0:
+        return [Touch(a, row_extent(a), node.nb[1])]
+    return None
 
 
 @rule(GgmlOp.RMS_NORM)
@@ -251,7 +298,7 @@ GLU_TYPES = {GluOp.SWIGLU_OAI: (F32,), **{op: (F32, F16, BF16) for op in (
     GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.GEGLU_ERF, GluOp.GEGLU_QUICK)}}
 
 
-@rule(GgmlOp.GLU)
+@rule(GgmlOp.GLU, flat=(-1, 0, 1))  # row i1 at i1*nb1 of each
 def glu(node, srcs, caps):
     # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
     a, b = src(node, srcs, 0), opt_src(srcs, 1)
@@ -316,6 +363,7 @@ def mul_mat_id(node, srcs, caps):
     want = (a.ne[1], ids.ne[0], b.ne[2], 1)
     need(tuple(node.ne) == want, node, srcs, f"result shape is not {list(want)}")
     need(node.type == F32, node, srcs, "result must be f32")
+    need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs, "result is permuted")
     need(a.type in caps.vec_dot, node, srcs, f"no CPU dot product for {type_name(a.type)}")
     need(b.type in (F32, caps.vec_dot_type[a.type]), node, srcs, "src1 type not taken")
     if b.type == GgmlType.Q8_K:  # the tiled kernel reads pre-quantized rows at (i11 + i12*ne11)*nb11
@@ -378,6 +426,8 @@ def copy(node, srcs, caps):
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
         need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
+        # each thread converts a src0 row into its scratch, sized from the result's ne0
+        need(a.ne[0] <= node.ne[0], node, srcs, "src0 rows longer than the result's (scratch)")
     else:
         # dup_from_q: each block of src0 at its strides, dequantized into qk floats that run on
         # from its element of the result: inside a row, or a contiguous result. It takes the
@@ -420,14 +470,18 @@ def rope(node, srcs, caps):
     need(a.type in (F32, F16) and node.type == a.type, node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a, pos)
+    # the channels past the rotated ones are copied in pairs: an odd ne0 reads and writes one
+    # element past each row
+    pairs = (a.ne[0] + 1) // 2 * 2 * TYPE_TRAITS[a.type].type_size
+    touches = [Touch(node, pairs), Touch(a, pairs)]
     if freq is not None:
         need(freq.type == F32 and freq.ne[0] >= n_dims // 2, node, srcs, "freq factors")
         # the rope cache reads a factor for every pair of ne0, of which only the first n_dims/2
         # are used: the kernel gets a copy padded to ne0/2 factors
         wanted = (a.ne[0] + 1) // 2 * 4
         if freq.nbytes < wanted:
-            return [PaddedRead(freq, wanted)]
-    return None
+            touches.append(PaddedRead(freq, wanted))
+    return touches
 
 
 ROPE_MROPE, ROPE_VISION = 8, 24
@@ -475,9 +529,12 @@ def flash_attn_ext(node, srcs, caps):
     need(tuple(node.ne) == want and node.type == F32, node, srcs, f"result is not f32 {list(want)}")
     need(contiguous(node), node, srcs, "result is not contiguous")
     check_rows_packed(node, srcs, q, k, v)
+    # each output row is copied from a DV-float scratch row, nb1 bytes, to flat row r at r*nb1
+    need(node.nb[1] == row_size(node), node, srcs, f"result nb1 {node.nb[1]} is not {row_size(node)}")
+    return [Touch(node, node.nb[1], node.nb[1])]
 
 
-@rule(GgmlOp.CLAMP)
+@rule(GgmlOp.CLAMP, flat=(-1, 0))  # row j at j*nb1 / j*nb01
 def clamp(node, srcs, caps):
     # ops/clamp walks src0's rows as one flat list and writes dst's at j*nb1: both contiguous;
     # f32 or f16 by src0's type, written as that type
@@ -540,7 +597,7 @@ def add_id(node, srcs, caps):
     return [IndexUse(ids, b.ne[1])]
 
 
-@rule(GgmlOp.ARGSORT)
+@rule(GgmlOp.ARGSORT, flat=(-1, 0))  # row i at i*nb1 / i*nb01
 def argsort(node, srcs, caps):
     a = src(node, srcs, 0)
     need(node.op_params[0] in (0, 1), node, srcs, f"sort order {node.op_params[0]}")
@@ -549,7 +606,7 @@ def argsort(node, srcs, caps):
     check_rows_packed(node, srcs, node, a)
 
 
-@rule(GgmlOp.TOP_K)
+@rule(GgmlOp.TOP_K, flat=(-1, 0))  # row i at i*nb1 / i*nb01
 def top_k(node, srcs, caps):
     a = src(node, srcs, 0)
     check_types(node, srcs, {I32}, {F32})
@@ -577,13 +634,11 @@ def elementwise(node, srcs, caps):
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
 
 
-@rule(GgmlOp.LEAKY_RELU)
+@rule(GgmlOp.LEAKY_RELU, flat=(-1, 0))  # row i at i*nb1 of each
 def leaky_relu(node, srcs, caps):
-    # walks rows as one flat list (i * nb1), like UNARY
     a = src(node, srcs, 0)
     need(node.type == a.type and a.type in (F32, F16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
-    need(rows_ascending(a) and rows_ascending(node), node, srcs, "row layout not taken")
 
 
 @rule(GgmlOp.SUM, strided=(0,))
@@ -664,9 +719,37 @@ def index_producers(op: int) -> bool:
     return op in (GgmlOp.ARGSORT, GgmlOp.TOP_K)
 
 
+def made_by(index: RpcTensor, producer: RpcTensor) -> bool:
+    """Every element of `index` is one an ARGSORT/TOP_K (`producer`) wrote: the producer writes
+    its whole extent (packed: no gaps left holding client bytes), and `index` is that tensor or a
+    view inside it on its element grid (ggml_argsort_top_k's view of the first k of each row)."""
+    size = TYPE_TRAITS[producer.type].type_size
+    return (
+        index_producers(producer.op) and producer.type == index.type and packed(producer)
+        and producer.buffer == index.buffer
+        and producer.data <= index.data
+        and index.data + index.nbytes <= producer.data + producer.nbytes
+        and (index.data - producer.data) % size == 0
+        and all(nb % size == 0 for n, nb in zip(index.ne, index.nb) if n > 1)
+    )
+
+
+def touches(node: RpcTensor, srcs: list, extra: list) -> list[Touch]:
+    """What the node's kernel addresses: for each tensor its rows at nb1..nb3 or as a flat list
+    (FLAT), each row as ggml_nbytes counts it, plus what the rule named (longer rows, another
+    stride)."""
+    flat = FLAT[node.op]
+    out = []
+    for i, t in enumerate((node, *srcs)):
+        if t is not None:
+            out.append(Touch(t, row_extent(t), t.nb[1] if i - 1 in flat else None))
+    return out + [u for u in extra if isinstance(u, Touch)]
+
+
 def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse | PaddedRead]:
-    """Refuse a node whose op has no rule or breaks its op's rule; the index tensors it reads
-    and the reads past a view it needs padded."""
+    """Refuse a node whose op has no rule, breaks its op's rule, or whose kernel would address a
+    byte outside a tensor's extent (ggml_nbytes from its data: what fleetd checked against the
+    tensor's buffer); the index tensors it reads and the reads past a view it needs padded."""
     fn = RULES.get(node.op)
     if fn is None:
         raise Refused(f"{describe(node, srcs)}: op {node.op} has no safety rule on the ggml device")
@@ -683,4 +766,10 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse | P
         tr = TYPE_TRAITS[t.type]
         if tr.blck_size > 1 and (t.ne[0] % tr.blck_size or t.nb[0] != tr.type_size):
             raise refuse(node, srcs, f"{t.describe()} is not made of whole packed blocks")
-    return fn(node, srcs, caps) or []
+    found = fn(node, srcs, caps) or []
+    for touch in touches(node, srcs, found):
+        if touch.extent() > touch.tensor.nbytes:
+            how = "its rows" if touch.stride is None else f"flat rows at {touch.stride}-byte steps"
+            raise refuse(node, srcs, f"{touch.tensor.describe()}: the kernel addresses {how} "
+                         f"{touch.extent()} bytes from its start, past its {touch.tensor.nbytes}")
+    return [u for u in found if not isinstance(u, Touch)]
