@@ -544,6 +544,24 @@ def m_shape(G: Gen, t: Tensor) -> str:
     return f"shape {list(t.ne)}"
 
 
+def m_coherent(G: Gen, t: Tensor) -> str:
+    """One dim changed on every tensor of the node's shape at once (odd ne0, one more row, a
+    size-1 dim): the graph stays plausible, only "a little off"."""
+    r = G.rng
+    i = r.choice((0, 0, 1, 2, 3))
+    old = t.ne
+    new = list(old)
+    new[i] = r.choice((old[i] | 1, old[i] + 1, max(1, old[i] - 1), 1, old[i] * 2))
+    n = 0
+    for u in all_tensors(G):
+        if u.ne == old:
+            u.ne = tuple(new)
+            if u.view_src is None or u.op in (OP.CPY, OP.SET_ROWS):
+                restride(u)
+            n += 1
+    return f"ne {list(old)} -> {new} on {n} tensors"
+
+
 def m_layout(G: Gen, t: Tensor) -> str:
     r = G.rng
     ne, nb = list(t.ne), list(t.nb)
@@ -563,7 +581,7 @@ def m_layout(G: Gen, t: Tensor) -> str:
         nb[i] = r.choice((1 << 16, 1 << 20, 1 << 24, nb[i] * 64 + 4, 0x7FFFFFFF))
         return _set(t, nb, f"ne={ne} big nb[{i}]={nb[i]}")
     if how == 2:  # stride 0 (broadcast) on one dim
-        i = r.randrange(1, 4) if r.random() < 0.8 else 0
+        i = 1 if r.random() < 0.5 else r.randrange(2, 4) if r.random() < 0.8 else 0
         nb[i] = 0
         return _set(t, nb, f"stride 0 nb={nb}")
     if how == 3:  # reversed strides: dims walked outermost-first
@@ -622,7 +640,7 @@ def m_flags(G: Gen, t: Tensor) -> str:
     return f"flags {t.flags}"
 
 
-MUTATIONS = ((m_shape, 3), (m_layout, 5), (m_type, 1), (m_params, 2), (m_srcs, 1), (m_flags, 0.3))
+MUTATIONS = ((m_shape, 2), (m_coherent, 2), (m_layout, 5), (m_type, 1), (m_params, 2), (m_srcs, 1), (m_flags, 0.3))
 
 
 def mutate(G: Gen) -> list[str]:
@@ -657,6 +675,13 @@ def build_case(seed: int) -> Case:
     G = Gen(rng)
     GENERATORS[op](G, op)
     notes = list(G.notes) + mutate(G)
+    # ids from the case alone (GraphBuilder's counter is process-wide): replays match log lines
+    fills = {}
+    for i, t in enumerate(all_tensors(G)):
+        if t.id in G.fills:
+            fills[0x1000 + 0x40 * i] = G.fills[t.id]
+        t.id = 0x1000 + 0x40 * i
+    G.fills = fills
     # placement: packed one after another (32-aligned); one tensor flush with the end; sometimes
     # a node in place over its src0
     offsets: dict[int, int] = {}
@@ -764,7 +789,7 @@ def canary(seed: int, n: int) -> bytes:
 class Daemon:
     """`python -m fleetd.server` on a free loopback port, stderr into a log file we tail."""
 
-    def __init__(self, log_dir: Path | None = None, threads: int = 1, python: str | None = None):
+    def __init__(self, log_dir: Path | None = None, threads: int = 2, python: str | None = None):
         self.log_dir = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
         self.threads, self.python = threads, python or sys.executable
         self.proc: subprocess.Popen | None = None
@@ -975,7 +1000,7 @@ def run_case(d: Daemon, seed: int) -> Result:
         if res.outcome in ("closed", "hang"):
             if d.exit_status() is not None or not d.alive():
                 res.outcome = "daemon_death"
-                res.log = f"exit status {d.exit_status()}: " + last_lines(d.new_log())
+                res.log = death_log(d)
             elif res.outcome == "closed":
                 deadline = time.monotonic() + LOG_WAIT_S
                 text = ""
@@ -996,7 +1021,7 @@ def run_case(d: Daemon, seed: int) -> Result:
     except (FleetdError, OSError, RuntimeError) as exc:
         if d.exit_status() is not None or not d.alive():
             res.outcome = "daemon_death"
-            res.log = f"exit status {d.exit_status()}: " + last_lines(d.new_log())
+            res.log = death_log(d)
         else:
             res.outcome = "hang" if "timed out" in str(exc) else "worker_death"
             res.log = f"harness: {type(exc).__name__}: {exc}"
@@ -1008,6 +1033,18 @@ def run_case(d: Daemon, seed: int) -> Result:
         d.restart()
     res.seconds = round(time.monotonic() - t0, 3)
     return res
+
+
+def death_log(d: Daemon) -> str:
+    """Why the daemon died: its exit status and ggml's assert line (or the log's last lines)."""
+    if d.proc is not None:
+        try:
+            d.proc.wait(5)  # let it finish writing its backtrace
+        except subprocess.TimeoutExpired:
+            pass
+    text = d.new_log()
+    why = [ln for ln in text.splitlines() if re.search(r"GGML_ASSERT|GGML_ABORT|ggml.*: error|Fatal|Segmentation", ln)]
+    return f"exit status {d.exit_status()}: " + (why[0].strip()[:400] if why else last_lines(text))
 
 
 def last_lines(text: str, n: int = 3) -> str:
