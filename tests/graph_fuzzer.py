@@ -804,7 +804,10 @@ class Daemon:
         self.port = free_port()
         self.starts += 1
         self.log_path = self.log_dir / f"fleetd-graph-fuzz-{os.getpid()}-{self.port}.log"
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # GGML_NO_BACKTRACE: an abort exits at once instead of attaching gdb for a backtrace
+        # (which can take longer than READ_S on a loaded machine and look like a hang)
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   GGML_NO_BACKTRACE="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "fleetd.server", "-H", "127.0.0.1", "-p", str(self.port), "-d", "cpu",
@@ -997,6 +1000,11 @@ def run_case(d: Daemon, seed: int) -> Result:
                 res.outcome = "hang"
             else:
                 res.outcome = "closed"
+        if res.outcome == "hang" and d.proc is not None:
+            try:  # a daemon dying slowly is a death, not a hang
+                d.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         if res.outcome in ("closed", "hang"):
             if d.exit_status() is not None or not d.alive():
                 res.outcome = "daemon_death"
@@ -1029,7 +1037,9 @@ def run_case(d: Daemon, seed: int) -> Result:
         for c in (fuzzed, victim):
             if c is not None:
                 c.close()
-    if res.outcome == "daemon_death":
+    if res.outcome == "hang" and not res.log:
+        res.log = "no answer within %gs; log: %s" % (READ_S, last_lines(d.new_log()))
+    if res.outcome in ("daemon_death", "hang"):  # a hung compute holds the execution lock
         d.restart()
     res.seconds = round(time.monotonic() - t0, 3)
     return res
