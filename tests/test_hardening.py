@@ -342,6 +342,38 @@ def test_slow_sender_is_cut(daemon, log_records):
     assert any("slow sender" in m for m in log_records.lines())
 
 
+def test_a_pause_between_requests_is_not_charged_to_the_next(daemon, log_records):
+    """test-backend-ops was cut after 1,434 cases: a SET_TENSOR whose data needed reads of its
+    own left the request clock running; the client then computed its reference for longer than
+    the grace, sent the next request's command byte apart from the rest (as the stock client
+    does), and that request was "a slow sender" at once. Only time spent in recv counts now."""
+    srv = daemon(request_timeout=0.3, min_request_rate=4096)
+    from fleetd.client.graph import GraphBuilder
+    from fleetd.client.rpc import RpcClient
+    from fleetd.wire import GgmlType
+
+    with RpcClient(f"127.0.0.1:{port_of(srv)}").open() as c:
+        handle, _ = c.alloc_buffer(1 << 20)
+        t = GraphBuilder().tensor(GgmlType.F32, (1024,), handle, c.buffer_get_base(handle))
+        for _ in range(3):
+            # 4 KiB of data: the first read takes the header and most of it, one more the rest
+            c.set_tensor(t.rpc(), bytes(4096))  # no answer: the next request follows it directly
+            time.sleep(0.8)  # the client thinks, longer than the grace
+            request = struct.pack("<BQ", DEVICE_COUNT, 0)
+            c.sock.sendall(request[:1])  # the command byte alone, then the size
+            time.sleep(0.05)
+            c.sock.sendall(request[1:])
+            c.sock.settimeout(5)
+            reply = b""
+            while len(reply) < 12:
+                chunk = c.sock.recv(12 - len(reply))
+                assert chunk, "fleetd closed the connection"
+                reply += chunk
+            assert struct.unpack("<QI", reply) == (4, 1)  # | size u64 | count u32 |
+        assert c.device_count() == 1
+    assert not any("slow sender" in m for m in log_records.lines())
+
+
 # -- 4. the accept loop --------------------------------------------------------------------------
 
 

@@ -106,7 +106,9 @@ class Session:
         self._connected = time.monotonic()
         self._greeted = False  # HELLO answered: the idle timeout applies between requests
         self._recv_timeout: float | None = None  # SO_RCVTIMEO as last set
-        self._request_start: float | None = None  # first read of the request in progress
+        # The request in progress: seconds spent waiting in recv for its bytes (only the sender's
+        # slowness; never fleetd's own work between reads) and the bytes those reads brought.
+        self._request_waited = 0.0
         self._request_got = 0
         self._charged = 0  # bytes charged to the daemon's receive budget
         self.peer_links = PeerLinks(state.limits.max_peer_links)  # this session's links to COPY_TENSOR_TO destinations
@@ -171,35 +173,37 @@ class Session:
                 if conn.held > floor or self._charged:
                     self._charge(conn.held)
                 continue
-            self._request_start = None
             cmd = event.cmd
             sent = HANDLERS[type(event)](self, event)
+            self._request_waited, self._request_got = 0.0, 0  # the next request starts afresh
             record(cmd, conn.request_bytes, sent)
 
     def recv_in_request(self, into: memoryview) -> int:
         """recv_into for bytes of a request already started (or of the first, before HELLO):
         cut when no byte comes for request_timeout, when the request arrives slower than
-        min_request_rate after that grace time, or when HELLO is not done by hello_timeout."""
+        min_request_rate after that grace time, or when HELLO is not done by hello_timeout.
+        The rate is of the time spent in recv for this request: what fleetd itself does between
+        two reads (validation, allocation, page faults, a lock, a compute) is never charged."""
         limits = self.limits
-        now = time.monotonic()
-        if self._request_start is None:
-            self._request_start, self._request_got = now, 0
-        elapsed = now - self._request_start
-        if elapsed > limits.request_timeout and self._request_got < limits.min_request_rate * elapsed:
+        waited = self._request_waited
+        if waited > limits.request_timeout and self._request_got < limits.min_request_rate * waited:
             raise SessionTimeout(f"slow sender: {self._request_got} bytes of a request in "
-                                 f"{elapsed:.0f}s (minimum {limits.min_request_rate} bytes/s)")
+                                 f"{waited:.0f}s of waiting (minimum {limits.min_request_rate} bytes/s)")
         if self._greeted:
             timeout = limits.request_timeout
         else:
-            timeout = self._connected + limits.hello_timeout - now
+            timeout = self._connected + limits.hello_timeout - time.monotonic()
             if timeout <= 0:
                 raise SessionTimeout(self._timeout_reason())
         if self._recv_timeout != timeout:
             self._set_recv_timeout(timeout)
+        t0 = time.monotonic()
         try:
             n = self.sock.recv_into(into)
         except BlockingIOError:
             raise SessionTimeout(self._timeout_reason()) from None
+        finally:
+            self._request_waited += time.monotonic() - t0
         self._request_got += n
         return n
 
