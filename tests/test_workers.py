@@ -202,6 +202,10 @@ def test_a_dying_worker_costs_only_its_session(server, monkeypatch, caplog):
     assert len(closed) == 4, closed  # one line per death
     assert sum("killed by SIGSEGV" in m for m in closed) == 2, closed
     assert sum("killed by SIGABRT" in m for m in closed) == 2, closed
+    from fleetd.server.control import status_doc
+
+    workers = status_doc(server.state)["devices"][0]["workers"]  # what /v1/status reports
+    assert workers["died"] == 4 and workers["live"] == 2 and "seccomp=on" in workers["sandbox"], workers
     (rss0, threads0, fds0), (rss1, threads1, fds1) = rounds[1], rounds[3]
     assert (threads1, fds1) == (threads0, fds0), rounds
     assert rss1 - rss0 < 8 * 1024, f"daemon RSS grew {rss1 - rss0} KiB over two worker deaths"

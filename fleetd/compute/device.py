@@ -58,6 +58,10 @@ class Device:
         if self.dequant_cache is not None:
             self.dequant_cache.written(buf)
 
+    def worker_stats(self) -> dict | None:
+        """Contained compute workers (/v1/status), None where the device computes in-process."""
+        return None
+
     def session_ended(self, session_id: int) -> None:
         """A session closed (the ggml device lets its compute worker go)."""
 

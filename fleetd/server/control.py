@@ -96,7 +96,7 @@ def status_doc(state: ServerState) -> dict:
         "rpc": {"host": host, "port": port},
         "devices": [
             {"index": i, "name": d.name, "kind": d.kind, "free": free, "total": total,
-             "library": d.library, "fallback": d.fallback}
+             "library": d.library, "fallback": d.fallback, "workers": d.worker_stats()}
             for i, d in enumerate(state.devices)
             for free, total in [d.memory()]
         ],

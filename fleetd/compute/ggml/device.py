@@ -103,6 +103,12 @@ class GgmlCpuDevice:
         for buf in plan.written:
             buf.touched()
 
+    def worker_stats(self) -> dict | None:
+        w = self.workers
+        if w is None:
+            return {"live": 0, "started": 0, "died": 0, "sandbox": ""}
+        return {"live": w.live(), "started": w.spawned, "died": w.deaths, "sandbox": w.sandbox}
+
     def session_ended(self, session_id: int) -> None:
         if self.workers is not None:
             self.workers.release(session_id)

@@ -275,6 +275,7 @@ class WorkerPool:
         self._computing = 0
         self.deaths = 0  # workers that died or were killed mid-graph
         self.spawned = 0
+        self.sandbox = ""  # what the last worker reported of its walls (uid, seccomp)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -355,6 +356,10 @@ class WorkerPool:
         with self._cond:
             self.spawned += 1
             self._by_session[session_id] = w
+            self.sandbox = w.walls.split(" ", 1)[1] if " " in w.walls else w.walls
+        if self.spawned == 1:  # what the walls are, once: an operator checks it in the log
+            level = logging.WARNING if "seccomp=off" in w.walls else logging.INFO
+            log.log(level, "compute workers contained: %s", self.sandbox)
         log.debug("session %d: compute worker %s", session_id, w.walls)
         return w
 
