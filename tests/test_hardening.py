@@ -289,6 +289,33 @@ def test_connection_cap_refuses_and_recovers(daemon, log_records):
         c.close()
 
 
+def test_one_address_at_its_cap_does_not_stop_another(daemon, log_records):
+    srv = daemon(max_connections=16, max_connections_per_address=3)
+    held = [Conn(port_of(srv)) for _ in range(3)]  # 127.0.0.1 holds its three
+    for c in held:
+        hello(c)
+    extra = Conn(port_of(srv))
+    assert closed_by_daemon(extra)
+    wait_for(lambda: any("3 connections open from that address" in m
+                         for m in log_records.lines(logging.WARNING)), "logged")
+    # another host (127.0.0.2 is loopback too) is served while the first holds its cap
+    other = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10,
+                                     source_address=("127.0.0.2", 0))
+    with other:
+        other.sendall(HELLO_FRAME)
+        reply = b""
+        while len(reply) < 8:  # the HELLO answer's size
+            chunk = other.recv(8 - len(reply))
+            assert chunk, "the second address was refused"
+            reply += chunk
+        assert 0 < struct.unpack("<Q", reply)[0] <= 64
+    held.pop().close()
+    wait_for(lambda: srv.state.sessions.count_from("127.0.0.1") < 3, "a session ended")
+    served(srv)
+    for c in held:
+        c.close()
+
+
 def test_allow_list_refuses_other_clients(daemon, log_records):
     srv = daemon(allow=["10.99.0.0/16"])
     c = Conn(port_of(srv))

@@ -26,6 +26,8 @@ class ServerLimits:
     max_request_bytes: int = 64 * MIB  # per connection
     max_buffered_bytes: int = 512 * MIB  # all connections together
     max_connections: int = 256
+    # ... and from one client address: one host's flood cannot refuse every other client
+    max_connections_per_address: int = 64
     max_graph_tensors: int = 1 << 18  # nodes, and tensors, of one GRAPH_COMPUTE
     # A view's logical bytes (elements x element size) may exceed the bytes it spans by this
     # factor plus the slack; stride-0 broadcasts beyond that are refused.

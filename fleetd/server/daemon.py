@@ -222,6 +222,12 @@ class Server:
                               "the limit", peer[0], self.state.limits.max_connections)
             sock.close()
             return
+        per_address = self.state.limits.max_connections_per_address
+        if sessions.count_from(peer[0]) >= per_address:
+            self._log_refused(logging.WARNING, "refused RPC connection from %s: %d connections open "
+                              "from that address, the limit", peer[0], per_address)
+            sock.close()
+            return
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # An idle client may stay a day (--idle-timeout); one whose host vanished is found by
@@ -240,7 +246,7 @@ class Server:
         except BaseException:
             sessions.remove(session)
             raise
-        log.debug("session %d %s: accepted", session.id, session.peer)
+        log.info("session %d %s: accepted", session.id, session.peer)
 
 
 def serve_forever(config: ServerConfig) -> int:

@@ -41,6 +41,8 @@ LIMIT_HELP = {
     "max_request_bytes": "bytes of one unfinished request held per connection (default 64M)",
     "max_buffered_bytes": "bytes of unfinished requests held by all connections (default 512M)",
     "max_connections": "RPC connections served at once; more are closed (default 256)",
+    "max_connections_per_address": "RPC connections served at once from one client address "
+                                   "(default 64)",
     "max_graph_tensors": "nodes and tensors of one GRAPH_COMPUTE (default 262144)",
     "view_expansion": "how many times its extent a view's logical size may be (default 16)",
     "view_slack": "bytes a view's logical size may exceed that by (default 1M)",

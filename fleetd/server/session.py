@@ -93,6 +93,7 @@ class Session:
         self.state = state
         self.sock = sock
         self.peer = f"{peer[0]}:{peer[1]}"
+        self.address = peer[0]
         self.id = sid
         self.started = time.time()
         self.limits = state.limits
@@ -250,7 +251,7 @@ class Session:
             self.state.receive_budget.charge(self._charged, 0)
             self._charged = 0
         self.state.session_ended(self)
-        log.debug("session %d %s: closed", self.id, self.peer)
+        log.info("session %d %s: closed", self.id, self.peer)
 
     # -- helpers ----------------------------------------------------------------------------
 

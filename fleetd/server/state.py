@@ -45,6 +45,7 @@ class LiveSession(Protocol):
 
     id: int
     peer: str
+    address: str  # the client's IP address
     started: float
     counters: CommandCounters
 
@@ -55,6 +56,7 @@ class SessionTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[int, LiveSession] = {}
+        self._per_address: dict[str, int] = {}
         self._next_id = 1
 
     def new_id(self) -> int:
@@ -66,10 +68,20 @@ class SessionTable:
     def add(self, session: LiveSession) -> None:
         with self._lock:
             self._by_id[session.id] = session
+            self._per_address[session.address] = self._per_address.get(session.address, 0) + 1
 
     def remove(self, session: LiveSession) -> None:
         with self._lock:
-            self._by_id.pop(session.id, None)
+            if self._by_id.pop(session.id, None) is not None:
+                left = self._per_address[session.address] - 1
+                if left:
+                    self._per_address[session.address] = left
+                else:
+                    del self._per_address[session.address]
+
+    def count_from(self, address: str) -> int:
+        """Live sessions whose client connected from `address`."""
+        return self._per_address.get(address, 0)
 
     def count(self) -> int:
         return len(self._by_id)
