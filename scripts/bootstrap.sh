@@ -15,6 +15,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v pkill >/dev/null || need+=(procps)
 command -v groff >/dev/null || need+=(groff-base)
 command -v mandoc >/dev/null || need+=(mandoc)
+# the compute workers' seccomp filter (fleetd/compute/sandbox.py loads it with ctypes)
+ldconfig -p 2>/dev/null | grep -q "libseccomp.so.2 " || need+=(libseccomp2)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing system packages: ${need[*]}" >&2
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2

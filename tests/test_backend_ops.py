@@ -81,3 +81,22 @@ def test_backend_ops_subset_passes_on_fleetd(fleetd_process, tmp_path, op, param
     result = backend_ops.run_op(fleetd_process, op, params, timeout=300, log=tmp_path / "tbo.log")
     assert result.failed == 0, "\n".join(result.failures[:10])
     assert result.passed > 0, f"no {op} case matched -p {params!r}"
+
+
+def test_one_process_through_fleetd_reaches_every_case_stock_passes(tmp_path):
+    """As a user runs it: GET_ROWS, SET_ROWS and MUL_MAT_ID (q4_0) in ONE test-backend-ops
+    process per server, fleetd with a 1 s request grace. The client spends seconds between
+    requests computing its CPU reference; before the slow-sender clock counted only recv waits,
+    fleetd charged that to the next request and cut the client, losing every later case."""
+    results = {}
+    for kind, extra in (("fleetd", ["--request-timeout", "1"]), ("stock", [])):
+        server = backend_ops.Server(kind, tmp_path, "cpu", extra)
+        try:
+            results[kind] = backend_ops.run_one_process(
+                server, ["GET_ROWS", "SET_ROWS", "MUL_MAT_ID"], "q4_0", 1800, tmp_path / f"{kind}.log")
+        finally:
+            server.stop()
+    for op, stock in results["stock"].items():
+        ours = results["fleetd"][op]
+        assert stock.passed > 0 and ours.not_reached == 0, (op, ours.failures[:3])
+        assert ours.passed == stock.passed and ours.failed == 0, (op, ours.failures[:3])
