@@ -372,3 +372,40 @@ def test_fleetd_error_types_are_what_sessions_catch():
     from fleetd.compute.ggml.workers import WorkerDied
 
     assert issubclass(WorkerDied, FleetdError)
+
+
+def test_a_killed_fork_server_is_replaced(server):
+    ep = endpoint(server)
+    pool = server.state.devices[0].workers
+    old = pool._server.proc.pid
+    os.kill(old, signal.SIGKILL)
+    pool._server.proc.wait(10)  # the daemon's child: reaped, not a zombie
+    b = Bystander(ep, 7)  # its first graph needs a worker: a new fork server forks it
+    b.compute_and_check()
+    assert pool._server.proc.pid != old
+    b.client.close()
+
+
+def test_the_channel_carries_more_fds_than_one_message_holds():
+    import socket as socket_
+
+    from fleetd.compute.ggml.channel import MSG_FORGET, recv_message, send_message
+
+    a, b = socket_.socketpair()
+    fds = [os.memfd_create(f"probe-{i}") for i in range(300)]  # > the 250 one sendmsg carries
+    try:
+        for i, fd in enumerate(fds):
+            os.ftruncate(fd, i + 1)
+        t = threading.Thread(target=send_message, args=(a, MSG_FORGET, b"x" * 100_000, fds))
+        t.start()
+        kind, payload, got = recv_message(b, 1 << 20, max_fds=1000)
+        t.join()
+        assert kind == MSG_FORGET and payload == b"x" * 100_000 and len(got) == 300
+        assert [os.fstat(fd).st_size for fd in got] == list(range(1, 301))  # the same files, in order
+        for fd in got:
+            os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        a.close()
+        b.close()

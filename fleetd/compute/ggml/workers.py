@@ -270,6 +270,7 @@ class WorkerPool:
         self.threads, self.user = threads, user
         self.max_workers, self.idle_timeout = max_workers, idle_timeout
         self._server: ForkServer | None = None
+        self._server_lock = threading.Lock()
         self._by_session: dict[int, Worker] = {}
         self._cond = threading.Condition()
         self._computing = 0
@@ -345,7 +346,7 @@ class WorkerPool:
             w.lock.release()
             return self._acquire(session_id, deadline)
         try:
-            w = self._server.spawn(self.threads)
+            w = self._spawn()
         except BaseException:
             with self._cond:
                 if self._by_session.get(session_id) is placeholder:
@@ -362,6 +363,19 @@ class WorkerPool:
             log.log(level, "compute workers contained: %s", self.sandbox)
         log.debug("session %d: compute worker %s", session_id, w.walls)
         return w
+
+    def _spawn(self) -> Worker:
+        """A new worker; a fork server that died (killed by the OOM killer, say) is restarted
+        once, so one lost process does not cost every later session its compute."""
+        with self._server_lock:
+            if not self._server.alive():
+                rc = self._server.proc.returncode
+                log.warning("compute fork server %s: starting another",
+                            f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}")
+                self._server.close()
+                self._server = ForkServer(self.threads, self.user)
+            server = self._server
+        return server.spawn(self.threads)
 
     def _evict_idle(self) -> bool:
         """Kill the least recently used idle worker (caller holds _cond). False: none idle."""
