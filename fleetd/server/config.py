@@ -88,6 +88,8 @@ class ServerConfig:
     # else loopback plus the subnet of the bound address.
     allow: list[str] | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # Started as root: after binding, drop to this user (fleetd.server.privileges).
+    user: str | None = None
     # Off only to measure what counting costs (benchmarks/transfer.py); the control API then
     # reports zeros for commands.
     count_commands: bool = True

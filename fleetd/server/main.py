@@ -31,6 +31,7 @@ FLEETD_DEFAULTS = {
     "allow": None,
     "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
+    "user": None,  # started as root: the user to drop to after binding (fleetd.server.privileges)
 }
 
 # -- limits flags: one per ServerLimits field, --max-memory 8G, --idle-timeout 3600, ...
@@ -70,7 +71,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "control_port, p2p (bool), peer_allow (list), allow (list), log_level and a [limits] "
+        "control_port, p2p (bool), peer_allow (list), allow (list), log_level, user and a [limits] "
         "table (the limits flags' names with _); flags win over it.",
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
@@ -93,6 +94,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         help="hosts/CIDRs whose RPC connections are served, comma separated (default: loopback "
         "when bound to loopback, else loopback and the subnet of the bound address)",
     )
+    p.add_argument("--user", metavar="NAME", help="started as root: drop to this user after binding "
+                   "(refuses to start when it does not exist)")
     _add_limit_flags(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-counters", action="store_true", help=argparse.SUPPRESS)  # benchmarks only
@@ -120,6 +123,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
         "p2p": False if args.no_p2p else None,
         "allow": args.allow.split(",") if args.allow else None,
+        "user": args.user,
     }
     limits = dict(settings["limits"]) if isinstance(settings["limits"], dict) else None
     if limits is None:
@@ -161,6 +165,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
         allow=settings["allow"], limits=settings["limits"],
         count_commands=not args.no_counters,
+        user=settings["user"],
     )
     try:
         return serve_forever(config)
