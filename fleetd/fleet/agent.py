@@ -288,8 +288,10 @@ def _unit_path():
 
 
 # The system unit's sandbox (the Ansible role's fleetd.service.j2 writes the same lines).
-# MemoryDenyWriteExecute is left off: ctypes (the ggml device's loader) builds its callbacks in
-# memory libffi maps writable and executable where its static trampolines are not built in.
+# MemoryDenyWriteExecute is left off: ctypes callbacks need memory libffi maps writable and
+# executable unless it was built with static trampolines (libffi 3.4 on x86-64 has them: fleetd
+# loads ggml and runs a callback under the kernel's PR_SET_MDWE), and the planned cupy device's
+# CUDA JIT needs W+X pages too. fleetd itself generates no code.
 SANDBOX = (
     "NoNewPrivileges=yes", "CapabilityBoundingSet=", "AmbientCapabilities=",
     "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "PrivateDevices=yes",
