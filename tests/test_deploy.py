@@ -244,6 +244,7 @@ def test_deploy_as_root_runs_fleetd_as_an_unprivileged_service_user(hosts, tmp_p
         with pytest.raises(KeyError):
             pwd.getpwnam(svc)
         assert not (root / "cache").exists() and not (root / "releases" / o["release"]).exists()
+        assert not (root / "current").exists() and not (root / "fleetd.toml").exists()
 
         rc, out = run_fleetctl(capsys, "deploy", *args)
         (o,) = json.loads(out)

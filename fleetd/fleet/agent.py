@@ -149,6 +149,11 @@ def op_install(p):
 def op_configure(p):
     root = _root(p)
     path = os.path.join(root, "fleetd.toml")
+    if p["config"] is None:  # back to no configuration (a roll-back on a fresh node)
+        existed = os.path.exists(path)
+        if existed:
+            os.unlink(path)
+        return {"changed": existed}
     try:
         if open(path).read() == p["config"]:
             return {"changed": False}
@@ -225,6 +230,10 @@ def _remove_user(root, name):
 
 def op_link(p):
     root = _root(p)
+    if p["release"] is None:  # no release current (a roll-back on a fresh node)
+        if os.path.lexists(os.path.join(root, "current")):
+            os.unlink(os.path.join(root, "current"))
+        return {"current": None}
     tmp = os.path.join(root, "current.part")
     if os.path.lexists(tmp):
         os.unlink(tmp)

@@ -438,11 +438,11 @@ class Deployer:
                    done: dict | None = None) -> str:
         b = self.build
         ag("stop", systemd=self.systemd)
-        if previous_config is not None:
-            ag("configure", config=previous_config)
+        ag("configure", config=previous_config)  # None: none, as before
         if done is not None:  # the service user and cache directory as they were
             ag("undo_service_user", done=done)
         if before["current"] is None:
+            ag("link", release=None)
             ag("remove_release", release=b.release)
             return f"health check failed, new release removed: {why}"
         ag("link", release=before["current"])

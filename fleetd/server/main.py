@@ -23,6 +23,7 @@ FLEETD_DEFAULTS = {
     "port": DEFAULT_RPC_PORT,
     "devices": ["cpu"],
     "cache_dir": None,
+    "cache_max_bytes": None,  # the cache directory's budget (fleetd.server.cache_dir)
     "threads": None,
     "dequant_cache": None,
     "control_port": None,  # --port + 100 (fleetd.ports.control_port_for)
@@ -71,7 +72,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "control_port, p2p (bool), peer_allow (list), allow (list), log_level, user and a [limits] "
+        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, user and a [limits] "
         "table (the limits flags' names with _); flags win over it.",
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
@@ -79,6 +80,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--port", type=int, help=f"RPC port (default {DEFAULT_RPC_PORT})")
     p.add_argument("-d", "--device", help="devices, comma separated: cpu (ggml's CPU kernels), numpy (the portable op table); default cpu")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
+    p.add_argument("--cache-max-bytes", metavar="N", help="bytes the cache directory may hold, oldest "
+                   "files evicted first: a size (64G) or a share of free space at start (default 0.5x)")
     p.add_argument("-t", "--threads", type=int, help="ggml's compute threads, and numpy/BLAS's (default: half the cores, as stock)")
     p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
                    "(default 0.5x) or a size (2G; 0 for none)")
@@ -124,6 +127,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "p2p": False if args.no_p2p else None,
         "allow": args.allow.split(",") if args.allow else None,
         "user": args.user,
+        "cache_max_bytes": args.cache_max_bytes,
     }
     limits = dict(settings["limits"]) if isinstance(settings["limits"], dict) else None
     if limits is None:
@@ -166,6 +170,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         allow=settings["allow"], limits=settings["limits"],
         count_commands=not args.no_counters,
         user=settings["user"],
+        cache_max_bytes=settings["cache_max_bytes"],
     )
     try:
         return serve_forever(config)
