@@ -233,7 +233,9 @@ def test_deploy_as_root_runs_fleetd_as_an_unprivileged_service_user(hosts, tmp_p
     root = hosts.dir / "root-node"  # the test hosts share one file system: not /opt/fleetd
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(f"root@{host.address} rpc_port={port} control_port={control}\n")
-    args = (str(nodes), *ssh_args(hosts), "--root", str(root), "--service-user", svc, "--json")
+    # root's python3 here is pyenv's, below root's 0700 home: the service user could not read it
+    args = (str(nodes), *ssh_args(hosts), "--root", str(root), "--service-user", svc, "--json",
+            "--python", "/usr/bin/python3")
     with pytest.raises(KeyError):
         pwd.getpwnam(svc)
     try:

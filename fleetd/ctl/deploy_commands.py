@@ -28,6 +28,9 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
     p.add_argument("--service-user", default=SERVICE_USER, metavar="NAME",
                    help=f"as root, run fleetd as this system user, created when missing (default {SERVICE_USER})")
+    p.add_argument("--python", default="python3", metavar="PATH",
+                   help="the nodes' interpreter for the agent and the releases' venvs (default python3; "
+                   "as root, one the service user can read, e.g. /usr/bin/python3)")
 
 
 def _ggml_lib_arg(p) -> None:
@@ -80,7 +83,7 @@ def cmd_deploy(args) -> int:
                     progress.update(tasks[node], description=name, completed=STEPS.index(name))
 
                 deployer = Deployer(fleet, b, root=args.root, systemd=not args.no_systemd, progress=step,
-                                    service_user=args.service_user)
+                                    service_user=args.service_user, python=args.python)
                 result = fleet.map(deployer.plan if args.dry_run else deployer.deploy)
                 for n in fleet:
                     progress.update(tasks[n], completed=len(STEPS), description="done")
@@ -121,7 +124,7 @@ def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:
     def run(args) -> int:
         with _load(args) as fleet:
             deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd,
-                                service_user=args.service_user)
+                                service_user=args.service_user, python=args.python)
             fn = getattr(deployer, action)
             result = fleet.map((lambda n: fn(n, args.lines)) if action == "logs" else fn)
         rows = {n.name: (v if not isinstance(v, Exception) else {"error": f"{type(v).__name__}: {v}"})

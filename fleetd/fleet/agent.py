@@ -192,6 +192,8 @@ def op_service_user(p):
             with open(os.path.join(root, ".service-user"), "w") as f:
                 f.write(name + "\n")
             entry = pwd.getpwnam(name)
+    if name:
+        _check_interpreter(root, name, entry, done)
     if not os.path.isdir(cache):
         os.makedirs(cache, mode=0o750)
         done["made"].append(cache)
@@ -202,6 +204,19 @@ def op_service_user(p):
             os.chown(cache, entry.pw_uid, entry.pw_gid)
         os.chmod(cache, 0o750)
     return done
+
+
+def _check_interpreter(root, name, entry, done):
+    """The releases' venvs are made from this interpreter: the service user must be able to
+    read its standard library (not so for one under root's 0700 home, e.g. pyenv's)."""
+    r = subprocess.run([sys.executable, "-c", "import encodings.idna, json, ssl"], user=entry.pw_uid,
+                       group=entry.pw_gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
+    if r.returncode != 0:
+        if done["created_user"]:
+            _remove_user(root, name)
+        raise RuntimeError("%s cannot run %s (%s): give fleetctl --python a system interpreter, e.g. "
+                           "/usr/bin/python3" % (name, sys.executable,
+                                                 (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]))
 
 
 def op_undo_service_user(p):

@@ -288,8 +288,9 @@ Progress = Callable[[Node, str], None]
 class Deployer:
     def __init__(self, fleet: Fleet, build: Build | None, root: str | None = None,
                  systemd: bool = True, progress: Progress | None = None,
-                 service_user: str | None = SERVICE_USER) -> None:
+                 service_user: str | None = SERVICE_USER, python: str = "python3") -> None:
         self.fleet = fleet
+        self.python = python  # the node's interpreter, which the releases' venvs are made from
         self.service_user = service_user
         self.build = build
         self.root = root
@@ -297,7 +298,7 @@ class Deployer:
         self.progress = progress or (lambda node, step: None)
 
     def agent(self, node: Node) -> Agent:
-        return Agent(shell_for(node), self.root or default_root(node.spec.user))
+        return Agent(shell_for(node), self.root or default_root(node.spec.user), self.python)
 
     # -- deploy -----------------------------------------------------------------------------
 
