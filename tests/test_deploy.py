@@ -257,6 +257,10 @@ def test_deploy_as_root_runs_fleetd_as_an_unprivileged_service_user(hosts, tmp_p
         assert 0 < entry.pw_uid < 1000  # a system account
         assert hello(f"{host.address}:{port}")[0] == (7, 0, 0)
         assert f'user = "{svc}"' in (root / "fleetd.toml").read_text()
+        rc, out = run_fleetctl(capsys, "status", str(nodes), "--known-hosts", str(hosts.known_hosts),
+                               "--identity", str(hosts.identity), "--json")
+        (doc,) = json.loads(out).values()  # ggml from the release, not from root's build cache
+        assert doc["status"]["devices"][0]["library"].startswith(str(root / "releases")), doc
 
         # The supervisor (no systemd here) is root's; the daemon it runs dropped to the service
         # user once its port was bound: every uid and gid, no supplementary groups, no capability.
@@ -350,6 +354,7 @@ def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
                                "--identity", str(hosts.identity), "--json")
         (doc,) = json.loads(out).values()
         assert rc == 0 and [d["kind"] for d in doc["status"]["devices"]] == ["ggml"], out
+        assert doc["status"]["devices"][0]["library"].startswith(f"{root}/releases/"), out
         assert "/fleetd/compute/ggml/_lib/libggml-cpu-" in doc["status"]["devices"][0]["library"], out
         # The same allow-lists as fleetctl deploy writes for this node, and the service user.
         written = tomllib.loads((root / "fleetd.toml").read_text())

@@ -294,11 +294,18 @@ def op_start(p):
         if r.returncode != 0:
             raise RuntimeError("systemctl restart: " + r.stderr.strip())
         return {"pid": 0, "manager": "systemd"}
+    env = None
+    user = p.get("user") if os.geteuid() == 0 else None
+    if user:  # the service user's environment, as systemd's User= gives it: nothing of root's
+        import pwd  # home (fleetd looks for a ggml build cache under $HOME before it drops)
+
+        entry = pwd.getpwnam(user)
+        env = dict(os.environ, HOME=entry.pw_dir, USER=user, LOGNAME=user)
     log = open(os.path.join(root, "fleetd.log"), "ab")
     proc = subprocess.Popen(
         [os.path.join(venv, "bin", "python"), "-m", "fleetd.supervise", "--",
          os.path.join(venv, "bin", "fleetd"), "--config", config],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env,
     )
     with open(os.path.join(root, "fleetd.pid.part"), "w") as f:
         f.write(f"{proc.pid} {release}\n")
