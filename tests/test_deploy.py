@@ -9,7 +9,9 @@ playbook run with `fleetctl wheels` followed by a HELLO and the device kind."""
 from __future__ import annotations
 
 import json
+import os
 import pwd
+import signal
 import shutil
 import subprocess
 import sys
@@ -213,6 +215,89 @@ def test_deploy_pipeline_redeploy_rollback_teardown(hosts, tmp_path, capsys, mon
         assert not (h.home / ".local" / "share" / "fleetd").exists()
 
 
+def fleetd_of(supervisor: int) -> int:
+    """The fleetd process a supervisor started: its one child."""
+    (child,) = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return int(child)
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, v in (line.split(":", 1) for line in lines)}
+
+
+def test_deploy_as_root_runs_fleetd_as_an_unprivileged_service_user(hosts, tmp_path, capsys):
+    portable_build()
+    host, svc = hosts[0], f"fs{hosts.tag}"  # a service user of this test only (<= 8 chars for ps)
+    port, control = RPC_PORT + 3, CONTROL_PORT + 3
+    root = hosts.dir / "root-node"  # the test hosts share one file system: not /opt/fleetd
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"root@{host.address} rpc_port={port} control_port={control}\n")
+    # root's python3 here is pyenv's, below root's 0700 home: the service user could not read it
+    args = (str(nodes), *ssh_args(hosts), "--root", str(root), "--service-user", svc, "--json",
+            "--python", "/usr/bin/python3")
+    with pytest.raises(KeyError):
+        pwd.getpwnam(svc)
+    try:
+        # A deploy that fails leaves the node as it was: no service user, no cache directory.
+        rc, out = run_fleetctl(capsys, "deploy", *args, "--source", str(broken_source(tmp_path)))
+        (o,) = json.loads(out)
+        assert rc == 1 and o["status"] == "failed" and "no HELLO" in o["steps"]["health"], o
+        with pytest.raises(KeyError):
+            pwd.getpwnam(svc)
+        assert not (root / "cache").exists() and not (root / "releases" / o["release"]).exists()
+        assert not (root / "current").exists() and not (root / "fleetd.toml").exists()
+
+        rc, out = run_fleetctl(capsys, "deploy", *args)
+        (o,) = json.loads(out)
+        assert rc == 0 and o["status"] == "deployed", o
+        assert o["steps"]["configure"].endswith(f"runs as {svc}"), o
+        entry = pwd.getpwnam(svc)
+        assert entry.pw_shell.endswith("nologin") and entry.pw_dir == "/nonexistent", entry
+        assert 0 < entry.pw_uid < 1000  # a system account
+        assert hello(f"{host.address}:{port}")[0] == (7, 0, 0)
+        assert f'user = "{svc}"' in (root / "fleetd.toml").read_text()
+        rc, out = run_fleetctl(capsys, "status", str(nodes), "--known-hosts", str(hosts.known_hosts),
+                               "--identity", str(hosts.identity), "--json")
+        (doc,) = json.loads(out).values()  # ggml from the release, not from root's build cache
+        assert doc["status"]["devices"][0]["library"].startswith(str(root / "releases")), doc
+
+        # The supervisor (no systemd here) is root's; the daemon it runs dropped to the service
+        # user once its port was bound: every uid and gid, no supplementary groups, no capability.
+        supervisor = int((root / "fleetd.pid").read_text().split()[0])
+        assert proc_status(supervisor)["Uid"].split()[0] == "0"
+        pid = fleetd_of(supervisor)
+        ps = subprocess.run(["ps", "-o", "user=", "-p", str(pid)], capture_output=True, text=True)
+        assert ps.stdout.strip() == svc, ps
+        st = proc_status(pid)
+        assert st["Uid"].split() == [str(entry.pw_uid)] * 4, st["Uid"]
+        assert st["Gid"].split() == [str(entry.pw_gid)] * 4, st["Gid"]
+        assert st["Groups"] == "" and st["NoNewPrivs"] == "1", st
+        assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0, st
+        # It owns its cache directory and nothing else of the install.
+        cache = (root / "cache").stat()
+        assert (cache.st_uid, cache.st_gid, cache.st_mode & 0o777) == (entry.pw_uid, entry.pw_gid, 0o750)
+        assert all(p.stat().st_uid == 0 for p in (root, root / "fleetd.toml", root / "releases"))
+        assert (root / ".service-user").read_text().strip() == svc
+
+        rc, out = run_fleetctl(capsys, "deploy", *args)  # again: nothing to do
+        assert rc == 0 and [o["status"] for o in json.loads(out)] == ["unchanged"], out
+
+        rc, out = run_fleetctl(capsys, "uninstall", *args)
+        assert rc == 0, out
+        assert not root.exists()
+        with pytest.raises(KeyError):  # made by deploy, so gone with the install
+            pwd.getpwnam(svc)
+    finally:
+        try:
+            os.killpg(int((root / "fleetd.pid").read_text().split()[0]), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        for cmd in (["pkill", "-KILL", "-u", svc], ["userdel", svc], ["groupdel", svc]):
+            subprocess.run(cmd, capture_output=True, timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_deploy_reports_unreachable_node_without_touching_others(hosts, tmp_path, capsys):
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(f"{hosts[0].user}@10.77.{hosts.subnet}.99 name=ghost\n")  # nobody there
@@ -223,13 +308,21 @@ def test_deploy_reports_unreachable_node_without_touching_others(hosts, tmp_path
 
 
 def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
+    """The role run as root: fleetd runs as its service user, with fleetctl deploy's lists."""
     if shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("ansible-core not installed: pip install -e '.[ansible]' (scripts/bootstrap.sh does)")
+    import tomllib
+
+    from fleetd.fleet.deploy import node_config
+    from fleetd.fleet.node import Fleet
+
     bin_dir = Path(sys.executable).parent
     nodes = tmp_path / "nodes.txt"
     host = hosts[1]
     port = RPC_PORT + 7
-    nodes.write_text(host.node_line(rpc_port=port, control_port=CONTROL_PORT + 7) + "\n")
+    svc = f"fa{hosts.tag}"  # this test's service user
+    root = hosts.dir / "ansible-root"  # the test hosts share one file system: not /opt/fleetd
+    nodes.write_text(f"root@{host.address} rpc_port={port} control_port={CONTROL_PORT + 7}\n")
     rc, inv = run_fleetctl(capsys, "inventory", str(nodes))
     assert rc == 0 and f"ansible_host: \"{host.address}\"" in inv
     (tmp_path / "hosts.yml").write_text(inv)
@@ -242,27 +335,59 @@ def test_inventory_and_ansible_role(hosts, tmp_path, capsys):
     env = {"ANSIBLE_HOST_KEY_CHECKING": "True", "ANSIBLE_SSH_ARGS":
            f"-o UserKnownHostsFile={hosts.known_hosts} -o IdentitiesOnly=yes",
            "ANSIBLE_PRIVATE_KEY_FILE": str(hosts.identity), "ANSIBLE_NOCOLOR": "1",
-           "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+           "PATH": f"{bin_dir}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(tmp_path)}
     common = [str(bin_dir / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(REPO / "ansible" / "deploy.yml"),
               "-e", f"fleetd_wheel_dir={wheels}", "-e", f"fleetd_version={version}",
+              "-e", f"fleetd_root={root}", "-e", f"fleetd_user={svc}",
               "-e", "fleetd_python=/usr/bin/python3", "-e", "ansible_python_interpreter=/usr/bin/python3"]
     syntax = subprocess.run(common + ["--syntax-check"], capture_output=True, text=True, env=env, timeout=120)
     assert syntax.returncode == 0, syntax.stdout + syntax.stderr
     lint = subprocess.run([str(bin_dir / "ansible-lint"), "--offline", "deploy.yml"], cwd=REPO / "ansible",
                           capture_output=True, text=True, env=env, timeout=600)
     assert lint.returncode == 0, lint.stdout[-2000:] + lint.stderr[-2000:]
-    play = subprocess.run(common, capture_output=True, text=True, env=env, timeout=900)
-    assert play.returncode == 0, play.stdout[-3000:] + play.stderr[-2000:]
     try:
+        play = subprocess.run(common, capture_output=True, text=True, env=env, timeout=900)
+        assert play.returncode == 0, play.stdout[-3000:] + play.stderr[-2000:]
         assert hello(f"{host.address}:{port}")[0] == (7, 0, 0)
         # the same wheel as fleetctl deploy's: the node computes with the shipped ggml build
         rc, out = run_fleetctl(capsys, "status", str(nodes), "--known-hosts", str(hosts.known_hosts),
                                "--identity", str(hosts.identity), "--json")
         (doc,) = json.loads(out).values()
         assert rc == 0 and [d["kind"] for d in doc["status"]["devices"]] == ["ggml"], out
+        assert doc["status"]["devices"][0]["library"].startswith(f"{root}/releases/"), out
         assert "/fleetd/compute/ggml/_lib/libggml-cpu-" in doc["status"]["devices"][0]["library"], out
+        # The same allow-lists as fleetctl deploy writes for this node, and the service user.
+        written = tomllib.loads((root / "fleetd.toml").read_text())
+        fleet = Fleet.load(nodes)
+        ours = tomllib.loads(node_config(fleet[0], fleet))
+        assert written["host"] == "0.0.0.0" and written["user"] == svc
+        assert (written["peer_allow"], written["allow"]) == (ours["peer_allow"], ours["allow"]), (written, ours)
+        entry = pwd.getpwnam(svc)
+        assert entry.pw_shell.endswith("nologin") and 0 < entry.pw_uid < 1000
+        pid = fleetd_of(int((root / "fleetd.pid").read_text().split()[0]))
+        ps = subprocess.run(["ps", "-o", "user=", "-p", str(pid)], capture_output=True, text=True)
+        st = proc_status(pid)
+        assert ps.stdout.strip() == svc and st["Uid"].split() == [str(entry.pw_uid)] * 4, (ps, st)
+        assert st["Gid"].split() == [str(entry.pw_gid)] * 4 and int(st["CapEff"], 16) == 0, st
+        assert (root / "cache").stat().st_uid == entry.pw_uid
     finally:
-        host.run("/bin/sh", "-c", "pkill -u $(id -u) -f fleetd.supervise; pkill -u $(id -u) -f bin/fleetd")
+        try:
+            os.killpg(int((root / "fleetd.pid").read_text().split()[0]), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+        for cmd in (["pkill", "-KILL", "-u", svc], ["userdel", svc], ["groupdel", svc]):
+            subprocess.run(cmd, capture_output=True, timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_ansible_unit_has_the_sandbox_of_fleetctls():
+    from fleetd.fleet.agent import SANDBOX
+
+    unit = (REPO / "ansible/roles/fleetd/templates/fleetd.service.j2").read_text().splitlines()
+    start = unit.index("Group={{ fleetd_run_as }}") + 1
+    end = next(i for i, line in enumerate(unit) if line.startswith("ReadWritePaths="))
+    assert tuple(unit[start:end]) == SANDBOX
+    assert "MemoryDenyWriteExecute" not in "\n".join(unit[start:end])
 
 
 def test_the_wheel_leaves_out_what_an_earlier_build_left(tmp_path):

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
 from fleetd.ctl.options import fleet_args, open_fleet
-from fleetd.fleet.deploy import STEPS, Deployer, NodeOutcome, build, clean_build, inventory
+from fleetd.fleet.deploy import SERVICE_USER, STEPS, Deployer, NodeOutcome, build, clean_build, inventory
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.nodes_file import NODES_FILE_HELP
 from fleetd.fleet.render import lifecycle_table, outcome_table
@@ -26,6 +26,11 @@ def _deploy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", help="install directory on nodes (default /opt/fleetd for root, "
                    "else ~/.local/share/fleetd)")
     p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
+    p.add_argument("--service-user", default=SERVICE_USER, metavar="NAME",
+                   help=f"as root, run fleetd as this system user, created when missing (default {SERVICE_USER})")
+    p.add_argument("--python", default="python3", metavar="PATH",
+                   help="the nodes' interpreter for the agent and the releases' venvs (default python3; "
+                   "as root, one the service user can read, e.g. /usr/bin/python3)")
 
 
 def _ggml_lib_arg(p) -> None:
@@ -77,7 +82,8 @@ def cmd_deploy(args) -> int:
                 def step(node, name):
                     progress.update(tasks[node], description=name, completed=STEPS.index(name))
 
-                deployer = Deployer(fleet, b, root=args.root, systemd=not args.no_systemd, progress=step)
+                deployer = Deployer(fleet, b, root=args.root, systemd=not args.no_systemd, progress=step,
+                                    service_user=args.service_user, python=args.python)
                 result = fleet.map(deployer.plan if args.dry_run else deployer.deploy)
                 for n in fleet:
                     progress.update(tasks[n], completed=len(STEPS), description="done")
@@ -117,7 +123,8 @@ def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args) -> int:
         with _load(args) as fleet:
-            deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd)
+            deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd,
+                                service_user=args.service_user, python=args.python)
             fn = getattr(deployer, action)
             result = fleet.map((lambda n: fn(n, args.lines)) if action == "logs" else fn)
         rows = {n.name: (v if not isinstance(v, Exception) else {"error": f"{type(v).__name__}: {v}"})

@@ -12,6 +12,13 @@ library and nothing from this package. Layout under ROOT (/opt/fleetd for root, 
     fleetd.toml          the node's configuration
     fleetd.pid           "<pid> <release>" of the supervisor, when not under systemd
     fleetd.log
+    cache/               fleetd's cache directory (SET_TENSOR_HASH), the one place it writes
+    .service-user        the service user's name, when this agent created that user
+
+As root, fleetd runs as a service user (fleetd by default): a system account without a home or a
+login shell, created here when missing, which owns cache/ and nothing else. Under systemd the
+unit's User= and sandboxing do that; without systemd the supervisor starts fleetd as root and
+fleetd drops to the user (its config's `user`) once its port is bound.
 """
 
 import json
@@ -72,6 +79,7 @@ def _port_state(host, port, ours):
 
 def op_inspect(p):
     root = _root(p)
+    unit = _unit_path()
     current = os.path.join(root, "current")
     release = os.path.basename(os.readlink(current)) if os.path.islink(current) else None
     running = _read_pidfile(root)
@@ -97,6 +105,9 @@ def op_inspect(p):
         "config": config,
         "systemd": systemd,
         "wheels": _wheels(os.path.join(root, "wheels")),
+        "root": root,
+        "euid": os.geteuid(),
+        "unit": open(unit).read() if systemd and os.path.exists(unit) else None,
     }
 
 
@@ -138,6 +149,11 @@ def op_install(p):
 def op_configure(p):
     root = _root(p)
     path = os.path.join(root, "fleetd.toml")
+    if p["config"] is None:  # back to no configuration (a roll-back on a fresh node)
+        existed = os.path.exists(path)
+        if existed:
+            os.unlink(path)
+        return {"changed": existed}
     try:
         if open(path).read() == p["config"]:
             return {"changed": False}
@@ -149,8 +165,90 @@ def op_configure(p):
     return {"changed": True}
 
 
+NOLOGIN = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
+
+
+def op_service_user(p):
+    """The service user (created when missing, as root only) and the cache directory it owns.
+    Returns what was changed, so that op_undo_service_user can put the node back as it was."""
+    import pwd
+
+    root = _root(p)
+    cache = os.path.join(root, "cache")
+    done = {"created_user": None, "made": [], "chowned": []}
+    name = p.get("user") if os.geteuid() == 0 else None
+    if name:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            shell = next((s for s in NOLOGIN if os.path.exists(s)), "/bin/false")
+            r = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home",
+                                "--home-dir", "/nonexistent", "--shell", shell,
+                                "--comment", "fleetd ggml RPC server", name],
+                               capture_output=True, text=True, timeout=60)
+            if r.returncode != 0:
+                raise RuntimeError("useradd %s: %s" % (name, (r.stderr.strip().splitlines() or ["failed"])[-1]))
+            done["created_user"] = name
+            with open(os.path.join(root, ".service-user"), "w") as f:
+                f.write(name + "\n")
+            entry = pwd.getpwnam(name)
+    if name:
+        _check_interpreter(root, name, entry, done)
+    if not os.path.isdir(cache):
+        os.makedirs(cache, mode=0o750)
+        done["made"].append(cache)
+    if name:
+        st = os.stat(cache)
+        if (st.st_uid, st.st_gid) != (entry.pw_uid, entry.pw_gid):
+            done["chowned"].append([cache, st.st_uid, st.st_gid])
+            os.chown(cache, entry.pw_uid, entry.pw_gid)
+        os.chmod(cache, 0o750)
+    return done
+
+
+def _check_interpreter(root, name, entry, done):
+    """The releases' venvs are made from this interpreter: the service user must be able to
+    read its standard library (not so for one under root's 0700 home, e.g. pyenv's)."""
+    r = subprocess.run([sys.executable, "-c", "import encodings.idna, json, ssl"], user=entry.pw_uid,
+                       group=entry.pw_gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
+    if r.returncode != 0:
+        if done["created_user"]:
+            _remove_user(root, name)
+        raise RuntimeError("%s cannot run %s (%s): give fleetctl --python a system interpreter, e.g. "
+                           "/usr/bin/python3" % (name, sys.executable,
+                                                 (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]))
+
+
+def op_undo_service_user(p):
+    """Reverse op_service_user's record: ownership back, made directories and a created user gone."""
+    import shutil
+
+    done = p["done"]
+    for path, uid, gid in done["chowned"]:
+        if os.path.isdir(path):
+            os.chown(path, uid, gid)
+    for path in done["made"]:
+        shutil.rmtree(path, ignore_errors=True)
+    if done["created_user"]:
+        _remove_user(_root(p), done["created_user"])
+    return {"undone": True}
+
+
+def _remove_user(root, name):
+    subprocess.run(["userdel", name], capture_output=True, timeout=60)
+    subprocess.run(["groupdel", name], capture_output=True, timeout=60)  # --user-group's, if left
+    try:
+        os.unlink(os.path.join(root, ".service-user"))
+    except OSError:
+        pass
+
+
 def op_link(p):
     root = _root(p)
+    if p["release"] is None:  # no release current (a roll-back on a fresh node)
+        if os.path.lexists(os.path.join(root, "current")):
+            os.unlink(os.path.join(root, "current"))
+        return {"current": None}
     tmp = os.path.join(root, "current.part")
     if os.path.lexists(tmp):
         os.unlink(tmp)
@@ -185,33 +283,73 @@ def op_start(p):
     venv = os.path.join(root, "releases", release)
     config = os.path.join(root, "fleetd.toml")
     if _use_systemd(p):
-        unit_dir = "/etc/systemd/system" if os.geteuid() == 0 else os.path.expanduser("~/.config/systemd/user")
-        os.makedirs(unit_dir, exist_ok=True)
-        with open(os.path.join(unit_dir, UNIT), "w") as f:
-            f.write(
-                "[Unit]\nDescription=fleetd ggml RPC server\nAfter=network-online.target\n"
-                "StartLimitIntervalSec=60\nStartLimitBurst=10\n\n"
-                f"[Service]\nExecStart={root}/current/bin/fleetd --config {config}\n"
-                # as ansible's unit: above fleetd's own caps (fleetd(8) LIMITS), so those act first
-                "Restart=always\nRestartSec=2\nLimitNOFILE=8192\nTasksMax=2048\n\n[Install]\n"
-                f"WantedBy={'multi-user.target' if os.geteuid() == 0 else 'default.target'}\n"
-            )
+        unit = _unit_path()
+        os.makedirs(os.path.dirname(unit), exist_ok=True)
+        with open(unit + ".part", "w") as f:
+            f.write(p.get("unit") or unit_text(root, p.get("user") if os.geteuid() == 0 else None))
+        os.replace(unit + ".part", unit)
         _systemctl("daemon-reload")
         _systemctl("enable", UNIT)
         r = _systemctl("restart", UNIT)
         if r.returncode != 0:
             raise RuntimeError("systemctl restart: " + r.stderr.strip())
         return {"pid": 0, "manager": "systemd"}
+    env = None
+    user = p.get("user") if os.geteuid() == 0 else None
+    if user:  # the service user's environment, as systemd's User= gives it: nothing of root's
+        import pwd  # home (fleetd looks for a ggml build cache under $HOME before it drops)
+
+        entry = pwd.getpwnam(user)
+        env = dict(os.environ, HOME=entry.pw_dir, USER=user, LOGNAME=user)
     log = open(os.path.join(root, "fleetd.log"), "ab")
     proc = subprocess.Popen(
         [os.path.join(venv, "bin", "python"), "-m", "fleetd.supervise", "--",
          os.path.join(venv, "bin", "fleetd"), "--config", config],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env,
     )
     with open(os.path.join(root, "fleetd.pid.part"), "w") as f:
         f.write(f"{proc.pid} {release}\n")
     os.replace(os.path.join(root, "fleetd.pid.part"), os.path.join(root, "fleetd.pid"))
     return {"pid": proc.pid, "manager": "supervisor"}
+
+
+def _unit_path():
+    unit_dir = "/etc/systemd/system" if os.geteuid() == 0 else os.path.expanduser("~/.config/systemd/user")
+    return os.path.join(unit_dir, UNIT)
+
+
+# The system unit's sandbox (the Ansible role's fleetd.service.j2 writes the same lines).
+# MemoryDenyWriteExecute is left off: ctypes callbacks need memory libffi maps writable and
+# executable unless it was built with static trampolines (libffi 3.4 on x86-64 has them: fleetd
+# loads ggml and runs a callback under the kernel's PR_SET_MDWE), and the planned cupy device's
+# CUDA JIT needs W+X pages too. fleetd itself generates no code.
+SANDBOX = (
+    "NoNewPrivileges=yes", "CapabilityBoundingSet=", "AmbientCapabilities=",
+    "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "PrivateDevices=yes",
+    "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "ProtectProc=invisible",
+    "RestrictNamespaces=yes", "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "LockPersonality=yes",
+    "RemoveIPC=yes", "UMask=0027",
+    # TCP (RPC, peer links, the control API) and AF_UNIX (logging, socketpairs); nothing else.
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+    "SystemCallArchitectures=native",
+)
+
+
+def unit_text(root, user):
+    """fleetd.service: as root with a service user, run as that user inside the sandbox, with
+    write access to the cache directory only; a user unit (no root) as before."""
+    lines = [
+        "[Unit]", "Description=fleetd ggml RPC server", "After=network-online.target",
+        "StartLimitIntervalSec=60", "StartLimitBurst=10", "",
+        "[Service]", f"ExecStart={root}/current/bin/fleetd --config {root}/fleetd.toml",
+        # as ansible's unit: above fleetd's own caps (fleetd(8) LIMITS), so those act first
+        "Restart=always", "RestartSec=2", "LimitNOFILE=8192", "TasksMax=2048",
+    ]
+    if user:
+        lines += [f"User={user}", f"Group={user}", *SANDBOX, f"ReadWritePaths={root}/cache"]
+    lines += ["", "[Install]", f"WantedBy={'multi-user.target' if os.geteuid() == 0 else 'default.target'}"]
+    return "\n".join(lines) + "\n"
 
 
 # One probe: short, since op_health retries it until its deadline.
@@ -279,6 +417,12 @@ def op_uninstall(p):
     op_stop(p)
     if _use_systemd(p):
         _systemctl("disable", UNIT)
+    try:
+        created = open(os.path.join(_root(p), ".service-user")).read().strip()
+    except OSError:
+        created = None
+    if created:  # a user this agent made goes with the install; one that was there stays
+        _remove_user(_root(p), created)
     shutil.rmtree(_root(p), ignore_errors=True)
     return {"removed": _root(p)}
 

@@ -6,8 +6,10 @@ build changes nothing and says so:
     check      Python >= 3.11, free disk, the RPC port free or held by our own daemon
     upload     wheels the node does not have yet (SFTP); nodes need no package index
     install    a venv per release (<version>-<wheel sha>) from those wheels, --no-index
-    configure  fleetd.toml: ports, devices, peer allow-list = the fleet's own endpoints
-    start      systemd where it runs, else a supervised background process + pid file
+    configure  fleetd.toml: ports, devices, peer allow-list = the fleet's own endpoints, the
+               cache directory; as root, the service user (created when missing) owning it
+    start      systemd where it runs (as root: User= and a sandbox), else a supervised
+               background process + pid file (as root: fleetd drops to the service user)
     health     HELLO on the RPC port with the release's own python -m fleetd.client.probe
                (so the installed fleetd imports), then /v1/status through the control API;
                a device that came up as another kind than configured (cpu -> numpy: the ggml
@@ -17,8 +19,9 @@ The wheel carries the operator's portable ggml build (every *.so of
 ~/.cache/fleetd/llama.cpp-<v>/lib-portable, or --ggml-lib DIR) in fleetd/compute/ggml/_lib, so
 a node without a compiler gets ggml's CPU kernels; without one it runs the numpy device.
 
-A failed health check rolls the node back to the release and config it had before (or removes
-the new one if it had none) and reports why.
+A failed configure, start or health check rolls the node back to the release, config and unit it
+had before (or removes the new one if it had none), removes a service user this deploy created,
+and reports why.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +67,8 @@ WHEEL_LIB_DIR = "fleetd/compute/ggml/_lib"
 PORTABLE_BUILD = "FLEETD_GGML_PORTABLE=1 bash scripts/build-llama.sh ggml"
 # The device kind /v1/status should show for a configured device; others are not checked.
 EXPECTED_KIND = {"cpu": "ggml", "numpy": "numpy"}
+# Deploying as root, fleetd runs as this system user (no home, no login shell), never as root.
+SERVICE_USER = "fleetd"
 
 
 @dataclass(frozen=True)
@@ -203,8 +209,10 @@ def default_root(user: str | None) -> str:
     return "/opt/fleetd" if user == "root" else "~/.local/share/fleetd"
 
 
-def node_config(node: Node, fleet: Fleet) -> str:
-    """fleetd.toml for one node: its ports and devices, peers limited to the fleet's hosts."""
+def node_config(node: Node, fleet: Fleet, root: str | None = None, user: str | None = None) -> str:
+    """fleetd.toml for one node: its ports and devices, peers limited to the fleet's hosts, the
+    cache directory under `root` (the node's install directory), the service user when root
+    deploys."""
     s = node.spec
     peers = sorted({n.spec.host for n in fleet} | {"127.0.0.1"})
     devices = ", ".join(json.dumps(d) for d in s.devices)
@@ -213,7 +221,19 @@ def node_config(node: Node, fleet: Fleet) -> str:
         f'host = "0.0.0.0"\nport = {s.rpc_port}\ncontrol_port = {s.control_port}\n'
         f"devices = [{devices}]\npeer_allow = [{', '.join(json.dumps(p) for p in peers)}]\n"
         f"allow = {json.dumps(sorted(set(peers) | {_operator_address(s.host)} - {None}))}\n"
+        + (f"cache_dir = {json.dumps(root + '/cache')}\n" if root else "")
+        + (f"user = {json.dumps(user)}\n" if user else "")
     )
+
+
+def config_user(config: str | None) -> str | None:
+    """The service user a fleetd.toml names (None: none, or no config)."""
+    if not config:
+        return None
+    try:
+        return tomllib.loads(config).get("user")
+    except tomllib.TOMLDecodeError:
+        return None
 
 
 def _operator_address(host: str) -> str | None:
@@ -267,15 +287,18 @@ Progress = Callable[[Node, str], None]
 
 class Deployer:
     def __init__(self, fleet: Fleet, build: Build | None, root: str | None = None,
-                 systemd: bool = True, progress: Progress | None = None) -> None:
+                 systemd: bool = True, progress: Progress | None = None,
+                 service_user: str | None = SERVICE_USER, python: str = "python3") -> None:
         self.fleet = fleet
+        self.python = python  # the node's interpreter, which the releases' venvs are made from
+        self.service_user = service_user
         self.build = build
         self.root = root
         self.systemd = systemd
         self.progress = progress or (lambda node, step: None)
 
     def agent(self, node: Node) -> Agent:
-        return Agent(shell_for(node), self.root or default_root(node.spec.user))
+        return Agent(shell_for(node), self.root or default_root(node.spec.user), self.python)
 
     # -- deploy -----------------------------------------------------------------------------
 
@@ -287,11 +310,18 @@ class Deployer:
         missing = self._missing_wheels(state)
         steps["upload"] = f"{len(missing)} wheel(s)" if missing else "nothing to upload"
         steps["install"] = "exists" if b.release in state["releases"] else f"new venv {b.release}"
-        steps["configure"] = "unchanged" if state["config"] == node_config(node, self.fleet) else "write fleetd.toml"
+        steps["configure"] = "unchanged" if state["config"] == self._config(node, state) else "write fleetd.toml"
         running = state["running"]
         up_to_date = running and running["release"] == b.release and steps["configure"] == "unchanged"
         steps["start"] = "already running" if up_to_date else ("restart" if running else "start")
         return NodeOutcome(node.name, "planned", b.release, state["current"], "", steps)
+
+    def _user(self, state: dict) -> str | None:
+        """The service user on this node: only root can make one and switch to it."""
+        return self.service_user if state["euid"] == 0 else None
+
+    def _config(self, node: Node, state: dict) -> str:
+        return node_config(node, self.fleet, state["root"], self._user(state))
 
     def _wheel_path(self, f: Path) -> str:
         """fleetd's own wheel goes under its release (same file name, other content across
@@ -328,7 +358,8 @@ class Deployer:
         state = ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
         outcome = NodeOutcome(node.name, "deployed", b.release, state["current"])
         outcome.steps.update(self._checks(node, state))
-        config = node_config(node, self.fleet)
+        config = self._config(node, state)
+        user = self._user(state)
 
         self.progress(node, "upload")
         ag("prepare", release=b.release)
@@ -357,22 +388,28 @@ class Deployer:
 
         self.progress(node, "configure")
         previous_config = state["config"]
-        outcome.steps["configure"] = "written" if ag("configure", config=config)["changed"] else "unchanged"
+        done = None  # what op_service_user changed, undone on roll-back
+        try:
+            done = ag("service_user", user=user)
+            changed = ag("configure", config=config)["changed"]
+            outcome.steps["configure"] = ("written" if changed else "unchanged") + (f", runs as {user}" if user else "")
 
-        self.progress(node, "start")
-        ag("stop", systemd=self.systemd)
-        ag("link", release=b.release)
-        ag("start", release=b.release, systemd=self.systemd)
-        outcome.steps["start"] = "restarted" if running else "started"
+            self.progress(node, "start")
+            ag("stop", systemd=self.systemd)
+            ag("link", release=b.release)
+            ag("start", release=b.release, systemd=self.systemd, user=user)
+            outcome.steps["start"] = "restarted" if running else "started"
 
-        self.progress(node, "health")
-        problem, status = self._health(node, ag, b.release)
+            self.progress(node, "health")
+            problem, status = self._health(node, ag, b.release)
+        except NodeError as exc:  # a step that failed outright: the same way back
+            problem, status = str(exc), None
         if problem is None:
             outcome.steps["health"] = "ok"
             outcome.warnings = device_warnings(node, status)
             return outcome
-        outcome.steps["health"] = problem
-        outcome.detail = self._roll_back(node, ag, state, previous_config, problem)
+        outcome.steps[next((s for s in STEPS[3:] if s not in outcome.steps), "health")] = problem
+        outcome.detail = self._roll_back(node, ag, state, previous_config, problem, done)
         outcome.status = "rolled-back" if state["current"] else "failed"
         return outcome
 
@@ -398,17 +435,21 @@ class Deployer:
                 return f"{problem} (gave up after {CONTROL_HEALTH_TIMEOUT_S:.0f}s)", None
             time.sleep(CONTROL_HEALTH_RETRY_S)
 
-    def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str) -> str:
+    def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str,
+                   done: dict | None = None) -> str:
         b = self.build
         ag("stop", systemd=self.systemd)
+        ag("configure", config=previous_config)  # None: none, as before
+        if done is not None:  # the service user and cache directory as they were
+            ag("undo_service_user", done=done)
         if before["current"] is None:
+            ag("link", release=None)
             ag("remove_release", release=b.release)
             return f"health check failed, new release removed: {why}"
-        if previous_config is not None:
-            ag("configure", config=previous_config)
         ag("link", release=before["current"])
         if before["running"]:
-            ag("start", release=before["current"], systemd=self.systemd)
+            ag("start", release=before["current"], systemd=self.systemd,
+               user=config_user(previous_config), unit=before.get("unit"))
             if self._health(node, ag, before["current"])[0] is not None:
                 return f"health check failed ({why}); previous release {before['current']} did not come back"
         if b.release != before["current"]:
@@ -438,9 +479,10 @@ class Deployer:
     def start(self, node: Node) -> dict:
         ag = self.agent(node)
         release = self.current_release(node, ag)
-        if ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)["running"]:
+        state = self._inspect(node, ag)
+        if state["running"]:
             return {"status": "already running", "release": release}
-        ag("start", release=release, systemd=self.systemd)
+        ag("start", release=release, systemd=self.systemd, user=self._user(state), unit=state.get("unit"))
         problem, status = self._health(node, ag, release)
         if problem:
             raise NodeError(problem)
@@ -509,5 +551,5 @@ def clean_build(b: Build) -> None:
         shutil.rmtree(b.wheel.parent, ignore_errors=True)
 
 
-__all__ = ["Build", "Deployer", "NodeOutcome", "STEPS", "build", "device_warnings", "inventory", "node_config",
+__all__ = ["Build", "Deployer", "NodeOutcome", "SERVICE_USER", "STEPS", "build", "device_warnings", "inventory", "node_config",
            "portable_libs", "__version__"]

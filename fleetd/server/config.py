@@ -86,6 +86,8 @@ class ServerConfig:
     port: int = DEFAULT_RPC_PORT
     devices: list[str] = field(default_factory=lambda: ["cpu"])
     cache_dir: Path | None = None
+    # The cache directory's byte budget: a size, or a share of free space ("0.5x", the default).
+    cache_max_bytes: int | str | None = None
     threads: int | None = None
     dequant_cache: str | None = None  # numpy device's f32 weight cache: "0.5x" of buffer bytes (default), "2G", "0"
     control_port: int | None = DEFAULT_CONTROL_PORT
@@ -96,6 +98,8 @@ class ServerConfig:
     # else loopback plus the subnet of the bound address.
     allow: list[str] | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # Started as root: after binding, drop to this user (fleetd.server.privileges).
+    user: str | None = None
     # Off only to measure what counting costs (benchmarks/transfer.py); the control API then
     # reports zeros for commands.
     count_commands: bool = True

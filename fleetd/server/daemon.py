@@ -14,6 +14,7 @@ import time
 from fleetd import __version__
 from fleetd.errors import TransportError
 from fleetd.server.config import ServerConfig
+from fleetd.server import privileges
 from fleetd.server.control import ControlAPI
 from fleetd.server.peer_policy import LOOPBACK, PeerStats, listen_network, parse_allow
 from fleetd.server.session import Session
@@ -116,6 +117,14 @@ class Server:
                                  f"{exc.strerror or exc}") from exc
         self._listener = sock
         self.state.address = sock.getsockname()
+        try:  # bound, nothing served yet: the moment to stop being root
+            if (entry := privileges.service_user(self.config.user)) is not None:
+                privileges.drop(entry)
+                privileges.check_writable(entry, self.state.cache_dir)
+            self.state.start_compute()
+        except BaseException:
+            sock.close()
+            raise
         # The control API is bound before the RPC port listens: whoever sees a HELLO answered
         # (fleetctl deploy's health step) can ask /v1/status at once.
         if self.config.control_port is not None:

@@ -23,6 +23,7 @@ FLEETD_DEFAULTS = {
     "port": DEFAULT_RPC_PORT,
     "devices": ["cpu"],
     "cache_dir": None,
+    "cache_max_bytes": None,  # the cache directory's budget (fleetd.server.cache_dir)
     "threads": None,
     "dequant_cache": None,
     "control_port": None,  # --port + 100 (fleetd.ports.control_port_for)
@@ -32,6 +33,7 @@ FLEETD_DEFAULTS = {
     "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
     "worker_user": None,
+    "user": None,  # started as root: the user to drop to after binding (fleetd.server.privileges)
 }
 
 # -- limits flags: one per ServerLimits field, --max-memory 8G, --idle-timeout 3600, ...
@@ -78,7 +80,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "control_port, p2p (bool), peer_allow (list), allow (list), log_level and a [limits] "
+        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, user and a [limits] "
         "table (the limits flags' names with _); flags win over it.",
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
@@ -86,6 +88,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--port", type=int, help=f"RPC port (default {DEFAULT_RPC_PORT})")
     p.add_argument("-d", "--device", help="devices, comma separated: cpu (ggml's CPU kernels), numpy (the portable op table); default cpu")
     p.add_argument("-c", "--cache-dir", type=Path, help="cache directory for SET_TENSOR_HASH (off by default)")
+    p.add_argument("--cache-max-bytes", metavar="N", help="bytes the cache directory may hold, oldest "
+                   "files evicted first: a size (64G) or a share of free space at start (default 0.5x)")
     p.add_argument("-t", "--threads", type=int, help="ggml's compute threads, and numpy/BLAS's (default: half the cores, as stock)")
     p.add_argument("--dequant-cache", help="numpy device's f32 weight cache: a fraction of buffer bytes "
                    "(default 0.5x) or a size (2G; 0 for none)")
@@ -101,6 +105,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         help="hosts/CIDRs whose RPC connections are served, comma separated (default: loopback "
         "when bound to loopback, else loopback and the subnet of the bound address)",
     )
+    p.add_argument("--user", metavar="NAME", help="started as root: drop to this user after binding "
+                   "(refuses to start when it does not exist)")
     _add_limit_flags(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--worker-user", metavar="USER",
@@ -132,6 +138,8 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "p2p": False if args.no_p2p else None,
         "allow": args.allow.split(",") if args.allow else None,
         "worker_user": args.worker_user,
+        "user": args.user,
+        "cache_max_bytes": args.cache_max_bytes,
     }
     limits = dict(settings["limits"]) if isinstance(settings["limits"], dict) else None
     if limits is None:
@@ -173,6 +181,8 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
         allow=settings["allow"], limits=settings["limits"],
         count_commands=not args.no_counters, worker_user=settings["worker_user"],
+        user=settings["user"],
+        cache_max_bytes=settings["cache_max_bytes"],
     )
     try:
         return serve_forever(config)

@@ -17,27 +17,13 @@ from typing import BinaryIO, Protocol
 
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
-from fleetd.compute.native import fnv1a_64, native_available
+from fleetd.server.cache_dir import CacheDir
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
 from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
-from fleetd.wire.hashing import FNV_OFFSET, cache_file_name
 
 log = logging.getLogger("fleetd.state")
-
-
-HASH_CHUNK = 1 << 20  # cache-sized reads: the file's pages are not mapped into the daemon
-
-
-def _file_fnv1a_64(f) -> int:
-    """FNV-1a of an open file, read from its start in chunks."""
-    chunk = memoryview(bytearray(HASH_CHUNK))
-    h = FNV_OFFSET
-    f.seek(0)
-    while n := f.readinto(chunk):
-        h = fnv1a_64(chunk[:n], h)
-    return h
 
 
 class LiveSession(Protocol):
@@ -118,10 +104,6 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices: list[Device] = [make_device(d, config.dequant_cache, config.threads) for d in config.devices]
-        for dev in self.devices:  # graphs compute in contained workers from the start
-            if hasattr(dev, "start_workers"):
-                dev.start_workers(config.worker_user, config.limits.max_workers,
-                                  config.limits.worker_idle_timeout)
         self.registry = BufferRegistry()
         # Held by the numpy device's compute and by COPY_TENSOR's copy inside the daemon (the
         # ggml device computes in workers, side by side); never during I/O
@@ -129,10 +111,9 @@ class ServerState:
         self.exec_lock = threading.Lock()
         self.stats = StatsBook()  # command counters of closed sessions
         self.sessions = SessionTable()
-        self.cache_dir: Path | None = Path(config.cache_dir) if config.cache_dir else None
-        if self.cache_dir is not None:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            native_available()  # loads the C FNV-1a now, or warns now that it is missing
+        self.cache: CacheDir | None = (CacheDir(Path(config.cache_dir), config.cache_max_bytes)
+                                       if config.cache_dir else None)
+        self.cache_dir: Path | None = self.cache.path if self.cache is not None else None
         self.p2p_enabled = config.p2p
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
         self.peer_timeouts = PeerTimeouts()
@@ -150,6 +131,14 @@ class ServerState:
         self.started = time.time()
         # The RPC address; the daemon sets the bound one (port 0 picks a free port).
         self.address: tuple[str, int] = (config.host, config.port)
+
+    def start_compute(self) -> None:
+        """Start the devices' compute workers (the ggml device's fork server): called by the
+        daemon once it has dropped root, so not even the fork server keeps root's rights."""
+        for dev in self.devices:
+            if hasattr(dev, "start_workers"):
+                dev.start_workers(self.config.worker_user, self.limits.max_workers,
+                                  self.limits.worker_idle_timeout)
 
     def close(self) -> None:
         """The daemon stops: devices let their workers and fork servers go."""
@@ -193,31 +182,10 @@ class ServerState:
     # -- cache directory (SET_TENSOR cache flag, SET_TENSOR_HASH) ----------------------------
 
     def cache_store(self, data) -> None:
-        """Write `data` (a view of the buffer it landed in) as <cache dir>/<fnv1a %016x>.
-
-        The hash is taken of the file as written, not of the buffer: another session may write
-        into a shared buffer meanwhile, and a name that is not its file's hash would hand a
-        later SET_TENSOR_HASH other bytes than the client's. A failed write costs only the
-        cache entry: the data is in its buffer already."""
-        view = memoryview(data).cast("B")
-        tmp = self.cache_dir / f".store.{os.getpid()}.{threading.get_ident()}"
-        try:
-            with open(tmp, "w+b", buffering=0) as f:
-                done = 0
-                while done < view.nbytes:  # one write() moves at most ~2 GiB
-                    done += f.write(view[done:])
-                h = _file_fnv1a_64(f)
-            os.replace(tmp, self.cache_dir / cache_file_name(h))  # no reader sees half a file
-        except OSError as exc:
-            log.warning("cache directory: %d bytes not stored: %s", view.nbytes, exc)
-            tmp.unlink(missing_ok=True)
+        """Store `data` under its hash (fleetd.server.cache_dir.CacheDir.store)."""
+        if self.cache is not None:
+            self.cache.store(data)
 
     def cache_open(self, h: int) -> BinaryIO | None:
-        """The cache file of hash `h`, open unbuffered (the caller reads it straight into the
-        tensor's buffer), or None. Files are replaced whole, so an open one does not change."""
-        if self.cache_dir is None:
-            return None
-        try:
-            return open(self.cache_dir / cache_file_name(h), "rb", buffering=0)
-        except OSError:
-            return None
+        """The whole cache file of hash `h`, open, or None (CacheDir.open)."""
+        return self.cache.open(h) if self.cache is not None else None
