@@ -423,6 +423,12 @@ def copy(node, srcs, caps):
         need(contiguous(a) or same_shape(a, node) or not contiguous(node), node, srcs,
              "a strided quantized src0 of another shape into a contiguous result")
     elif quant_d:
+        # dup_to_q converts each src0 row into a per-thread f32 scratch in the work buffer,
+        # which ggml_graph_plan sizes (ne0 floats a thread) for CPY and DUP only: a CONT that
+        # quantizes (never built: ggml_cont keeps src0's type) writes through a NULL or another
+        # node's work buffer.
+        need(node.op != GgmlOp.CONT, node, srcs,
+             "CONT into another, quantized type (the plan gives CONT no scratch)")
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
         need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
@@ -528,10 +534,21 @@ def flash_attn_ext(node, srcs, caps):
     want = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
     need(tuple(node.ne) == want and node.type == F32, node, srcs, f"result is not f32 {list(want)}")
     need(contiguous(node), node, srcs, "result is not contiguous")
+    # the kernel asserts nb0 <= nb1 <= nb2 <= nb3 of the result ("dst cannot be transposed or
+    # permuted"), size-1 dims included, which ggml_is_contiguous lets take any stride
+    need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs,
+         f"result strides {list(node.nb)} do not ascend (the kernel asserts)")
+    # ggml_compute_forward_flash_attn_ext takes GGML_PREC_DEFAULT and GGML_PREC_F32 in
+    # op_params[3] (ggml_flash_attn_ext_set_prec) and aborts on anything else
+    need(node.op_params[3] in FLASH_ATTN_PRECS, node, srcs,
+         f"precision {node.op_params[3]} (the kernel aborts: only 0 and 10)")
     check_rows_packed(node, srcs, q, k, v)
     # each output row is copied from a DV-float scratch row, nb1 bytes, to flat row r at r*nb1
     need(node.nb[1] == row_size(node), node, srcs, f"result nb1 {node.nb[1]} is not {row_size(node)}")
     return [Touch(node, node.nb[1], node.nb[1])]
+
+
+FLASH_ATTN_PRECS = (0, 10)  # GGML_PREC_DEFAULT, GGML_PREC_F32
 
 
 @rule(GgmlOp.CLAMP, flat=(-1, 0))  # row j at j*nb1 / j*nb01
