@@ -216,6 +216,19 @@ def test_cont_into_a_quantized_type_is_refused(src_type, dst_type, ne):
     check(node(GgmlOp.CONT, F32 if src_type == F16 else F16, ne, [a]))
 
 
+@pytest.mark.parametrize("nb,src_data", [((4, 0, 264, 792), 0x10000), ((4, 128, 264, 792), 0x10000),
+                                         ((4, 132, 264, 792), 0x80000 - 1000)])
+def test_argsort_sorts_in_rows_nothing_else_touches(nb, src_data):
+    """Today (fuzz 208816): result nb1 0 is taken (12 flat rows, all at byte 0, inside the
+    extent); two threads std::sort the same row at once and one walks off it: SIGSEGV. The
+    same holds for rows 4 bytes too close, and for a result over src0's floats."""
+    shape = (33, 2, 3, 2)
+    ok = node(GgmlOp.ARGSORT, I32, shape, [tensor(F32, shape)], [0])
+    check(ok)
+    with pytest.raises(Refused, match="overlap"):
+        check(node(GgmlOp.ARGSORT, I32, shape, [tensor(F32, shape, data=src_data)], [0], nb))
+
+
 # -- 3. row ids: on the private copy unless an ARGSORT/TOP_K wrote them whole -------------------
 
 

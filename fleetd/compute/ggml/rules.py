@@ -91,6 +91,19 @@ class Touch:
         return last_row + self.row_bytes
 
 
+def rows_disjoint(touch: Touch) -> bool:
+    """No byte of a flat touch (rows at r * stride) belongs to two of its rows."""
+    t = touch.tensor
+    rows = t.ne[1] * t.ne[2] * t.ne[3]
+    return rows <= 1 or touch.stride >= touch.row_bytes
+
+
+def overlaps(a: RpcTensor, b: RpcTensor) -> bool:
+    """The extents (ggml_nbytes from data) of two tensors share a byte."""
+    return (a.buffer == b.buffer and a.data < b.data + b.nbytes and b.data < a.data + a.nbytes
+            and a.nbytes > 0 and b.nbytes > 0)
+
+
 class Refused(UnsupportedOp):
     pass
 
@@ -621,6 +634,12 @@ def argsort(node, srcs, caps):
     check_types(node, srcs, {I32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a)
+    # std::sort runs in the result row itself (row i on thread i % nth), comparing src0's
+    # floats: a row another thread sorts at the same time, or src0 bytes the sort overwrites,
+    # change under it and its unguarded insertion sort walks off the row (SIGSEGV).
+    need(rows_disjoint(Touch(node, row_extent(node), node.nb[1])), node, srcs,
+         f"result rows overlap (nb1 {node.nb[1]}): the sort runs in them")
+    need(not overlaps(node, a), node, srcs, "the result overlaps src0: the sort runs in it")
 
 
 @rule(GgmlOp.TOP_K, flat=(-1, 0))  # row i at i*nb1 / i*nb01
