@@ -171,6 +171,64 @@ def test_mul_mat_id_result_strides_ascend():
         check(node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), srcs, nb=(4, 96, 16, 288)))
 
 
+# -- 7. flash attention's own asserts, 8. CONT has no quantizing scratch --------------------------
+
+
+def flash_attn_heads(nb=None, prec=0):
+    q, k, v = tensor(F32, (64, 1, 4)), tensor(F16, (64, 32, 4)), tensor(F16, (64, 32, 4))
+    return node(GgmlOp.FLASH_ATTN_EXT, F32, (64, 4, 1, 1), [q, k, v],
+                [f32_bits(0.125), 0, 0, prec], nb)
+
+
+@pytest.mark.parametrize("nb", [(4, 256, 2048, 1024), (4, 256, 1024, 0), (4, 256, 128, 1024)])
+def test_flash_attn_result_strides_ascend(nb):
+    """Today (fuzz 101303, 106595): ne2 = ne3 = 1 is contiguous whatever nb2/nb3, and no byte
+    is addressed there; the kernel GGML_ASSERTs nb0 <= nb1 <= nb2 <= nb3: SIGABRT."""
+    check(flash_attn_heads((4, 256, 1024, 1024)))
+    with pytest.raises(Refused, match="do not ascend"):
+        check(flash_attn_heads(nb))
+
+
+@pytest.mark.parametrize("prec", [1, 20, 1 << 30, 0x7FC00000, -1])
+def test_flash_attn_takes_only_the_precisions_its_kernel_switches_on(prec):
+    """Today (fuzz 104194, 106987): op_params[3] unchecked; ggml_compute_forward_flash_attn_ext
+    switches on it and GGML_ABORTs past GGML_PREC_DEFAULT (0) and GGML_PREC_F32 (10)."""
+    check(flash_attn_heads(prec=0))
+    check(flash_attn_heads(prec=10))  # what llama.cpp sets (ggml_flash_attn_ext_set_prec)
+    with pytest.raises(Refused, match="precision"):
+        check(flash_attn_heads(prec=prec))
+
+
+@pytest.mark.parametrize("src_type,dst_type,ne", [
+    (F32, GgmlType.Q4_K, (256, 2, 1, 1)), (F32, GgmlType.Q4_0, (128, 4, 1, 2)),
+    (F16, Q8_0, (256, 2, 3, 1)), (F32, GgmlType.Q4_K, (256, 1, 2, 2))])
+def test_cont_into_a_quantized_type_is_refused(src_type, dst_type, ne):
+    """Today (fuzz 103994, 105786, 106150, 109041): taken like a quantizing CPY; dup_to_q
+    converts rows into a per-thread f32 scratch in the work buffer, which ggml_graph_plan sizes
+    for CPY and DUP only: a CONT writes through a NULL work buffer (SIGSEGV)."""
+    a = tensor(src_type, ne)
+    with pytest.raises(Refused, match="no scratch"):
+        check(node(GgmlOp.CONT, dst_type, ne, [a]))
+    # the same conversion as a CPY (the plan sizes its scratch), and CONT keeping the type
+    check(node(GgmlOp.CPY, dst_type, ne, [a, tensor(dst_type, ne, data=0x80000)]))
+    check(node(GgmlOp.DUP, dst_type, ne, [a]))
+    check(node(GgmlOp.CONT, dst_type, ne, [tensor(dst_type, ne)]))
+    check(node(GgmlOp.CONT, F32 if src_type == F16 else F16, ne, [a]))
+
+
+@pytest.mark.parametrize("nb,src_data", [((4, 0, 264, 792), 0x10000), ((4, 128, 264, 792), 0x10000),
+                                         ((4, 132, 264, 792), 0x80000 - 1000)])
+def test_argsort_sorts_in_rows_nothing_else_touches(nb, src_data):
+    """Today (fuzz 208816): result nb1 0 is taken (12 flat rows, all at byte 0, inside the
+    extent); two threads std::sort the same row at once and one walks off it: SIGSEGV. The
+    same holds for rows 4 bytes too close, and for a result over src0's floats."""
+    shape = (33, 2, 3, 2)
+    ok = node(GgmlOp.ARGSORT, I32, shape, [tensor(F32, shape)], [0])
+    check(ok)
+    with pytest.raises(Refused, match="overlap"):
+        check(node(GgmlOp.ARGSORT, I32, shape, [tensor(F32, shape, data=src_data)], [0], nb))
+
+
 # -- 3. row ids: on the private copy unless an ARGSORT/TOP_K wrote them whole -------------------
 
 

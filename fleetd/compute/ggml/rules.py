@@ -91,6 +91,19 @@ class Touch:
         return last_row + self.row_bytes
 
 
+def rows_disjoint(touch: Touch) -> bool:
+    """No byte of a flat touch (rows at r * stride) belongs to two of its rows."""
+    t = touch.tensor
+    rows = t.ne[1] * t.ne[2] * t.ne[3]
+    return rows <= 1 or touch.stride >= touch.row_bytes
+
+
+def overlaps(a: RpcTensor, b: RpcTensor) -> bool:
+    """The extents (ggml_nbytes from data) of two tensors share a byte."""
+    return (a.buffer == b.buffer and a.data < b.data + b.nbytes and b.data < a.data + a.nbytes
+            and a.nbytes > 0 and b.nbytes > 0)
+
+
 class Refused(UnsupportedOp):
     pass
 
@@ -423,6 +436,12 @@ def copy(node, srcs, caps):
         need(contiguous(a) or same_shape(a, node) or not contiguous(node), node, srcs,
              "a strided quantized src0 of another shape into a contiguous result")
     elif quant_d:
+        # dup_to_q converts each src0 row into a per-thread f32 scratch in the work buffer,
+        # which ggml_graph_plan sizes (ne0 floats a thread) for CPY and DUP only: a CONT that
+        # quantizes (never built: ggml_cont keeps src0's type) writes through a NULL or another
+        # node's work buffer.
+        need(node.op != GgmlOp.CONT, node, srcs,
+             "CONT into another, quantized type (the plan gives CONT no scratch)")
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
         need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
@@ -528,10 +547,21 @@ def flash_attn_ext(node, srcs, caps):
     want = (v.ne[0], q.ne[2], q.ne[1], q.ne[3])
     need(tuple(node.ne) == want and node.type == F32, node, srcs, f"result is not f32 {list(want)}")
     need(contiguous(node), node, srcs, "result is not contiguous")
+    # the kernel asserts nb0 <= nb1 <= nb2 <= nb3 of the result ("dst cannot be transposed or
+    # permuted"), size-1 dims included, which ggml_is_contiguous lets take any stride
+    need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs,
+         f"result strides {list(node.nb)} do not ascend (the kernel asserts)")
+    # ggml_compute_forward_flash_attn_ext takes GGML_PREC_DEFAULT and GGML_PREC_F32 in
+    # op_params[3] (ggml_flash_attn_ext_set_prec) and aborts on anything else
+    need(node.op_params[3] in FLASH_ATTN_PRECS, node, srcs,
+         f"precision {node.op_params[3]} (the kernel aborts: only 0 and 10)")
     check_rows_packed(node, srcs, q, k, v)
     # each output row is copied from a DV-float scratch row, nb1 bytes, to flat row r at r*nb1
     need(node.nb[1] == row_size(node), node, srcs, f"result nb1 {node.nb[1]} is not {row_size(node)}")
     return [Touch(node, node.nb[1], node.nb[1])]
+
+
+FLASH_ATTN_PRECS = (0, 10)  # GGML_PREC_DEFAULT, GGML_PREC_F32
 
 
 @rule(GgmlOp.CLAMP, flat=(-1, 0))  # row j at j*nb1 / j*nb01
@@ -604,6 +634,12 @@ def argsort(node, srcs, caps):
     check_types(node, srcs, {I32}, {F32})
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     check_rows_packed(node, srcs, node, a)
+    # std::sort runs in the result row itself (row i on thread i % nth), comparing src0's
+    # floats: a row another thread sorts at the same time, or src0 bytes the sort overwrites,
+    # change under it and its unguarded insertion sort walks off the row (SIGSEGV).
+    need(rows_disjoint(Touch(node, row_extent(node), node.nb[1])), node, srcs,
+         f"result rows overlap (nb1 {node.nb[1]}): the sort runs in them")
+    need(not overlaps(node, a), node, srcs, "the result overlaps src0: the sort runs in it")
 
 
 @rule(GgmlOp.TOP_K, flat=(-1, 0))  # row i at i*nb1 / i*nb01
