@@ -20,7 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import fleetd
 from fleetd.compute.ggml.channel import (
     MAX_REPLY,
     MSG_COMPUTE,
@@ -65,13 +67,17 @@ class ForkServer:
     def __init__(self, threads: int, user: str | None) -> None:
         ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         events, events_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The fork server imports the very fleetd this daemon runs (-P: not the working
+        # directory's, which may hold another checkout; this package's parent first).
+        package_root = str(Path(fleetd.__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetd.compute.ggml.forkserver", str(ctl_child.fileno()),
+            [sys.executable, "-P", "-m", "fleetd.compute.ggml.forkserver", str(ctl_child.fileno()),
              str(events_child.fileno()), str(threads), user or ""],
             pass_fds=(ctl_child.fileno(), events_child.fileno()), stdin=subprocess.DEVNULL,
             # ggml's backtrace on an abort opens /proc and forks a debugger: under seccomp the
             # fopen fails and it dereferences NULL. The assert's own message is what matters.
-            env=dict(os.environ, GGML_NO_BACKTRACE="1"),
+            env=dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONPATH=path),
             start_new_session=True,  # Ctrl-C on the daemon's terminal is the daemon's alone
         )
         ctl_child.close()
