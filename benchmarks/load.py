@@ -103,11 +103,13 @@ def load_once(model: Path, endpoint: str) -> dict[str, float]:
 
 
 def cache_files(arm: str, cache: Path) -> dict[str, int]:
-    """{file name: mtime_ns} of the finished cache files of a server's directory."""
+    """{file name: inode} of the finished cache files of a server's directory."""
     directory = cache / "rpc" if arm == "stock" else cache
     if not directory.is_dir():
         return {}
-    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir() if not p.name.startswith(".")}
+    # by inode: a rewrite replaces the file (a new inode); a hit only touches its mtime (fleetd's
+    # cache budget keeps the most recently used files)
+    return {p.name: p.stat().st_ino for p in directory.iterdir() if not p.name.startswith(".")}
 
 
 def run_model(model: Path, arms: list[str], rounds: int, workdir: Path) -> dict:
