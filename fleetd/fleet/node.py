@@ -108,10 +108,11 @@ class Node:
     def hello(self, bound: str | None = None) -> tuple[int, int, int]:
         """HELLO on the node's RPC port, asked from the node's side (through SSH for a remote
         node), so `status` says up only when the port clients use answers too. `bound` is the
-        address fleetd reports it listens on (None: asked of its control API); a wildcard is
-        asked on loopback. A lab node listens on its own address only, never on loopback."""
+        address fleetd reports it listens on; a wildcard is asked on loopback. Without it: a
+        lab node (via_netns) on the address of its nodes-file line, where it listens (never on
+        loopback), any other node on loopback."""
         if bound is None:
-            bound = self.status().rpc_host
+            bound = self.spec.host if self.spec.via_netns else "0.0.0.0"
         port = self.spec.rpc_port
         host = "127.0.0.1" if bound in ("0.0.0.0", "", "?") else "::1" if bound == "::" else bound
         where = f"{self.name}: RPC port {host}:{port}"
