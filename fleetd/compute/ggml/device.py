@@ -28,8 +28,8 @@ from fleetd.compute.ggml.workers import WorkerPool
 from fleetd.compute.ggml.writes import WriteLog
 from fleetd.compute.host_memory import shared_pages
 from fleetd.compute.reachable import reachable_tensors
-from fleetd.errors import ComputeError, RemoteProtocolError
-from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlType, GraphCompute, RpcTensor
+from fleetd.errors import RemoteProtocolError
+from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GraphCompute, RpcTensor
 from fleetd.wire.ggml import GGML_OP_COUNT
 
 
