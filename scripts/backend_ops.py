@@ -63,6 +63,16 @@ class OpResult:
     params: str | None = None  # the -p filter these counts are for (None: every case)
     not_reached: int = 0  # --one-process: cases after the client was cut
 
+    def count(self, name: str, verdict: str) -> None:
+        """One reported case: passed, not supported by the CPU reference, or failed."""
+        if verdict.endswith("OK"):
+            self.passed += 1
+        elif "not supported" in verdict:
+            self.not_supported += 1
+        else:
+            self.failed += 1
+            self.failures.append(f"{name}: {verdict}")
+
 
 def tool_env(endpoint: str) -> dict:
     return dict(os.environ, FLEETD_RPC_ENDPOINT=endpoint)
@@ -160,16 +170,8 @@ def run_op(server: Server, op: str, params: str | None, timeout: float, log: Pat
         whole_op = False
         verdicts, rc = run_once(server.ensure(), filters, timeout, log)
         for name in batch:
-            verdict = verdicts.get(name)
-            if verdict is None:
-                continue
-            if verdict.endswith("OK"):
-                result.passed += 1
-            elif "not supported" in verdict:
-                result.not_supported += 1
-            else:
-                result.failed += 1
-                result.failures.append(f"{name}: {verdict}")
+            if (verdict := verdicts.get(name)) is not None:
+                result.count(name, verdict)
         missing = [c for c in batch if c not in verdicts]
         rest = remaining[len(batch):]
         if missing:
@@ -192,16 +194,10 @@ def run_one_process(server: Server, ops: list[str], params: str | None, timeout:
     for op, names in cases.items():
         r = results[op] = OpResult(params=params)
         for name in names:
-            verdict = verdicts.get(name)
-            if verdict is None:
+            if (verdict := verdicts.get(name)) is None:
                 r.not_reached += 1
-            elif verdict.endswith("OK"):
-                r.passed += 1
-            elif "not supported" in verdict:
-                r.not_supported += 1
             else:
-                r.failed += 1
-                r.failures.append(f"{name}: {verdict}")
+                r.count(name, verdict)
         if r.not_reached:
             r.failures.append(f"{r.not_reached} cases not reached (test-backend-ops exit {rc})")
     return results

@@ -35,6 +35,19 @@ def fleetd_server():
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def ggml_server():
+    """A fleetd in this process with the ggml device (tests that need it skip first when the
+    ggml libraries do not load)."""
+    from fleetd.compute.ggml.device import GgmlCpuDevice
+
+    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"]))
+    srv.start()
+    assert isinstance(srv.state.devices[0], GgmlCpuDevice)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def ssh_server(tmp_path_factory):
     """A real sshd on a loopback port (tests/sshd.py): .port, .user, .identity, .known_hosts."""

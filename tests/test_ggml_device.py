@@ -375,15 +375,6 @@ CASES = [mul_mat_k, mul_mat_shape, mul_mat_type, mul_mat_id_ids, ids_view_not_in
          rope_mrope_sections, unary_f16, glu_bf16, concat_f16, clamp_f16, outside_buffer]
 
 
-@pytest.fixture(scope="module")
-def ggml_server():
-    from fleetd.server import Server, ServerConfig
-
-    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"]))
-    srv.start()
-    assert isinstance(srv.state.devices[0], GgmlCpuDevice)
-    yield srv
-    srv.stop()
 
 
 def send(server_endpoint: str, case, bad: bool) -> bool:

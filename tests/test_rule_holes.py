@@ -344,15 +344,6 @@ def test_plan_building_work_grows_n_log_n_with_index_uses():
 # -- over the wire: refused, closed, the daemon goes on, the victim's bytes unchanged -------------
 
 
-@pytest.fixture(scope="module")
-def ggml_server():
-    from fleetd.server import Server, ServerConfig
-
-    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"]))
-    srv.start()
-    assert isinstance(srv.state.devices[0], GgmlCpuDevice)
-    yield srv
-    srv.stop()
 
 
 class Session:
