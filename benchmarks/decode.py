@@ -137,11 +137,21 @@ def ensure_models(models_dir: Path, names: list[str]) -> None:
         generate_named(name, models_dir)
 
 
+def paired_ratio(runs: dict[str, list[dict]], arm: str, ref: str, kind: str) -> float:
+    """Median over rounds of arm / ref measured in the same round: on a noisy shared machine
+    the rounds' common drift cancels, which a ratio of two medians does not."""
+    ratios = [a[kind] / b[kind] for a, b in zip(runs[arm], runs[ref]) if a.get(kind) and b.get(kind)]
+    return median(ratios) if ratios else float("nan")
+
+
 def table(results: list[dict], arms: list[str]) -> str:
-    """One row per model and test: t/s of every arm, fleetd arms as a ratio to stock, peak RSS."""
+    """One row per model and test: median t/s of every arm, fleetd arms as the median paired
+    ratio to stock (and `cpu` to `cpu@base` when there), peak RSS."""
     fleetd = [a for a in arms if a != "stock"]
+    base = "cpu@base" in arms and "cpu" in arms
     head = f"{'model':20} {'test':4} {'stock t/s':>10}"
     head += "".join(f" {a + ' t/s':>11} {'ratio':>6}" for a in fleetd)
+    head += f" {'cpu/base':>8}" if base else ""
     head += "".join(f" {a + ' MiB':>11}" for a in arms)
     head += "".join(f" {a + ' tree':>12}" for a in fleetd)
     lines = [head, "-" * len(head)]
@@ -150,8 +160,9 @@ def table(results: list[dict], arms: list[str]) -> str:
             s = r["stock"].get(kind)
             line = f"{r['model']:20} {kind:4} {s or 0:10.1f}"
             for a in fleetd:
-                f = r[a].get(kind)
-                line += f" {f or 0:11.1f} {(f / s if s and f else float('nan')):6.2f}"
+                line += f" {r[a].get(kind) or 0:11.1f} {r[a].get(kind + '_ratio', float('nan')):6.2f}"
+            if base:
+                line += f" {r['cpu'].get(kind + '_vs_base', float('nan')):8.2f}"
             if kind == "pp":  # one peak per server and model
                 line += "".join(f" {r[a].get('peak_rss_mib') or 0:11.0f}" for a in arms)
                 line += "".join(f" {r[a].get('peak_pss_tree_mib') or 0:12.0f}" for a in fleetd)
@@ -216,6 +227,11 @@ def main() -> int:
             row[arm] = {k: median([r[k] for r in runs[arm] if r.get(k)]) for k in ("pp", "tg")}
             row[arm]["peak_rss_mib"] = max(r["peak_rss_mib"] or 0 for r in runs[arm])
             row[arm]["peak_pss_tree_mib"] = max(r["peak_pss_tree_mib"] or 0 for r in runs[arm])
+            for kind in ("pp", "tg"):
+                if arm != "stock":
+                    row[arm][kind + "_ratio"] = paired_ratio(runs, arm, "stock", kind)
+                if arm == "cpu" and "cpu@base" in runs:
+                    row[arm][kind + "_vs_base"] = paired_ratio(runs, "cpu", "cpu@base", kind)
         results.append(row)
         print(f"{name}: " + ", ".join(f"{a} {row[a]}" for a in arms), flush=True)
     print(table(results, arms))

@@ -409,3 +409,52 @@ def test_the_channel_carries_more_fds_than_one_message_holds():
             os.close(fd)
         a.close()
         b.close()
+
+
+def allowed_cores(path: str) -> set[int]:
+    text = proc_status_field(path, "Cpus_allowed_list")
+    cores = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def proc_status_field(path: str, name: str) -> str:
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    raise KeyError(name)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_session_thread_and_its_worker_share_the_least_used_core(pin):
+    """One compute thread per graph: each session's worker and its daemon thread on one core,
+    two sessions on two different cores; unpinned, both keep every core the daemon has."""
+    everything = set(os.sched_getaffinity(0))
+    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"],
+                              threads=1, pin_workers=pin))
+    srv.start()
+    try:
+        ep = endpoint(srv)
+        sessions = [Bystander(ep, 30 + i) for i in range(2)]
+        for s in sessions:
+            s.compute_and_check()
+        workers = srv.state.devices[0].workers.worker_pids().values()
+        worker_cores = [allowed_cores(f"/proc/{pid}/status") for pid in workers]
+        own = os.getpid()
+        pinned_threads = [c for c in (allowed_cores(f"/proc/{own}/task/{t}/status")
+                                      for t in os.listdir(f"/proc/{own}/task")) if c != everything]
+        if pin:
+            assert all(len(c) == 1 for c in worker_cores), worker_cores
+            assert worker_cores[0] != worker_cores[1]  # the least used core, not the same one
+            assert sorted(map(sorted, pinned_threads)) == sorted(map(sorted, worker_cores))
+        else:
+            assert worker_cores == [everything, everything]
+            assert pinned_threads == []
+        for s in sessions:
+            s.compute_and_check()  # pinned or not, they compute on
+            s.client.close()
+    finally:
+        srv.stop()

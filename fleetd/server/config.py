@@ -106,3 +106,6 @@ class ServerConfig:
     # The user compute workers run as when the daemon runs as root (None: fleetd, else nobody);
     # a daemon that is not root runs its workers as itself.
     worker_user: str | None = None
+    # Pin each computing session's daemon thread and worker to the same cores
+    # (fleetd.compute.ggml.workers.CpuPlacer); off leaves placement to the scheduler.
+    pin_workers: bool = True

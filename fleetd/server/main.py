@@ -33,6 +33,7 @@ FLEETD_DEFAULTS = {
     "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
     "worker_user": None,
+    "pin_workers": True,
     "user": None,  # started as root: the user to drop to after binding (fleetd.server.privileges)
 }
 
@@ -80,7 +81,8 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, user and a [limits] "
+        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, user, "
+        "worker_user, pin_workers (bool) and a [limits] "
         "table (the limits flags' names with _); flags win over it.",
     )
     p.add_argument("--config", type=Path, help="TOML configuration file (written by fleetctl deploy)")
@@ -112,6 +114,9 @@ def _fleetd_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-user", metavar="USER",
                    help="user the contained compute workers run as when fleetd runs as root "
                         "(default: fleetd if it exists, else nobody)")
+    p.add_argument("--no-pin-workers", action="store_true", default=None,
+                   help="leave compute workers where the scheduler puts them (default: a session's "
+                        "daemon thread and its worker share the least used cores)")
     p.add_argument("--no-counters", action="store_true", help=argparse.SUPPRESS)  # benchmarks only
     p.add_argument("-V", "--version", action="version", version=f"fleetd {__version__}")
     return p
@@ -138,6 +143,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         "p2p": False if args.no_p2p else None,
         "allow": args.allow.split(",") if args.allow else None,
         "worker_user": args.worker_user,
+        "pin_workers": False if args.no_pin_workers else None,
         "user": args.user,
         "cache_max_bytes": args.cache_max_bytes,
     }
@@ -181,6 +187,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         p2p=bool(settings["p2p"]), peer_allow=settings["peer_allow"],
         allow=settings["allow"], limits=settings["limits"],
         count_commands=not args.no_counters, worker_user=settings["worker_user"],
+        pin_workers=bool(settings["pin_workers"]),
         user=settings["user"],
         cache_max_bytes=settings["cache_max_bytes"],
     )

@@ -138,7 +138,7 @@ class ServerState:
         for dev in self.devices:
             if hasattr(dev, "start_workers"):
                 dev.start_workers(self.config.worker_user, self.limits.max_workers,
-                                  self.limits.worker_idle_timeout)
+                                  self.limits.worker_idle_timeout, self.config.pin_workers)
 
     def close(self) -> None:
         """The daemon stops: devices let their workers and fork servers go."""

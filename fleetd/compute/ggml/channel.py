@@ -20,6 +20,8 @@ MAX_REPLY = 64 * 1024
 # daemon -> worker
 MSG_COMPUTE = 1  # {"key", "spec" or None, "maps": [(handle, base, size)], "unmap": [...], "threads"}
 MSG_FORGET = 2  # {"keys": [...], "unmap": [...]}
+MSG_RUN = 3  # RUN: compute the graph the worker holds, nothing else changed (the decode hot path)
+RUN = struct.Struct("<I")  # threads
 # worker -> daemon
 REPLY_DONE = 100
 REPLY_REFUSED = 101  # the graph's data breaks a rule the kernel relies on (row ids): closes the session

@@ -88,9 +88,10 @@ class GgmlCpuDevice:
         self.workers: WorkerPool | None = None
         self._start_lock = threading.Lock()
 
-    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float) -> None:
+    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float,
+                      pin: bool = True) -> None:
         """Start the fork server: graphs compute in contained workers from now on."""
-        self.workers = WorkerPool(self.threads, user, max_workers, idle_timeout)
+        self.workers = WorkerPool(self.threads, user, max_workers, idle_timeout, pin)
         self.workers.start()
 
     def run(self, plan: GgmlPlan, session_id: int, deadline: float, client=None) -> None:

@@ -23,10 +23,12 @@ from fleetd.compute.ggml import lib as ggml
 from fleetd.compute.ggml.channel import (
     MSG_COMPUTE,
     MSG_FORGET,
+    MSG_RUN,
     REPLY_DONE,
     REPLY_FAILED,
     REPLY_READY,
     REPLY_REFUSED,
+    RUN,
     recv_message,
     send_message,
 )
@@ -190,11 +192,20 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
     maps: dict[int, Mapping] = {}
     plans: dict[int, WorkerPlan] = {}
     send_message(sock, REPLY_READY, ready.encode())
+    key = None
     while True:
         try:
             kind, payload, fds = recv_message(sock, MAX_MESSAGE, max_fds=1 << 16)
         except EOFError:
             return
+        if kind == MSG_RUN:  # the hot path: no pickle, the graph and mappings as they were
+            (want,) = RUN.unpack(payload)
+            if want != current_threads:
+                lib.ggml_backend_cpu_set_n_threads(backend, want)
+                current_threads = want
+            status, text = plans[key].run(backend)
+            send_message(sock, status, text.encode())
+            continue
         msg = pickle.loads(payload)
         for handle in msg.get("unmap", ()):
             for key in [k for k, p in plans.items() if handle in p.handles]:
