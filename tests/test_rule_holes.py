@@ -317,6 +317,24 @@ def test_a_leaf_of_ids_is_copied_and_checked_at_run():
         plan.run()
 
 
+@pytest.mark.parametrize("n", [6, 300])  # a list below SMALL_INDEX, numpy's reductions above
+@pytest.mark.parametrize("bad", [None, -1, 4])
+def test_row_ids_are_checked_whatever_their_count(n, bad):
+    g = Graph(size=1 << 16)
+    ids = g.leaf(I32, (n,))
+    plan = g.plan(g.node(GgmlOp.GET_ROWS, F32, (8, n), [g.leaf(F32, (8, 4)), ids]))  # 4 rows
+    _, handle, offset, nbytes = plan.spec.index_checks[0][:4]
+    values = np.arange(n, dtype=np.int32) % 4
+    if bad is not None:
+        values[-1] = bad
+    plan.buffers[handle].array[offset:offset + nbytes] = values.view(np.uint8)
+    if bad is None:
+        plan.run()
+    else:
+        with pytest.raises(RemoteProtocolError, match="outside"):
+            plan.run()
+
+
 # -- 7. plan building is n log n in index uses ----------------------------------------------------
 
 
