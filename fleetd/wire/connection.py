@@ -21,6 +21,7 @@ import struct
 
 from fleetd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from fleetd.wire.commands import COMMANDS, PROTOCOL_VERSION, Feature, Request, cmd_name
+from fleetd.wire.receive_buffer import ReceiveBuffer
 from fleetd.wire.replies import DataReply, HelloReply, Reply
 from fleetd.wire.state import HelloGate, State
 
@@ -56,8 +57,7 @@ class ServerConnection:
     """The server's view of one RPC connection: bytes in, request events out, replies to bytes."""
 
     def __init__(self, max_request: int | None = None) -> None:
-        self._buf = bytearray()
-        self._pos = 0  # read position in _buf
+        self._buf = ReceiveBuffer()
         # Largest request held in memory whole (SET_TENSOR data is streamed and does not count).
         self.max_request = max_request
         self._gate = HelloGate()
@@ -70,38 +70,33 @@ class ServerConnection:
         return self._gate.state
 
     def receive_data(self, data) -> None:
-        # Consumed bytes go first, so what is held stays bounded by one unread request plus one
-        # chunk whatever the chunk boundaries (deleting a bytearray's front moves no bytes).
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += data
+        self._buf.append(data)
 
     @property
     def buffered(self) -> int:
         """Received bytes not yet consumed."""
-        return len(self._buf) - self._pos
+        return len(self._buf)
 
     @property
     def held(self) -> int:
         """Bytes this connection keeps in memory, consumed ones included (bounded)."""
-        return len(self._buf)
+        return self._buf.held
 
     def next_event(self):
         if self.body_remaining:
             raise LocalProtocolError("next_event() while a streamed request body is pending")
-        buf, pos = self._buf, self._pos
-        avail = len(buf) - pos
+        buf = self._buf
+        avail = len(buf)
         if avail < 1:
             return NEED_DATA
-        cmd = buf[pos]
+        cmd = buf.byte()
         try:
             if not self._gate_passed:
                 self._gate.check(cmd)
                 self._gate_passed = True
             if avail < 9:
                 return NEED_DATA
-            _, size = _HEADER.unpack_from(buf, pos)
+            _, size = buf.unpack(_HEADER)
             spec = COMMANDS[cmd]
             if size != spec.size:
                 reason = size_rule_error(cmd, size)
@@ -114,8 +109,7 @@ class ServerConnection:
                                           f"daemon's limit of {self.max_request} per connection")
             if avail < 9 + decoded:
                 return NEED_DATA
-            start = pos + 9
-            payload = memoryview(buf)[start : start + decoded]
+            payload = buf.view(9, decoded)
             try:
                 if spec.streamed_body:
                     event = spec.request.decode_header(payload, size - decoded)
@@ -129,7 +123,7 @@ class ServerConnection:
         except Exception as exc:  # a decoder's struct.error, ValueError, ...: the peer's bytes
             self._gate.fail()
             raise RemoteProtocolError(f"{cmd_name(cmd)}: malformed payload: {exc}") from exc
-        self._pos = start + decoded
+        buf.consume(9 + decoded)
         self._gate_passed = False
         self.body_remaining = size - decoded
         self.request_bytes = 9 + size
@@ -137,11 +131,8 @@ class ServerConnection:
 
     def read_body_into(self, dst: memoryview) -> int:
         """Move already-buffered body bytes into `dst`; return how many."""
-        n = min(len(dst), self.body_remaining, len(self._buf) - self._pos)
-        if n:
-            dst[:n] = self._buf[self._pos : self._pos + n]
-            self._pos += n
-            self.body_remaining -= n
+        n = self._buf.move_into(dst, self.body_remaining)
+        self.body_remaining -= n
         return n
 
     def body_received(self, n: int) -> None:
@@ -195,8 +186,7 @@ class ClientConnection:
 
     def __init__(self) -> None:
         self._gate = HelloGate()
-        self._buf = bytearray()
-        self._pos = 0
+        self._buf = ReceiveBuffer()
         # (request, its `into` as (object, byte view) or None), in the order replies will come
         self._awaiting: collections.deque[tuple[Request, tuple | None]] = collections.deque()
         self._body: memoryview | None = None  # a DataReply's destination while it fills
@@ -243,14 +233,11 @@ class ClientConnection:
         return _HEADER.pack(request.cmd, size) + payload
 
     def receive_data(self, data) -> None:
-        if self._pos:  # consumed bytes go first (see ServerConnection.receive_data)
-            del self._buf[: self._pos]
-            self._pos = 0
-        self._buf += data
+        self._buf.append(data)
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return len(self._buf)
 
     def next_event(self):
         try:
@@ -266,22 +253,22 @@ class ClientConnection:
     def _next_reply(self):
         if self._body is not None:
             return self._fill_body()
-        buf, pos = self._buf, self._pos
-        avail = len(buf) - pos
+        buf = self._buf
+        avail = len(buf)
         if not self._awaiting:
             if avail:
                 raise RemoteProtocolError(f"{avail} bytes received with no request awaiting a reply")
             return NEED_DATA
         if avail < 8:
             return NEED_DATA
-        (size,) = _SIZE.unpack_from(buf, pos)
+        (size,) = buf.unpack(_SIZE)
         request, into = self._awaiting[0]
         reply = COMMANDS[request.cmd].response
         expected = request.size if reply.streamed else reply.layout.size
         if size != expected:
             raise RemoteProtocolError(f"{request.cmd.name}: response of {size} bytes, expected {expected}")
         if reply.streamed:
-            self._pos = pos + 8
+            buf.consume(8)
             if into is None:
                 target = bytearray(size)
                 into = (target, memoryview(target))
@@ -290,13 +277,12 @@ class ClientConnection:
             return self._fill_body()
         if avail < 8 + size:
             return NEED_DATA
-        start = pos + 8
-        payload = memoryview(buf)[start : start + size]
+        payload = buf.view(8, size)
         try:
             event = reply.decode(payload)
         finally:
             payload.release()
-        self._pos = start + size
+        buf.consume(8 + size)
         self._awaiting.popleft()
         self.response_bytes = 8 + size
         if reply is HelloReply:
@@ -304,12 +290,8 @@ class ClientConnection:
         return event
 
     def _fill_body(self):
-        body, got = self._body, self._body_got
-        n = min(len(body) - got, len(self._buf) - self._pos)
-        if n:
-            body[got : got + n] = self._buf[self._pos : self._pos + n]
-            self._pos += n
-            self._body_got = got = got + n
+        body = self._body
+        self._body_got = got = self._body_got + self._buf.move_into(body[self._body_got :])
         if got < len(body):
             return NEED_DATA
         event = DataReply(self._body_target)
@@ -321,7 +303,7 @@ class ClientConnection:
     def body_buffer(self) -> memoryview | None:
         """While a streamed reply fills and nothing of it is buffered: the part of its
         destination still to come, for the shell to `recv_into` directly (then `body_received`)."""
-        if self._body is None or self._pos < len(self._buf):
+        if self._body is None or len(self._buf):
             return None
         return self._body[self._body_got :]
 
