@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED: dict[str, set[str]] = {
     "fleetd": {"fleetd"},
     "fleetd.wire": {"fleetd", "fleetd.wire"},
-    "fleetd.transport": {"fleetd", "fleetd.transport"},
-    "fleetd.compute": {"fleetd", "fleetd.wire", "fleetd.compute"},
+    "fleetd.transport": {"fleetd", "fleetd.wire", "fleetd.transport"},
+    "fleetd.compute": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute"},
     "fleetd.server": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute", "fleetd.server"},
     "fleetd.client": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.client"},
     "fleetd.pipeline": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute",

@@ -23,7 +23,7 @@ from fleetd.pipeline import Pipeline, per_step
 from fleetd.server.peer import FALLBACK_REASONS, PeerPolicy
 from fleetd.server.peer_policy import ANSWERS_KEPT
 from fleetd.tools import have_tool
-from fleetd.transport.tcp import Timeout, send_parts
+from fleetd.transport import Timeout, send_parts
 from fleetd.wire import Cmd, Feature, GgmlType
 
 pytestmark = pytest.mark.timeout(90)

@@ -13,10 +13,10 @@ or COPY_TENSOR(_TO) result 0) comes back as a value; protocol and transport fail
 from __future__ import annotations
 
 from fleetd.client.stats import ClientCounters
-from fleetd.errors import PeerClosed
-from fleetd.transport.tcp import Timeout, connect, mapped_errors
+from fleetd.transport.channel import RpcChannel
+from fleetd.transport.stream import Stream, TcpStream
+from fleetd.transport.tcp import Timeout, parse_endpoint
 from fleetd.wire import (
-    NEED_DATA,
     AllocBuffer,
     BufferClear,
     BufferGetBase,
@@ -44,22 +44,18 @@ from fleetd.wire import (
     SetTensorHash,
 )
 
-# SET_TENSOR data up to this size is joined with its header into one send.
-SMALL_WRITE = 64 * 1024
-# One read of a reply: every fixed-size reply and a small GET_TENSOR fit; a larger GET_TENSOR's
-# data goes with recv_into straight into its destination.
-RECV_CHUNK = 64 * 1024
-
 
 class RpcClient:
-    def __init__(self, endpoint: str, timeout: Timeout = Timeout(), counters: ClientCounters | None = None):
-        self.endpoint = endpoint
+    """One connection to a ggml RPC server, over a TCP endpoint ("host:port") or any Stream
+    (as httpx's client takes a transport); every byte goes through one RpcChannel."""
+
+    def __init__(self, endpoint: str | Stream, timeout: Timeout = Timeout(),
+                 counters: ClientCounters | None = None):
+        self._stream = None if isinstance(endpoint, str) else endpoint
+        self.endpoint = endpoint if isinstance(endpoint, str) else endpoint.name
         self.timeout = timeout
         self.counters = counters if counters is not None else ClientCounters()
-        self.sock = None
-        self.conn = ClientConnection()
-        self._scratch = bytearray(RECV_CHUNK)
-        self._scratch_view = memoryview(self._scratch)
+        self.channel: RpcChannel | None = None
 
     def __repr__(self) -> str:
         return f"<RpcClient endpoint={self.endpoint}>"
@@ -67,17 +63,20 @@ class RpcClient:
     # -- lifecycle --------------------------------------------------------------------------
 
     def open(self) -> RpcClient:
-        if self.sock is None:
-            self.sock = connect(self.endpoint, self.timeout)
+        if self.channel is None:
+            stream = self._stream or TcpStream.connect(parse_endpoint(self.endpoint), self.timeout.connect,
+                                                       self.endpoint)
+            self._stream = None  # a stream serves one connection
+            self.channel = RpcChannel(stream, self.timeout.read)
             self._call(Hello())
         return self
 
     def close(self) -> None:
-        if self.sock is not None:
+        if self.channel is not None:
             try:
-                self.sock.close()
+                self.channel.close()
             finally:
-                self.sock = None
+                self.channel = None
 
     def __enter__(self) -> RpcClient:
         return self.open()
@@ -86,52 +85,38 @@ class RpcClient:
         self.close()
 
     @property
+    def sock(self):
+        """The TCP socket under the channel (tests reach past the protocol with it)."""
+        return self.channel.stream.socket if self.channel is not None else None
+
+    @property
+    def conn(self) -> ClientConnection:
+        return self.channel.conn
+
+    @property
     def version(self) -> tuple[int, int, int] | None:
-        return self.conn.version
+        return self.channel.conn.version if self.channel else None
 
     @property
     def features(self) -> Feature:
-        return self.conn.features
+        return self.channel.conn.features if self.channel else Feature(0)
 
-    # -- framing: every byte goes through the sans-IO ClientConnection -------------------
+    # -- framing: the channel's, counted here ------------------------------------------------
 
     def _send(self, request: Request, data=None, into=None) -> None:
-        head = self.conn.send(request, into)
-        with mapped_errors(f"{request.cmd.name} to {self.endpoint}"):
-            if data is None or len(data) <= SMALL_WRITE:
-                self.sock.sendall(head if data is None else head + bytes(data))
-            else:
-                self.sock.sendall(head)
-                self.sock.sendall(data)
-        self.counters.sent(request.cmd, len(head) + (len(data) if data is not None else 0))
+        sent = self.channel.send(request, data, into=into)
+        self.counters.sent(request.cmd, sent)
 
     def _call(self, request: Request, into=None) -> Reply:
         """Send a request that has a reply and wait for its reply event."""
         self._send(request, into=into)
-        conn, sock = self.conn, self.sock
-        what = f"{request.cmd.name} response from {self.endpoint}"
-        # A large GET_TENSOR reply: read its 8-byte size prefix alone, then all of the data
-        # straight into its destination; anything else fits one read.
-        read = 8 if isinstance(request, GetTensor) and request.size > RECV_CHUNK - 8 else RECV_CHUNK
-        with mapped_errors(what):
-            while (event := conn.next_event()) is NEED_DATA:
-                body = conn.body_buffer()
-                if body is not None:
-                    n = sock.recv_into(body)
-                    if n:
-                        conn.body_received(n)
-                else:
-                    n = sock.recv_into(self._scratch, read)
-                    if n:
-                        conn.receive_data(self._scratch_view[:n])
-                if n == 0:
-                    raise PeerClosed(f"{what}: server closed the connection")
-        self.counters.received(request.cmd, conn.response_bytes)
+        event = self.channel.reply(f"{request.cmd.name} response")
+        self.counters.received(request.cmd, self.channel.conn.response_bytes)
         return event
 
     def send_raw(self, data: bytes) -> None:
         """Write bytes as they are (tests of malformed input)."""
-        self.sock.sendall(data)
+        self.channel.stream.send_parts([data])
 
     # -- commands ---------------------------------------------------------------------------
 

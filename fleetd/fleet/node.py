@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fleetd.errors import ConnectTimeout, FleetError, ProtocolError, ReadTimeout
+from fleetd.errors import ConnectTimeout, FleetError, ProtocolError, ReadTimeout, TransportError
 from fleetd.fleet.control_client import ControlConnection, ControlError, exchange, json_answer
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.nodes_file import NodeSpec, load_nodes
 from fleetd.fleet.ssh import ControlUnreachable, SshOptions, open_ssh, open_tunnel
-from fleetd.wire import NEED_DATA, ClientConnection, Hello
+from fleetd.transport import ChannelStream, RpcChannel, TcpStream
 
 # Parallel SSH sessions at once: enough for a rack, few enough not to trip sshd's MaxStartups
 # (default 10:30:100 drops unauthenticated connections beyond 10).
@@ -116,21 +116,16 @@ class Node:
         port = self.spec.rpc_port
         host = "127.0.0.1" if bound in ("0.0.0.0", "", "?") else "::1" if bound == "::" else bound
         where = f"{self.name}: RPC port {host}:{port}"
-        stream = self._open_port(port, "RPC port", f"is fleetd serving RPC on port {port}?", host)
-        conn, request = ClientConnection(), Hello()
+        opened = self._open_port(port, "RPC port", f"is fleetd serving RPC on port {port}?", host)
+        name = f"{self.name} RPC port {host}:{port}"
+        stream = TcpStream(opened, name) if isinstance(opened, socket.socket) else ChannelStream(opened, name)
         try:
-            stream.settimeout(self.ssh_options.timeout)
-            stream.sendall(conn.send(request))
-            while (reply := conn.next_event()) is NEED_DATA:
-                chunk = stream.recv(64)
-                if not chunk:
-                    raise EOFError("closed before answering HELLO")
-                conn.receive_data(chunk)
+            reply = RpcChannel(stream, self.ssh_options.timeout).hello()
             return tuple(reply.version)
-        except TimeoutError as exc:
+        except ReadTimeout as exc:
             raise ReadTimeout(f"{where}: no HELLO answer within {self.ssh_options.timeout:g}s") from exc
-        except (OSError, EOFError, ProtocolError) as exc:
-            raise ControlUnreachable(f"{where}: no HELLO answer: {exc or type(exc).__name__}") from exc
+        except (TransportError, ProtocolError) as exc:
+            raise ControlUnreachable(f"{where}: no HELLO answer: {exc}") from exc
         finally:
             stream.close()
 

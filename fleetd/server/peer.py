@@ -42,6 +42,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from fleetd.errors import (
+    ConnectTimeout,
     FleetdError,
     PeerClosed,
     ReadTimeout,
@@ -56,28 +57,16 @@ from fleetd.server.peer_policy import (  # noqa: F401  (re-exported: the peer-co
     parse_allow,
 )
 from fleetd.server.regions import region
-from fleetd.transport.tcp import mapped_errors, parse_endpoint, send_parts, timeval
-from fleetd.wire import (
-    NEED_DATA,
-    ClientConnection,
-    CopyTensorTo,
-    Feature,
-    Hello,
-    PeerBarrier,
-    Reply,
-    Request,
-    SetTensor,
-)
+from fleetd.transport.channel import RpcChannel
+from fleetd.transport.stream import TcpStream
+from fleetd.transport.tcp import parse_endpoint
+from fleetd.wire import CopyTensorTo, Feature, PeerBarrier, SetTensor
 from fleetd.wire.text import client_text
 
 if TYPE_CHECKING:
     from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.peer")
-
-# Replies on a link are HELLO's (32 bytes) and PEER_BARRIER's (9): one small read each.
-REPLY_READ = 256
-
 
 class PeerFailure(Exception):
     """A recoverable peer-copy failure: the answer is 0 and `reason` is counted."""
@@ -106,77 +95,40 @@ def resolve(host: str, port: int) -> tuple[str, int]:
 
 
 class PeerLink:
-    """A client connection from this daemon to a destination daemon: HELLO, then pushes.
-
-    The socket stays blocking, bounded by SO_RCVTIMEO / SO_SNDTIMEO as a session's is: with
-    Python's settimeout() every send and recv would be a poll() and then the call."""
+    """A client connection from this daemon to a destination daemon: HELLO, then pushes, on
+    the one RpcChannel (blocking, bounded by SO_RCVTIMEO / SO_SNDTIMEO as a session is)."""
 
     def __init__(self, endpoint: str, addr: tuple[str, int], timeouts: PeerTimeouts) -> None:
         self.endpoint = endpoint
         self.addr = addr
         self.timeouts = timeouts
-        self.conn = ClientConnection()
-        self._scratch = bytearray(REPLY_READ)
-        self._scratch_view = memoryview(self._scratch)
-        self._timeout: float | None = None  # SO_RCVTIMEO / SO_SNDTIMEO as last set
-        self.sock = self._connect(addr)
+        self.channel = RpcChannel(self._connect(addr), timeouts.hello)
         try:
             self._hello()
-            self._set_timeout(timeouts.transfer)
+            self.channel.set_timeout(timeouts.transfer)
         except BaseException:
             self.close()
             raise
 
-    def _connect(self, addr: tuple[str, int]) -> socket.socket:
-        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.settimeout(self.timeouts.connect)
+    def _connect(self, addr: tuple[str, int]) -> TcpStream:
         try:
-            sock.connect(addr)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except socket.timeout as exc:
-            sock.close()
+            return TcpStream.connect(addr, self.timeouts.connect, f"peer {self.endpoint}")
+        except ConnectTimeout as exc:
             raise PeerFailure("timeout", f"connect timed out after {self.timeouts.connect}s") from exc
-        except OSError as exc:
-            sock.close()
-            raise PeerFailure("unreachable", f"connect: {exc.strerror or exc}") from exc
-        return sock
+        except TransportError as exc:
+            raise PeerFailure("unreachable", str(exc)) from exc
 
-    def _set_timeout(self, seconds: float) -> None:
-        if seconds != self._timeout:
-            tv = timeval(seconds)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-            self._timeout = seconds
+    @property
+    def sock(self):
+        return self.channel.stream.socket
 
-    def _write(self, what: str, parts) -> None:
-        """Write `parts` (requests framed by the ClientConnection, SET_TENSOR data among them)."""
-        with mapped_errors(what):
-            try:
-                send_parts(self.sock, parts)
-            except BlockingIOError:  # SO_SNDTIMEO ran out (EAGAIN on a blocking socket)
-                raise socket.timeout(f"no progress for {self._timeout:g}s") from None
-
-    def _reply(self, what: str) -> Reply:
-        """Wait for the reply of the oldest request that asks for one."""
-        with mapped_errors(what):
-            try:
-                while (event := self.conn.next_event()) is NEED_DATA:
-                    n = self.sock.recv_into(self._scratch)
-                    if n == 0:
-                        raise PeerClosed(f"{what}: peer closed the connection")
-                    self.conn.receive_data(self._scratch_view[:n])
-            except BlockingIOError:  # SO_RCVTIMEO ran out
-                raise socket.timeout(f"no reply for {self._timeout:g}s") from None
-        return event
+    @property
+    def conn(self):
+        return self.channel.conn
 
     def _hello(self) -> None:
-        self._set_timeout(self.timeouts.hello)
-        what = f"HELLO to peer {self.endpoint}"
         try:
-            self._write(what, [self.conn.send(Hello())])
-            self._reply(what)
+            self.channel.hello()
         except ReadTimeout as exc:
             raise PeerFailure("timeout", f"HELLO not answered within {self.timeouts.hello}s "
                               "(a stock server busy with another client?)") from exc
@@ -184,29 +136,22 @@ class PeerLink:
             raise PeerFailure("refused", f"HELLO: {exc}") from exc
         except TransportError as exc:
             raise PeerFailure("unreachable", f"HELLO: {exc}") from exc
-        if not self.conn.features & Feature.PEER_COPY:
+        if not self.channel.conn.features & Feature.PEER_COPY:
             raise PeerFailure("refused", "destination does not advertise peer copy")
 
     def stale(self) -> bool:
         """A cached link the destination closed meanwhile (restart, idle close): reconnect."""
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+        return self.channel.stream.closed_by_peer()
 
     def push(self, dst, data: memoryview, stats: PeerStats) -> None:
         """SET_TENSOR then PEER_BARRIER; returns once the destination confirmed the write.
 
         Both requests and the data between them go out in one write, the data straight from
-        `data` (the source tensor's memory): no copy, and no round trip before the barrier's."""
-        head = self.conn.send(SetTensor(dst, 0, len(data)))
-        barrier = self.conn.send(PeerBarrier())
+        `data` (the source tensor's memory) when large: no round trip before the barrier's."""
         try:
-            self._write(f"SET_TENSOR to peer {self.endpoint}", [head, data, barrier])
+            self.channel.send(SetTensor(dst, 0, len(data)), data, PeerBarrier())
             stats.pushed(len(data))
-            landed = self._reply(f"PEER_BARRIER to peer {self.endpoint}").landed
+            landed = self.channel.reply("PEER_BARRIER").landed
         except ReadTimeout as exc:
             raise PeerFailure("timeout", str(exc)) from exc
         except (PeerClosed, TransportError, RemoteProtocolError) as exc:
@@ -215,10 +160,7 @@ class PeerLink:
             raise PeerFailure("refused", "PEER_BARRIER answered 0 (peer copy off at destination)")
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.channel.close()
 
 
 class PeerLinks:

@@ -24,7 +24,7 @@ from fleetd.server import regions
 from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.stats import CommandCounters
-from fleetd.transport.tcp import timeval
+from fleetd.transport.stream import set_recv_timeout, set_send_timeout
 from fleetd.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -147,8 +147,7 @@ class Session:
     def _serve(self) -> None:
         conn = self.conn
         record = self.counters.record if self.state.config.count_commands else _not_counted
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                             timeval(self.limits.request_timeout))
+        set_send_timeout(self.sock, self.limits.request_timeout)
         floor = self.state.receive_budget.FLOOR
         idle = self.limits.idle_timeout
         while True:
@@ -228,7 +227,7 @@ class Session:
 
     def _set_recv_timeout(self, seconds: float) -> None:
         # SO_RCVTIMEO, not settimeout(): the socket stays blocking, so a recv stays one syscall.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
+        set_recv_timeout(self.sock, seconds)
         self._recv_timeout = seconds
 
     def _charge(self, held: int) -> None:

@@ -211,6 +211,11 @@ class ClientConnection:
         """Replies still to come."""
         return len(self._awaiting)
 
+    @property
+    def oldest_awaiting(self) -> Request | None:
+        """The request whose reply comes next."""
+        return self._awaiting[0][0] if self._awaiting else None
+
     def send(self, request: Request, into=None) -> bytes:
         """Header and payload of `request` (for SET_TENSOR: header only, its data follows).
 

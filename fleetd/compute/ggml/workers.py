@@ -16,7 +16,6 @@ import pickle
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from fleetd.compute.ggml.channel import (
 from fleetd.compute.ggml.forkserver import EXITED, PID, SPAWN
 from fleetd.compute.host_memory import memfd_of
 from fleetd.errors import ComputeError, RemoteProtocolError
+from fleetd.transport.stream import set_recv_timeout
 
 log = logging.getLogger("fleetd.workers")
 
@@ -186,7 +186,7 @@ class Worker:
             raise WorkerDied(f"compute worker {self.pid}: unexpected first message {kind}")
         self.walls = payload.decode(errors="replace")
         # A kernel-side timeout instead of settimeout around every reply: no fcntl per graph.
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", REPLY_TIMEOUT, 0))
+        set_recv_timeout(self.sock, REPLY_TIMEOUT)
 
     def exited(self, status: int) -> None:
         self.status = status
