@@ -90,7 +90,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._exits: dict[int, "Worker"] = {}
         self._exits_lock = threading.Lock()
-        ctl.settimeout(READY_TIMEOUT)
+        set_recv_timeout(ctl, READY_TIMEOUT)
         try:
             kind, payload, _ = recv_message(ctl, MAX_REPLY)
         except (OSError, EOFError) as exc:
@@ -100,7 +100,7 @@ class ForkServer:
             self.close()
             raise OSError(f"compute fork server: {payload.decode(errors='replace')}")
         self.library = payload.decode()
-        ctl.settimeout(None)
+        set_recv_timeout(ctl, None)
         self._reader = threading.Thread(target=self._read_exits, name="fleetd-worker-exits", daemon=True)
         self._reader.start()
 
@@ -109,11 +109,11 @@ class ForkServer:
         try:
             with self._lock:
                 send_message(self._ctl, SPAWN, b"", [theirs.fileno()])
-                self._ctl.settimeout(READY_TIMEOUT)
+                set_recv_timeout(self._ctl, READY_TIMEOUT)
                 try:
                     (pid,) = PID.unpack(recv_exact(self._ctl, PID.size))
                 finally:
-                    self._ctl.settimeout(None)
+                    set_recv_timeout(self._ctl, None)
                 worker = Worker(pid, mine, threads)
                 with self._exits_lock:
                     self._exits[pid] = worker
@@ -173,19 +173,19 @@ class Worker:
         self._client_fd = -1  # the client socket the poller also watches for a hang-up
 
     def wait_ready(self) -> None:
-        self.sock.settimeout(READY_TIMEOUT)
+        set_recv_timeout(self.sock, READY_TIMEOUT)
         try:
             kind, payload, _ = recv_message(self.sock, MAX_REPLY)
         except (OSError, EOFError) as exc:
             self.kill()
             raise WorkerDied(f"compute worker {self.pid} did not start: {self._why(exc)}") from None
         finally:
-            self.sock.settimeout(None)
+            set_recv_timeout(self.sock, None)
         if kind != REPLY_READY:
             self.kill()
             raise WorkerDied(f"compute worker {self.pid}: unexpected first message {kind}")
         self.walls = payload.decode(errors="replace")
-        # A kernel-side timeout instead of settimeout around every reply: no fcntl per graph.
+        # A reply is a few bytes once it starts: bounded, kernel-side (no fcntl per graph).
         set_recv_timeout(self.sock, REPLY_TIMEOUT)
 
     def exited(self, status: int) -> None:
