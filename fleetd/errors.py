@@ -11,6 +11,8 @@
     ├── ComputeError              a graph fleetd cannot compute: close that connection
     │   └── UnsupportedOp         names the op and the types
     └── FleetError                a fleet operation failed (fleetctl prints one line, exit 1)
+        ├── UsageError            the operator asked for what is not there (a node name, a flag
+        │                         combination): fleetctl's usage line, exit 2
         ├── NodesFileError        a bad line in the nodes file, with its number   (fleet/nodes_file.py)
         ├── FleetFailed           some nodes failed; carries the whole result     (fleet/node.py)
         └── NodeError             one node failed; `str()` is the reason shown    (fleet/ssh.py)
@@ -62,3 +64,7 @@ class UnsupportedOp(ComputeError):
 
 class FleetError(FleetdError):
     pass
+
+
+class UsageError(FleetError):
+    """The operator's input names something that is not there or cannot go together: exit 2."""

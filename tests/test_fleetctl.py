@@ -124,8 +124,8 @@ def test_p2p_switch_through_ssh(fleet2, capsys):
     assert "on" in capsys.readouterr().out
     assert a.p2p_enabled is True and b.p2p_enabled is True
 
-    assert main(["p2p", "off", *args, "--node", "nosuch"]) == 1
-    assert "FleetError: no node named 'nosuch' (have: a, b)" in capsys.readouterr().err
+    assert main(["p2p", "off", *args, "--node", "nosuch"]) == 2  # a usage error
+    assert "fleetctl p2p: error: --node nosuch: no such node (have: a, b)" in capsys.readouterr().err
     assert a.p2p_enabled is True
 
 
@@ -291,7 +291,7 @@ def test_nodes_file_format():
     specs = parse_nodes(
         "# comment\n\n"
         "gpu1\n"
-        "root@10.0.0.2:2222 rpc_port=50053 control_port=7000 devices=cuda:0,cuda:1  # trailing\n"
+        "root@10.0.0.2:2222 rpc_port=50053 control_port=7000 devices=cpu,numpy  # trailing\n"
         "  [fe80::1]:22 name=edge\n"
         "10.0.0.3 rpc_port=1\n10.0.0.3 rpc_port=2\n"
         "localhost\n127.0.0.1:2200\n"
@@ -300,7 +300,7 @@ def test_nodes_file_format():
     assert list(by) == ["gpu1", "10.0.0.2:2222", "edge", "10.0.0.3/1", "10.0.0.3/2", "localhost", "127.0.0.1:2200"]
     s = by["10.0.0.2:2222"]
     assert (s.user, s.host, s.ssh_port, s.rpc_port, s.control_port, s.devices, s.line) == (
-        "root", "10.0.0.2", 2222, 50053, 7000, ("cuda:0", "cuda:1"), 4)
+        "root", "10.0.0.2", 2222, 50053, 7000, ("cpu", "numpy"), 4)
     assert by["gpu1"] .ssh_port == 22 and by["gpu1"].rpc_port == 50052 and by["gpu1"].control_port == 50152
     assert by["edge"].host == "fe80::1" and by["edge"].target == "[fe80::1]"
     assert by["localhost"].is_local and not by["127.0.0.1:2200"].is_local and not by["gpu1"].is_local
@@ -316,7 +316,8 @@ def test_nodes_file_format():
         ("gpu1:ssh", "nodes.txt:3: ssh port 'ssh' is not a port in 1..65535"),
         ("fe80::1", "nodes.txt:3: ssh port ':1' is not a port"),
         ("[fe80::1", "nodes.txt:3: unclosed '['"),
-        ("gpu1 devices=", "nodes.txt:3: devices '': expected e.g. cpu or cuda:0,cuda:1"),
+        ("gpu1 devices=", "nodes.txt:3: devices '': expected fleetd's devices, comma separated: cpu, numpy"),
+        ("gpu1 devices=cuda:0", "nodes.txt:3: devices 'cuda:0': expected fleetd's devices, comma separated: cpu, numpy"),
         ("gpu1 rpc_port=1 rpc_port=2", "nodes.txt:3: rpc_port given twice"),
         ("gpu0", "nodes.txt:3: gpu0 rpc_port=50052 already listed on line 1"),
         ("gpu1 name=gpu0", "nodes.txt:3: node name 'gpu0' already used on line 1 (add name=...)"),
@@ -457,8 +458,8 @@ def test_node_flag_on_status_and_stats_and_the_host_of_a_named_node(fleet2, ssh_
     assert main(["status", *args, "--node", "a"]) == 0
     out = capsys.readouterr().out
     assert f"{ssh_server.user}@127.0.0.1:{ssh_server.port}" in out  # a named node shows its host
-    assert main(["status", *args, "--node", "nope"]) == 1
-    assert "no node named 'nope' (have: a, b)" in capsys.readouterr().err
+    assert main(["status", *args, "--node", "nope"]) == 2
+    assert "--node nope: no such node (have: a, b)" in capsys.readouterr().err
 
 
 def test_lifecycle_on_a_fleetd_that_fleetctl_did_not_deploy(fleetd_server, tmp_path, capsys):

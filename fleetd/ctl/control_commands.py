@@ -7,6 +7,7 @@ down node and its reason).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -14,6 +15,7 @@ import time
 from rich.console import Console, Group
 from rich.live import Live
 
+from fleetd.errors import UsageError
 from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.node import Fleet, FleetResult, Node
 from fleetd.fleet.render import (activity_table, down_text, fallback_text, fmt_bytes, fmt_count, p2p_table,
@@ -82,6 +84,8 @@ def _stats_view(answers, previous, interval: float | None) -> Group:
 
 
 def cmd_stats(args) -> int:
+    if args.count is not None and not args.watch:
+        raise UsageError(f"--count {args.count} counts --watch samples: add --watch")
     samples = (args.count or sys.maxsize) if args.watch else 1
     with open_fleet(args) as fleet:
         fleet = _selected(fleet, args)
@@ -138,9 +142,7 @@ def _watch(fleet: Fleet, args, samples: int) -> int:
             if lines:
                 sys.stdout.flush()
             previous = answers
-    except KeyboardInterrupt:
-        pass
-    finally:
+    finally:  # Ctrl-C goes on to fleetctl's main: exit 130, as for every command
         if live is not None:
             live.stop()
     return 0 if result.ok else 1
@@ -151,8 +153,16 @@ def _watch(fleet: Fleet, args, samples: int) -> int:
 P2P_HELP = "switch direct server-to-server copy on or off at runtime, or show it"
 
 
+def p2p_action(value: str) -> str:
+    if value not in ("on", "off", "status"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not on, off or status: the action comes "
+                                         f"before the nodes file (fleetctl p2p status NODES)")
+    return value
+
+
 def configure_p2p(p) -> None:
-    p.add_argument("action", choices=["on", "off", "status"], help="switch peer copy on or off, or show it")
+    p.add_argument("action", type=p2p_action, metavar="{on,off,status}",
+                   help="switch peer copy on or off, or show it")
     fleet_args(p)
     node_arg(p)
 

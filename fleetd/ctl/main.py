@@ -12,6 +12,8 @@ flag or value, a bad nodes file); 130 Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +26,8 @@ from fleetd.ctl import demo_command as demo
 from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import tui_command
-from fleetd.errors import FleetdError
+from fleetd.errors import FleetdError, UsageError
+from fleetd.fleet.lab import MAX_NODES as MAX_LAB_NODES
 from fleetd.fleet.nodes_file import NODES_FILE_HELP, NodesFileError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -67,15 +70,23 @@ NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "rounds": (1, True, 50), "n_prompt": (1, True, 4096), "n_gen": (2, True, 1024),
     "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
 }
+# A subcommand whose option of the same name has another range.
+COMMAND_RANGES: dict[str, dict[str, tuple[float, bool, float | None]]] = {
+    "lab": {"nodes": (1, True, MAX_LAB_NODES)},
+}
 
 
 def range_error(args: argparse.Namespace) -> str | None:
-    """The first numeric option out of its range, as one line; None when all are in range."""
-    for dest, (least, inclusive, most) in NUMBER_RANGES.items():
+    """The first numeric option out of its range, as one line; None when all are in range.
+    nan and inf are never in range (a timeout of inf is "never", which no command means)."""
+    ranges = dict(NUMBER_RANGES, **COMMAND_RANGES.get(getattr(args, "command", None) or "", {}))
+    for dest, (least, inclusive, most) in ranges.items():
         value = getattr(args, dest, None)
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue
         flag = "--" + dest.replace("_", "-")
+        if not math.isfinite(value):
+            return f"{flag} {value}: must be a finite number"
         low = value < least or (value == least and not inclusive)
         if most is not None and inclusive and (low or value > most):
             return f"{flag} {value:g}: must be in {least:g}..{most:g}"
@@ -125,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command].run(args)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
         return code
-    except NodesFileError as exc:  # the operator's input, like a bad flag
+    except (NodesFileError, UsageError) as exc:  # the operator's input, like a bad flag
         if args.debug:
             raise
+        if isinstance(exc, UsageError):  # a flag: its usage line, as argparse does
+            sub.print_usage(sys.stderr)
         print(f"{sub.prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except FleetdError as exc:
@@ -140,5 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # `fleetctl ... | head` closed the pipe: not an error of ours. Point stdout at /dev/null
         # so the interpreter's final flush does not raise again (the Python docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG) or exc.filename:
+            raise
+        # `> /dev/full`, a full disk: one line, and no second error at the final flush
+        print(f"fleetctl: error: cannot write the output: {exc.strerror}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fleetd.errors import ConnectTimeout, FleetError, ProtocolError, ReadTimeout, TransportError
+from fleetd.errors import ConnectTimeout, FleetError, ProtocolError, ReadTimeout, TransportError, UsageError
 from fleetd.fleet.control_client import ControlConnection, ControlError, exchange, json_answer
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.nodes_file import NodeSpec, load_nodes
@@ -207,13 +207,13 @@ class Fleet(list):
         return cls(Node(spec, ssh) for spec in load_nodes(path))
 
     def select(self, names: Iterable[str]) -> Fleet:
-        """The nodes named (by name, host or [user@]host[:port]); FleetError for unknown names."""
+        """The nodes named (by name, host or [user@]host[:port]); UsageError for unknown names."""
         out = []
         for want in names:
             hits = [n for n in self if want in (n.name, n.spec.host, n.spec.target)]
             if not hits:
                 have = ", ".join(n.name for n in self)
-                raise FleetError(f"no node named {want!r} (have: {have})")
+                raise UsageError(f"--node {want}: no such node (have: {have})")
             out += [n for n in hits if n not in out]
         return Fleet(out)
 

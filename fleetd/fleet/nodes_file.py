@@ -1,14 +1,16 @@
 """The nodes file: one fleetd node per line.
 
     # comment lines and blank lines are ignored; a # after the fields starts a comment too
-    [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME]
+    [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME] [via_netns=NS]
 
     gpu1                                   # ssh as the current user, port 22, all defaults
-    root@10.0.0.2:2222 rpc_port=50053 devices=cuda:0,cuda:1
+    root@10.0.0.2:2222 rpc_port=50053 devices=cpu,numpy
     localhost rpc_port=50053                       # control_port 50153; no user, no ssh port: no SSH
     [fe80::1%eth0]:22 name=edge                    # IPv6 literals in brackets
 
-Defaults: ssh_port 22, rpc_port 50052, control_port rpc_port + 100 (50152), devices cpu. Which
+Defaults: ssh_port 22, rpc_port 50052, control_port rpc_port + 100 (50152), devices cpu
+(fleetd's devices: cpu, numpy). via_netns=NS is written by `fleetctl lab up`: the node's fleetd
+runs in the network namespace NS on this host and is reached inside it. Which
 nodes are reached without SSH: LOCAL_RULE below. A node is named by
 `name=` or by its host (plus `:ssh_port` when not 22); two nodes on one host get `/rpc_port`
 appended. A bad line raises FleetError naming the file, the line number and the bad value.
@@ -21,6 +23,7 @@ import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fleetd.device_names import DEVICE_NAMES, unknown_devices
 from fleetd.errors import FleetError
 from fleetd.ports import CONTROL_PORT_OFFSET, DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT, control_port_for
 
@@ -37,16 +40,17 @@ nodes file: one node per line, '#' starts a comment, blank lines are ignored:
   [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME]
 e.g.
   gpu1
-  root@10.0.0.2:2222 rpc_port=50053 devices=cuda:0,cuda:1
+  root@10.0.0.2:2222 rpc_port=50053 devices=cpu,numpy
   localhost rpc_port=50053          (control_port 50153: rpc_port + 100)
-defaults: ssh_port 22, rpc_port {DEFAULT_RPC_PORT}, control_port rpc_port + {CONTROL_PORT_OFFSET}, devices cpu.
+defaults: ssh_port 22, rpc_port {DEFAULT_RPC_PORT}, control_port rpc_port + {CONTROL_PORT_OFFSET}, devices cpu
+(devices: {", ".join(DEVICE_NAMES)}). via_netns=NS: written by `fleetctl lab up` (fleetd in
+network namespace NS on this host).
 {textwrap.fill(LOCAL_RULE, 96)}
 SSH keys come from the agent or ~/.ssh; host keys must be in ~/.ssh/known_hosts
 (or --known-hosts FILE)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-/]+$")
 _HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_DEVICE = re.compile(r"^[a-z]+(:[0-9]+)?$")
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,10 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             kw[key] = _port(where, key, value)
         elif key == "devices":
             devs = tuple(d for d in value.split(",") if d)
-            bad = [d for d in devs if not _DEVICE.match(d)]
+            bad = unknown_devices(devs)
             if not devs or bad:
-                raise NodesFileError(f"{where}: devices {value!r}: expected e.g. cpu or cuda:0,cuda:1")
+                raise NodesFileError(f"{where}: devices {value!r}: expected fleetd's devices, "
+                                     f"comma separated: {', '.join(DEVICE_NAMES)}")
             kw[key] = devs
         elif key == "via_netns":
             if not _HOST.match(value):

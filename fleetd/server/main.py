@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 from fleetd import __version__
+from fleetd.device_names import DEVICE_NAMES, unknown_devices
 from fleetd.errors import FleetdError
 from fleetd.ports import DEFAULT_RPC_PORT, control_port_for
 from fleetd.server.config import ServerConfig, ServerLimits
@@ -155,6 +156,9 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     if settings["control_port"] is None:  # two fleetd on one host, one per GPU: their own ports
         settings["control_port"] = control_port_for(int(settings["port"]))
     settings["limits"] = ServerLimits.from_settings(limits)
+    bad = unknown_devices(settings["devices"])
+    if bad:
+        raise ValueError(f"device {', '.join(map(repr, bad))}: unknown (known: {', '.join(DEVICE_NAMES)})")
     if not 0 < int(settings["port"]) < 65536:
         raise ValueError(f"port {settings['port']} outside 1..65535")
     return settings
