@@ -77,6 +77,14 @@ def type_name(t: int) -> str:
         return f"type {t}"
 
 
+def op_name(op: int) -> str:
+    """A wire op number's GgmlOp name, or "op N" past the enum."""
+    try:
+        return GgmlOp(op).name
+    except ValueError:
+        return f"op {op}"
+
+
 class GgmlOp(enum.IntEnum):
     NONE = 0
     DUP = 1

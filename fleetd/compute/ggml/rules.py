@@ -33,7 +33,7 @@ import numpy as np
 
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
-from fleetd.wire.ggml import GluOp, UnaryOp, contiguous_strides, type_name
+from fleetd.wire.ggml import GluOp, UnaryOp, contiguous_strides, op_name, type_name
 
 F32, F16, BF16, I32, I64 = GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64
 FLOATS = frozenset({F32, F16, BF16})
@@ -130,12 +130,8 @@ def rule(*ops: GgmlOp, strided: tuple[int, ...] = (), flat: tuple[int, ...] = ()
     return register
 
 
-def wire_op_name(op: int) -> str:
-    return GgmlOp(op).name if op in GgmlOp._value2member_map_ else f"op {op}"
-
-
 def describe(node: RpcTensor, srcs: list) -> str:
-    parts = [f"{wire_op_name(node.op)} {node.describe()}"]
+    parts = [f"{op_name(node.op)} {node.describe()}"]
     parts += [f"src{i} {type_name(s.type)} ne={list(s.ne)}" for i, s in enumerate(srcs) if s]
     return ", ".join(parts)
 
