@@ -238,6 +238,7 @@ class TensorFlag(enum.IntFlag):
     COMPUTE = 16
 
 
+# ggml.h's limits, defined once: rpc_tensor's layout and ggml/lib.py's ctypes structs use them
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
 GGML_MAX_OP_PARAMS = 64
