@@ -160,7 +160,7 @@ class FleetdCollector:
         yield CounterMetricFamily(
             "fleetd_graph_compute_seconds", "seconds spent computing graphs", value=total.compute_seconds
         )
-        # PeerStats totals; fallbacks by the closed reason set (FALLBACK_REASONS)
+        # PeerCounters totals; fallbacks by the closed reason set (FALLBACK_REASONS)
         peer = state.peer_stats.as_dict()
         yield CounterMetricFamily(
             "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer["copies_ok"]
