@@ -12,12 +12,11 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fleetd.compute.buffers import Buffer
-from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
@@ -68,6 +67,7 @@ from fleetd.wire import (
 )
 
 if TYPE_CHECKING:
+    from fleetd.compute.device import Device
     from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.session")
@@ -99,7 +99,7 @@ class Session:
         self.limits = state.limits
         self.conn = ServerConnection(max_request=self.limits.max_request_bytes)
         self.counters = CommandCounters()
-        self.plans: dict[int, Plan] = {}  # stored graph per device
+        self.plans: dict[int, Any] = {}  # stored graph per device: the device's plan
         # The buffers each stored graph reaches, and the registry's free count when it was
         # checked: a free since then (by any session) is looked for before a GRAPH_RECOMPUTE.
         self.plan_buffers: dict[int, list[Buffer]] = {}
@@ -445,7 +445,7 @@ def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     s.plan_buffers.pop(ev.device, None)
     registry = s.state.registry
     frees = registry.frees
-    plan = getattr(dev, "build_plan", build_plan)(ev, registry)  # the ggml device builds its own
+    plan = dev.build_plan(ev, registry)
     handles = np.unique(ev.tensors["buffer"]).tolist() if len(ev.tensors) else []
     bufs = [b for b in map(registry.get, handles) if b is not None]
     _run(s, plan, dev)
@@ -476,13 +476,14 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
     return 0
 
 
-def _run(s: Session, plan: Plan, dev) -> None:
+def _run(s: Session, plan: Any, dev: Device) -> None:
     t0 = time.perf_counter()
+    deadline = time.monotonic() + s.limits.graph_timeout
     if dev.kind == "ggml":  # in this session's contained worker, side by side with the others
-        dev.run(plan, s.id, time.monotonic() + s.limits.graph_timeout, s.sock)
+        dev.run(plan, s.id, deadline, s.sock)
     else:  # the numpy device computes in the daemon, one graph at a time
         with s.state.exec_lock:
-            plan.run(dev.xp)
+            dev.run(plan, s.id, deadline, s.sock)
     s.counters.graph_computes += 1
     s.counters.compute_seconds += time.perf_counter() - t0
 

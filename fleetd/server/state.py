@@ -136,9 +136,8 @@ class ServerState:
         """Start the devices' compute workers (the ggml device's fork server): called by the
         daemon once it has dropped root, so not even the fork server keeps root's rights."""
         for dev in self.devices:
-            if hasattr(dev, "start_workers"):
-                dev.start_workers(self.config.worker_user, self.limits.max_workers,
-                                  self.limits.worker_idle_timeout, self.config.pin_workers)
+            dev.start_workers(self.config.worker_user, self.limits.max_workers,
+                              self.limits.worker_idle_timeout, self.config.pin_workers)
 
     def close(self) -> None:
         """The daemon stops: devices let their workers and fork servers go."""
