@@ -113,7 +113,7 @@ class Session:
         self.counters = CommandCounters()
         self.graphs: dict[int, StoredGraph] = {}  # by device index
         self._connected = time.monotonic()
-        self._greeted = False  # HELLO answered: the idle timeout applies between requests
+        self._greeted = False  # HELLO answered (greet): the idle timeout applies between requests
         self._recv_timeout: float | None = None  # SO_RCVTIMEO as last set
         # The request in progress: seconds spent waiting in recv for its bytes (only the sender's
         # slowness; never fleetd's own work between reads) and the bytes those reads brought.
@@ -249,6 +249,11 @@ class Session:
                     f"unfinished requests, limit {self.state.receive_budget.limit}: this one is cut")
             self._charged = want
 
+    def greet(self) -> int:
+        """Answer HELLO: from now on the idle timeout applies between requests."""
+        self._greeted = True
+        return self.respond(HelloReply(PROTOCOL_VERSION, self.state.features()))
+
     def drop_plans_using(self, buf: Buffer) -> None:
         """A buffer was freed (by any session): stored graphs that reach it are gone."""
         for device, graph in list(self.graphs.items()):
@@ -316,8 +321,7 @@ def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
 
 
 def on_hello(s: Session, ev: Hello) -> int:
-    s._greeted = True
-    return s.respond(HelloReply(PROTOCOL_VERSION, s.state.features()))
+    return s.greet()
 
 
 def on_device_count(s: Session, ev: DeviceCount) -> int:
