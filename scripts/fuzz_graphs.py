@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import graph_fuzzer as gf  # noqa: E402
-from fleetd.wire import GgmlOp  # noqa: E402
+from fleetd.wire import GgmlOp, op_name  # noqa: E402
 
 
 def parse_ops(text: str | None):
@@ -48,7 +48,7 @@ def print_case(seed: int) -> None:
         print(f"  mutation: {note}")
     for t in case.gen.roots + case.gen.views:
         role = "node" if t in case.gen.nodes else "view" if t.view_src else "leaf"
-        print(f"  {role} {t.id:#x} {GgmlOp(t.op).name if t.op in GgmlOp._value2member_map_ else t.op} "
+        print(f"  {role} {t.id:#x} {op_name(t.op)} "
               f"type={t.type} ne={list(t.ne)} nb={list(t.nb)} src={[s.id for s in t.src]} "
               f"offs={case.offsets.get(t.id, t.view_offs)} params={t.op_params[:8]}")
 

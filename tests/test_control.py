@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetd.client import RpcClient
 from fleetd.server.control import MAX_BODY
-from fleetd.server.stats import COMMAND_BYTES
+from fleetd.server.stats import COMMAND_CODES
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GgmlType, RpcTensor, cmd_name, contiguous_strides
 
@@ -100,7 +100,7 @@ def test_metrics_parse_and_match_stats(fleetd_server):
     stats = get_json(srv, "/v1/stats")
     m = metrics(srv)
     cmds = stats["total"]["commands"]
-    assert set(cmds) == {cmd_name(c) for c in COMMAND_BYTES}
+    assert set(cmds) == {cmd_name(c) for c in COMMAND_CODES}
     for name, v in cmds.items():  # every command has its series, zero or not
         lab = (("command", name),)
         assert m[("fleetd_rpc_commands_total", lab)] == v["count"]

@@ -25,7 +25,7 @@ from conftest import endpoint
 
 from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
 from fleetd.client.rpc import RpcClient
-from fleetd.compute.device import make_device
+from fleetd.compute.device import Device, make_device
 from fleetd.errors import PeerClosed, TransportError
 from fleetd.models import generate
 from fleetd.tools import find_tool, have_tool, portable_ggml_dir
@@ -581,6 +581,12 @@ def test_numpy_device_still_there_and_cpu_falls_back(monkeypatch, tmp_path, capl
         dev = make_device("cpu")
     assert type(dev).__name__ == "NumpyDevice"
     assert [r.message for r in caplog.records if "numpy device" in r.message]
+
+
+def test_both_devices_have_what_the_server_calls():
+    # Device is a Protocol: each implements every member (the ggml device without importing it)
+    assert isinstance(make_device("numpy"), Device)
+    assert isinstance(load_device(), Device)
 
 
 def test_buffers_are_aligned_for_ggml():

@@ -550,10 +550,10 @@ def test_disconnect_drops_other_sessions_stored_graphs(daemon, log_records):
                  src=(1, 1) + (0,) * 8, flags=COMPUTE)
     other.send(frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + a + out))
     other.no_response_then_probe()
-    session = next(s for s in srv.state.live_sessions() if s.plans)
+    session = next(s for s in srv.state.live_sessions() if s.graphs)
     owner.close()
     wait_for(lambda: srv.state.registry.get(handle) is None, "owner's buffer freed")
-    assert not session.plans  # the freed buffer is no longer kept alive by the stored graph
+    assert not session.graphs  # the freed buffer is no longer kept alive by the stored graph
 
 
 # -- 6. peer links -------------------------------------------------------------------------------

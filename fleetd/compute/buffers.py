@@ -13,14 +13,45 @@ from __future__ import annotations
 
 import secrets
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from fleetd.compute.device import Device
+from fleetd.compute.dequant_cache import DequantCache
 
 ADDRESS_SPACE_START = 0x1000_0000_0000  # 2^44: every base is at or above it
 ADDRESS_SPACE_END = 1 << 62  # and every buffer ends below it
 PAGE = 4096
+
+
+class Memory(Protocol):
+    """What the registry, and the plans over a buffer, ask of the device its bytes live on
+    (compute/device.py's Device is this and what the server asks)."""
+
+    @property
+    def xp(self) -> types.ModuleType:
+        """The array module of its arrays (numpy, later cupy)."""
+        ...
+
+    @property
+    def dequant_cache(self) -> DequantCache | None:
+        """The f32 copies of weights, on devices that keep them."""
+        ...
+
+    def alloc(self, size: int):
+        """A flat uint8 array of `size` bytes, or None when the memory is not there."""
+        ...
+
+    # The registry reports each buffer's life to the device that holds its memory.
+
+    def buffer_allocated(self, buf: Buffer) -> None: ...
+
+    def buffer_written(self, buf: Buffer) -> None:
+        """A command (not a graph node) wrote into `buf`."""
+        ...
+
+    def buffer_freed(self, buf: Buffer) -> None: ...
 
 
 @dataclass(eq=False)
@@ -32,7 +63,7 @@ class Buffer:
     array: object  # flat uint8 array of the device (numpy or cupy)
     owner: int  # session id that allocated it; only it may free it
     generation: int = 0  # bumped on every write; dequant caches compare it
-    memory: Device | None = field(default=None, repr=False)  # the Device its bytes live on
+    memory: Memory | None = field(default=None, repr=False)  # the device its bytes live on
     freed: bool = False  # set when it leaves the registry: stored graphs and caches check it
 
     def contains(self, addr: int, n: int) -> bool:
@@ -55,7 +86,7 @@ class BufferRegistry:
         self._free_hooks: list[Callable[[Buffer], None]] = []
         self.frees = 0  # bumped on every free: a stored graph built before it rechecks
 
-    def alloc(self, device_index: int, device: Device, size: int, owner: int, *,
+    def alloc(self, device_index: int, device: Memory, size: int, owner: int, *,
               limit: int | None = None, owner_limit: int | None = None) -> Buffer | None:
         """A new buffer, or None when the device cannot, or when it would take the registry's
         total past `limit` or the owner's past `owner_limit` (as a full device answers)."""

@@ -15,11 +15,10 @@ import numpy as np
 from fleetd.compute.buffers import Buffer, BufferRegistry
 from fleetd.compute.dequant_cache import DequantCache
 from fleetd.compute.ops import BoundNode, Kernel, Region, bind_node, kernel_for
-from fleetd.compute.ops.common import op_name
 from fleetd.compute.reachable import reachable_tensors
 from fleetd.compute.views import tensor_view
 from fleetd.errors import ComputeError, RemoteProtocolError
-from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag
+from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag, op_name
 
 
 @dataclass(slots=True)
@@ -50,12 +49,12 @@ class Plan:
                 s.kernel(xp, s.dst, s.srcs, s.node, s.src_tensors)
             except ComputeError as exc:
                 # One line naming op, node and types: "CPY node f32 ne=[…]: quantizing to …"
-                op, msg = op_name(s.node), str(exc)
+                op, msg = op_name(s.node.op), str(exc)
                 msg = msg[len(op) :].lstrip(":") if msg.startswith(op) else " " + msg
                 raise type(exc)(f"{op} {s.node.describe()}:{msg}") from exc
             except Exception as exc:  # a kernel meeting a shape it does not handle
                 raise ComputeError(
-                    f"{op_name(s.node)} {s.node.describe()}: {type(exc).__name__}: {exc}"
+                    f"{op_name(s.node.op)} {s.node.describe()}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
                 if s.dst_cache is not None:

@@ -186,7 +186,7 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class PeerStats:
+class PeerCopyTotals:
     """COPY_TENSOR_TO as the source counted it: pushes confirmed, bytes, fallbacks by reason."""
 
     copies_ok: int = 0
@@ -196,7 +196,7 @@ class PeerStats:
     fallbacks: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, d: _Doc | None) -> PeerStats:
+    def parse(cls, d: _Doc | None) -> PeerCopyTotals:
         if d is None:  # a daemon without the peer extension
             return cls()
         fb = d.obj("fallbacks", None)
@@ -219,7 +219,7 @@ class SessionCounters:
 class NodeStats:
     since: float  # when the counters were last reset (the daemon's clock)
     total: Counters
-    peer: PeerStats
+    peer: PeerCopyTotals
     sessions: tuple[SessionCounters, ...]
     doc: Mapping = field(default_factory=dict, repr=False, compare=False)
 
@@ -229,7 +229,7 @@ class NodeStats:
         return cls(
             since=d.number("since", 0.0),
             total=Counters.parse(d.obj("total")),
-            peer=PeerStats.parse(d.obj("peer", None)),
+            peer=PeerCopyTotals.parse(d.obj("peer", None)),
             sessions=tuple(SessionCounters(s.whole("id"), s.text("peer"), Counters.parse(s))
                            for s in d.objs("sessions", [])),
             doc=d.doc,

@@ -7,14 +7,19 @@ graph), so the coordinator's step loop never asks which one it has. Only a remot
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from fleetd.client.rpc import RpcClient
 from fleetd.client.stats import ClientCounters
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import make_device
-from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GraphCompute, RpcTensor
+
+
+LOCAL_GRAPH_TIMEOUT = 600.0  # seconds one graph of the local device may take (fleetd's default)
 
 
 class RemoteStage:
@@ -65,7 +70,7 @@ class LocalStage:
     def __init__(self) -> None:
         self.device = make_device("cpu")  # the same kernels as the remote stages: same bytes
         self.registry = BufferRegistry()
-        self.plan: Plan | None = None
+        self.plan: Any = None  # the device's plan of the last graph
         self.name = "LOCAL"
 
     def alignment(self) -> int:
@@ -94,8 +99,8 @@ class LocalStage:
 
     def compute(self, graph: GraphCompute, first: bool) -> None:
         if first or self.plan is None:
-            self.plan = getattr(self.device, "build_plan", build_plan)(graph, self.registry)
-        self.plan.run(self.device.xp)
+            self.plan = self.device.build_plan(graph, self.registry)
+        self.device.run(self.plan, 0, time.monotonic() + LOCAL_GRAPH_TIMEOUT)
 
     def close(self) -> None:
         self.plan = None

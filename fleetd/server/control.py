@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from fleetd import __version__
-from fleetd.server.stats import COMMAND_BYTES, CommandCounters
+from fleetd.server.stats import COMMAND_CODES, CommandCounters
 from fleetd.wire import PROTOCOL_VERSION, Feature, cmd_name
 from fleetd.wire.text import client_text
 
@@ -153,14 +153,14 @@ class FleetdCollector:
         )
         for name, doc, values in families:
             fam = CounterMetricFamily(name, doc, labels=["command"])
-            for c in COMMAND_BYTES:  # zeros for every command: series exist before first use
+            for c in COMMAND_CODES:  # zeros for every command: series exist before first use
                 fam.add_metric([cmd_name(c)], values[c])
             yield fam
         yield CounterMetricFamily("fleetd_graph_computes", "graphs computed", value=total.graph_computes)
         yield CounterMetricFamily(
             "fleetd_graph_compute_seconds", "seconds spent computing graphs", value=total.compute_seconds
         )
-        # PeerStats totals; fallbacks by the closed reason set (FALLBACK_REASONS)
+        # PeerCounters totals; fallbacks by the closed reason set (FALLBACK_REASONS)
         peer = state.peer_stats.as_dict()
         yield CounterMetricFamily(
             "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer["copies_ok"]

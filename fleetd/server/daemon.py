@@ -16,7 +16,7 @@ from fleetd.errors import TransportError
 from fleetd.server.config import ServerConfig
 from fleetd.server import privileges
 from fleetd.server.control import ControlAPI
-from fleetd.server.peer_policy import LOOPBACK, PeerStats, listen_network, parse_allow
+from fleetd.server.peer_policy import LOOPBACK, PeerCounters, listen_network, parse_allow
 from fleetd.server.session import Session
 from fleetd.server.state import ServerState
 from fleetd.wire import PROTOCOL_VERSION
@@ -101,7 +101,7 @@ class Server:
         return self.state.p2p_enabled
 
     @property
-    def peer_stats(self) -> PeerStats:
+    def peer_stats(self) -> PeerCounters:
         return self.state.peer_stats
 
     # -- lifecycle --------------------------------------------------------------------------

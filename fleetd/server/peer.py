@@ -10,7 +10,7 @@ Rules, in the order `serve_copy` applies them:
   "host:port": a malformed request or an out-of-bounds source raises RemoteProtocolError, which
   closes that client's connection only.
 - Everything else that can go wrong is recoverable: the answer is 0, the reason is counted in
-  `PeerStats` (one of `FALLBACK_REASONS`) and the client falls back to GET_TENSOR + SET_TENSOR.
+  `PeerCounters` (one of `FALLBACK_REASONS`) and the client falls back to GET_TENSOR + SET_TENSOR.
 - The source bytes are sent straight from the buffer, read as GET_TENSOR reads them (no copy,
   no execution lock), so no peer I/O holds the lock and a ring of servers pushing to each other
   cannot deadlock. SET_TENSOR, its data and PEER_BARRIER go out in one write.
@@ -51,8 +51,8 @@ from fleetd.errors import (
 )
 from fleetd.server.peer_policy import (  # noqa: F401  (re-exported: the peer-copy vocabulary)
     FALLBACK_REASONS,
+    PeerCounters,
     PeerPolicy,
-    PeerStats,
     PeerTimeouts,
     parse_allow,
 )
@@ -143,7 +143,7 @@ class PeerLink:
         """A cached link the destination closed meanwhile (restart, idle close): reconnect."""
         return self.channel.stream.closed_by_peer()
 
-    def push(self, dst, data: memoryview, stats: PeerStats) -> None:
+    def push(self, dst, data: memoryview, stats: PeerCounters) -> None:
         """SET_TENSOR then PEER_BARRIER; returns once the destination confirmed the write.
 
         Both requests and the data between them go out in one write, the data straight from

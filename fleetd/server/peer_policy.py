@@ -1,5 +1,5 @@
 """What a daemon knows about peer copy beyond one connection: where it may push (PeerPolicy),
-how long it waits (PeerTimeouts) and what happened (PeerStats). Held by ServerState; the
+how long it waits (PeerTimeouts) and what happened (PeerCounters). Held by ServerState; the
 allow-list rules are in fleetd.server.peer's docstring.
 """
 
@@ -32,7 +32,7 @@ class PeerTimeouts:
     transfer: float = 60.0
 
 
-class PeerStats:
+class PeerCounters:
     """Peer-copy counters of one daemon, totals across sessions; read by the control API."""
 
     def __init__(self) -> None:

@@ -12,12 +12,12 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fleetd.compute.buffers import Buffer
-from fleetd.compute.graph import Plan, build_plan
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
@@ -68,6 +68,7 @@ from fleetd.wire import (
 )
 
 if TYPE_CHECKING:
+    from fleetd.compute.device import Device
     from fleetd.server.state import ServerState
 
 log = logging.getLogger("fleetd.session")
@@ -88,6 +89,17 @@ class SessionTimeout(FleetdError):
     """The client was too slow: no HELLO, idle past the limit, or a request that stalls."""
 
 
+@dataclass(slots=True)
+class StoredGraph:
+    """A device's last GRAPH_COMPUTE, kept for GRAPH_RECOMPUTE."""
+
+    plan: Any  # what the device's build_plan made
+    buffers: list[Buffer]  # the buffers it reaches
+    # The registry's free count when `buffers` were last checked (-1: check at the next
+    # recompute): a free since then (by any session) is looked for before a GRAPH_RECOMPUTE.
+    frees: int
+
+
 class Session:
     def __init__(self, state: ServerState, sock: socket.socket, peer: tuple, sid: int) -> None:
         self.state = state
@@ -99,13 +111,9 @@ class Session:
         self.limits = state.limits
         self.conn = ServerConnection(max_request=self.limits.max_request_bytes)
         self.counters = CommandCounters()
-        self.plans: dict[int, Plan] = {}  # stored graph per device
-        # The buffers each stored graph reaches, and the registry's free count when it was
-        # checked: a free since then (by any session) is looked for before a GRAPH_RECOMPUTE.
-        self.plan_buffers: dict[int, list[Buffer]] = {}
-        self.plan_frees: dict[int, int] = {}
+        self.graphs: dict[int, StoredGraph] = {}  # by device index
         self._connected = time.monotonic()
-        self._greeted = False  # HELLO answered: the idle timeout applies between requests
+        self._greeted = False  # HELLO answered (greet): the idle timeout applies between requests
         self._recv_timeout: float | None = None  # SO_RCVTIMEO as last set
         # The request in progress: seconds spent waiting in recv for its bytes (only the sender's
         # slowness; never fleetd's own work between reads) and the bytes those reads brought.
@@ -240,12 +248,16 @@ class Session:
                     f"unfinished requests, limit {self.state.receive_budget.limit}: this one is cut")
             self._charged = want
 
+    def greet(self) -> int:
+        """Answer HELLO: from now on the idle timeout applies between requests."""
+        self._greeted = True
+        return self.respond(HelloReply(PROTOCOL_VERSION, self.state.features()))
+
     def drop_plans_using(self, buf: Buffer) -> None:
         """A buffer was freed (by any session): stored graphs that reach it are gone."""
-        for device, bufs in list(self.plan_buffers.items()):
-            if any(b is buf for b in bufs):
-                self.plans.pop(device, None)
-                self.plan_buffers.pop(device, None)
+        for device, graph in list(self.graphs.items()):
+            if any(b is buf for b in graph.buffers):
+                self.graphs.pop(device, None)
 
     def close(self) -> None:
         try:
@@ -255,8 +267,7 @@ class Session:
         self.peer_links.close()
         for dev in self.state.devices:
             dev.session_ended(self.id)
-        self.plans.clear()
-        self.plan_buffers.clear()
+        self.graphs.clear()
         for buf in self.state.registry.owned_by(self.id):
             self.state.registry.free(buf)
         if self._charged:
@@ -309,8 +320,7 @@ def _not_counted(cmd: int, request_bytes: int, response_bytes: int) -> None:
 
 
 def on_hello(s: Session, ev: Hello) -> int:
-    s._greeted = True
-    return s.respond(HelloReply(PROTOCOL_VERSION, s.state.features()))
+    return s.greet()
 
 
 def on_device_count(s: Session, ev: DeviceCount) -> int:
@@ -356,8 +366,7 @@ def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
     if buf.owner != s.id:
         raise RemoteProtocolError(f"FREE_BUFFER: buffer {ev.remote_ptr:#x} belongs to another session")
     # Stored graphs may point into the freed buffer: drop them, as the stock server does.
-    s.plans.clear()
-    s.plan_buffers.clear()
+    s.graphs.clear()
     s.state.registry.free(buf)
     return 0
 
@@ -440,48 +449,44 @@ def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     dev = s.device(ev.device, "GRAPH_COMPUTE")
     limits = s.limits
     check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
-    s.plans.pop(ev.device, None)
-    s.plan_buffers.pop(ev.device, None)
+    s.graphs.pop(ev.device, None)
     registry = s.state.registry
     frees = registry.frees
-    plan = getattr(dev, "build_plan", build_plan)(ev, registry)  # the ggml device builds its own
+    plan = dev.build_plan(ev, registry)
     handles = np.unique(ev.tensors["buffer"]).tolist() if len(ev.tensors) else []
     bufs = [b for b in map(registry.get, handles) if b is not None]
     _run(s, plan, dev)
-    s.plans[ev.device] = plan
-    s.plan_buffers[ev.device] = bufs
-    s.plan_frees[ev.device] = frees
-    if registry.frees != frees:  # a free raced the build: recheck at the next recompute
-        s.plan_frees[ev.device] = -1
+    # frees -1 when a free raced the build: recheck at the next recompute
+    s.graphs[ev.device] = StoredGraph(plan, bufs, frees if registry.frees == frees else -1)
     return 0
 
 
 def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
     dev = s.device(ev.device, "GRAPH_RECOMPUTE")
-    plan = s.plans.get(ev.device)
-    if plan is None:
+    graph = s.graphs.get(ev.device)
+    if graph is None:
         raise RemoteProtocolError(f"GRAPH_RECOMPUTE: no stored graph for device {ev.device} "
                                   "(none computed, or a buffer it reaches was freed)")
     registry = s.state.registry
-    if s.plan_frees.get(ev.device) != registry.frees:  # something was freed since the last check
+    if graph.frees != registry.frees:  # something was freed since the last check
         frees = registry.frees
-        if any(b.freed for b in s.plan_buffers.get(ev.device, ())):
-            s.plans.pop(ev.device, None)
-            s.plan_buffers.pop(ev.device, None)
+        if any(b.freed for b in graph.buffers):
+            s.graphs.pop(ev.device, None)
             raise RemoteProtocolError("GRAPH_RECOMPUTE: the stored graph reaches a buffer freed "
                                       "since it was computed")
-        s.plan_frees[ev.device] = frees
-    _run(s, plan, dev)
+        graph.frees = frees
+    _run(s, graph.plan, dev)
     return 0
 
 
-def _run(s: Session, plan: Plan, dev) -> None:
+def _run(s: Session, plan: Any, dev: Device) -> None:
     t0 = time.perf_counter()
+    deadline = time.monotonic() + s.limits.graph_timeout
     if dev.kind == "ggml":  # in this session's contained worker, side by side with the others
-        dev.run(plan, s.id, time.monotonic() + s.limits.graph_timeout, s.sock)
+        dev.run(plan, s.id, deadline, s.sock)
     else:  # the numpy device computes in the daemon, one graph at a time
         with s.state.exec_lock:
-            plan.run(dev.xp)
+            dev.run(plan, s.id, deadline, s.sock)
     s.counters.graph_computes += 1
     s.counters.compute_seconds += time.perf_counter() - t0
 

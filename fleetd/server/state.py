@@ -19,7 +19,7 @@ from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
 from fleetd.server.cache_dir import CacheDir
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
-from fleetd.server.peer_policy import PeerPolicy, PeerStats, PeerTimeouts
+from fleetd.server.peer_policy import PeerCounters, PeerPolicy, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
 
@@ -117,7 +117,7 @@ class ServerState:
         self.p2p_enabled = config.p2p
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
         self.peer_timeouts = PeerTimeouts()
-        self.peer_stats = PeerStats()
+        self.peer_stats = PeerCounters()
         self.limits = config.limits
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         self.max_memory = self.limits.max_memory or physical * 9 // 10
@@ -136,9 +136,8 @@ class ServerState:
         """Start the devices' compute workers (the ggml device's fork server): called by the
         daemon once it has dropped root, so not even the fork server keeps root's rights."""
         for dev in self.devices:
-            if hasattr(dev, "start_workers"):
-                dev.start_workers(self.config.worker_user, self.limits.max_workers,
-                                  self.limits.worker_idle_timeout, self.config.pin_workers)
+            dev.start_workers(self.config.worker_user, self.limits.max_workers,
+                              self.limits.worker_idle_timeout, self.config.pin_workers)
 
     def close(self) -> None:
         """The daemon stops: devices let their workers and fork servers go."""

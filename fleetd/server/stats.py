@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 from fleetd.wire import COMMANDS, cmd_name
 
-COMMAND_BYTES = sorted(COMMANDS)
+COMMAND_CODES = sorted(COMMANDS)  # every command code, ascending: the counters' keys
 
 
 @dataclass
 class CommandCounters:
-    count: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_BYTES, 0))
-    request_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_BYTES, 0))
-    response_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_BYTES, 0))
+    count: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
+    request_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
+    response_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
     graph_computes: int = 0
     compute_seconds: float = 0.0
 
@@ -29,7 +29,7 @@ class CommandCounters:
         self.response_bytes[cmd] += response_bytes
 
     def add(self, other: CommandCounters) -> None:
-        for c in COMMAND_BYTES:
+        for c in COMMAND_CODES:
             self.count[c] += other.count[c]
             self.request_bytes[c] += other.request_bytes[c]
             self.response_bytes[c] += other.response_bytes[c]
@@ -44,7 +44,7 @@ class CommandCounters:
                     "request_bytes": self.request_bytes[c],
                     "response_bytes": self.response_bytes[c],
                 }
-                for c in COMMAND_BYTES
+                for c in COMMAND_CODES
             },
             "graph_computes": self.graph_computes,
             "compute_seconds": round(self.compute_seconds, 6),

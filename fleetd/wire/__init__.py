@@ -52,6 +52,7 @@ from fleetd.wire.ggml import (
     UnaryOp,
     contiguous_strides,
     nbytes,
+    op_name,
     row_size,
     type_name,
 )

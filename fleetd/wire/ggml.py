@@ -77,6 +77,14 @@ def type_name(t: int) -> str:
         return f"type {t}"
 
 
+def op_name(op: int) -> str:
+    """A wire op number's GgmlOp name, or "op N" past the enum."""
+    try:
+        return GgmlOp(op).name
+    except ValueError:
+        return f"op {op}"
+
+
 class GgmlOp(enum.IntEnum):
     NONE = 0
     DUP = 1
@@ -230,6 +238,7 @@ class TensorFlag(enum.IntFlag):
     COMPUTE = 16
 
 
+# ggml.h's limits, defined once: rpc_tensor's layout and ggml/lib.py's ctypes structs use them
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
 GGML_MAX_OP_PARAMS = 64

@@ -71,7 +71,7 @@ class GgmlPlan:
 
 
 class GgmlCpuDevice:
-    """Same interface as fleetd.compute.device.NumpyDevice (not a subclass: see the module doc)."""
+    """A fleetd.compute.device.Device, as NumpyDevice is (by its members: see the module doc)."""
 
     name = "CPU"
     kind = "ggml"

@@ -33,7 +33,7 @@ import numpy as np
 
 from fleetd.errors import UnsupportedOp
 from fleetd.wire import TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor
-from fleetd.wire.ggml import GluOp, UnaryOp, contiguous_strides, type_name
+from fleetd.wire.ggml import GluOp, UnaryOp, contiguous_strides, op_name, row_size, type_name
 
 F32, F16, BF16, I32, I64 = GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64
 FLOATS = frozenset({F32, F16, BF16})
@@ -130,12 +130,8 @@ def rule(*ops: GgmlOp, strided: tuple[int, ...] = (), flat: tuple[int, ...] = ()
     return register
 
 
-def wire_op_name(op: int) -> str:
-    return GgmlOp(op).name if op in GgmlOp._value2member_map_ else f"op {op}"
-
-
 def describe(node: RpcTensor, srcs: list) -> str:
-    parts = [f"{wire_op_name(node.op)} {node.describe()}"]
+    parts = [f"{op_name(node.op)} {node.describe()}"]
     parts += [f"src{i} {type_name(s.type)} ne={list(s.ne)}" for i, s in enumerate(srcs) if s]
     return ", ".join(parts)
 
@@ -172,11 +168,6 @@ def same_shape(a: RpcTensor, b: RpcTensor) -> bool:
 
 def can_repeat(small: RpcTensor, big: RpcTensor) -> bool:
     return all(s > 0 and b % s == 0 for s, b in zip(small.ne, big.ne))
-
-
-def row_size(t: RpcTensor) -> int:
-    tr = TYPE_TRAITS[t.type]
-    return t.ne[0] // tr.blck_size * tr.type_size
 
 
 def contiguous_from(t: RpcTensor, n: int) -> bool:
@@ -225,7 +216,9 @@ def transposed(t: RpcTensor) -> bool:
     return t.nb[0] > t.nb[1]
 
 
-def f32_param(node: RpcTensor, slot: int) -> float:
+def op_param_f32(node: RpcTensor, slot: int) -> float:
+    """Word `slot` of the wire op_params read as f32 (the op table's f32_param reads the value
+    its plan decoded once)."""
     return struct.unpack("<f", struct.pack("<i", node.op_params[slot]))[0]
 
 
@@ -270,7 +263,7 @@ def scale(node, srcs, caps):
     need(node.type == a.type and a.type in (F32, BF16), node, srcs, "types not taken")
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     need(contiguous(a) and contiguous(node), node, srcs, "src0 and result must be contiguous")
-    if f32_param(node, 1) != 0.0:
+    if op_param_f32(node, 1) != 0.0:
         return [Touch(a, row_extent(a), node.nb[1])]
     return None
 
@@ -283,7 +276,7 @@ def norm(node, srcs, caps):
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     if node.op == GgmlOp.RMS_NORM:  # asserts packed rows
         check_rows_packed(node, srcs, node, a)
-    eps = f32_param(node, 0)
+    eps = op_param_f32(node, 0)
     need(eps >= 0.0, node, srcs, f"eps {eps} (the kernel asserts eps >= 0)")  # False for NaN
 
 
@@ -557,7 +550,8 @@ def flash_attn_ext(node, srcs, caps):
          f"precision {node.op_params[3]} (the kernel aborts: only 0 and 10)")
     check_rows_packed(node, srcs, q, k, v)
     # each output row is copied from a DV-float scratch row, nb1 bytes, to flat row r at r*nb1
-    need(node.nb[1] == row_size(node), node, srcs, f"result nb1 {node.nb[1]} is not {row_size(node)}")
+    row = row_size(node.type, node.ne[0])
+    need(node.nb[1] == row, node, srcs, f"result nb1 {node.nb[1]} is not {row}")
     return [Touch(node, node.nb[1], node.nb[1])]
 
 
@@ -715,7 +709,7 @@ def fill(node, srcs, caps):
 def arange(node, srcs, caps):
     # writes element i at i * 4 for i < ceil((stop - start) / step), asserting that count
     need(node.type == F32 and contiguous(node), node, srcs, "result must be contiguous f32")
-    start, stop, step = (np.float32(f32_param(node, i)) for i in range(3))
+    start, stop, step = (np.float32(op_param_f32(node, i)) for i in range(3))
     with np.errstate(all="ignore"):
         steps = np.ceil((stop - start) / step)
     need(bool(np.isfinite(steps)) and steps == nelements(node), node, srcs,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 from fleetd.errors import UnsupportedOp
-from fleetd.wire import GgmlOp, RpcTensor, type_name
+from fleetd.wire import GgmlOp, RpcTensor, op_name, type_name
 
 Kernel = Callable[..., None]
 Bind = Callable[..., object]
@@ -96,8 +96,8 @@ def kernel_for(node: RpcTensor, src_tensors: list[RpcTensor | None]) -> Kernel:
     except (KeyError, ValueError):
         pass
     types = ", ".join(type_name(s.type) for s in src_tensors if s is not None)
-    op = GgmlOp(node.op).name if node.op in GgmlOp._value2member_map_ else f"op {node.op}"
-    raise UnsupportedOp(f"{op}: not supported by fleetd (dst {type_name(node.type)}; srcs {types})")
+    raise UnsupportedOp(
+        f"{op_name(node.op)}: not supported by fleetd (dst {type_name(node.type)}; srcs {types})")
 
 
 def supports_op(op: GgmlOp) -> bool:

@@ -6,7 +6,7 @@ import contextlib
 
 from fleetd.compute import dequant
 from fleetd.errors import ComputeError, UnsupportedOp
-from fleetd.wire import GgmlOp, GgmlType, RpcTensor, type_name
+from fleetd.wire import GgmlType, RpcTensor, op_name, type_name
 
 FLOAT_TYPES = frozenset({GgmlType.F32, GgmlType.F16, GgmlType.BF16})
 INT_TYPES = frozenset({GgmlType.I8, GgmlType.I16, GgmlType.I32, GgmlType.I64})
@@ -113,14 +113,10 @@ def i32_param(node, slot: int) -> int:
     return node.i32[slot]
 
 
-def op_name(node: RpcTensor) -> str:
-    return GgmlOp(node.op).name if node.op in GgmlOp._value2member_map_ else f"op {node.op}"
-
-
 def unsupported(node: RpcTensor, src_tensors, why: str = "") -> UnsupportedOp:
     types = ", ".join(type_name(s.type) for s in src_tensors if s is not None)
     extra = f": {why}" if why else ""
-    return UnsupportedOp(f"{op_name(node)}: dst {type_name(node.type)}, srcs {types} not supported{extra}")
+    return UnsupportedOp(f"{op_name(node.op)}: dst {type_name(node.type)}, srcs {types} not supported{extra}")
 
 
 def require_types(node: RpcTensor, src_tensors, dst_types, *src_types) -> None:
@@ -136,7 +132,7 @@ def check_indices(xp, node: RpcTensor, idx, bound: int) -> None:
     """Row indices must lie in [0, bound): numpy would wrap negatives and read the wrong row."""
     if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= bound):
         raise ComputeError(
-            f"{op_name(node)}: index {int(idx.min())}..{int(idx.max())} outside [0, {bound})"
+            f"{op_name(node.op)}: index {int(idx.min())}..{int(idx.max())} outside [0, {bound})"
         )
 
 
