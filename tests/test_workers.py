@@ -443,9 +443,12 @@ def test_a_session_thread_and_its_worker_share_the_least_used_core(pin):
             s.compute_and_check()
         workers = srv.state.devices[0].workers.worker_pids().values()
         worker_cores = [allowed_cores(f"/proc/{pid}/status") for pid in workers]
-        own = os.getpid()
-        pinned_threads = [c for c in (allowed_cores(f"/proc/{own}/task/{t}/status")
-                                      for t in os.listdir(f"/proc/{own}/task")) if c != everything]
+        live = srv.state.sessions.live()
+        session_threads = [t.native_id for t in threading.enumerate()  # this server's sessions
+                           if getattr(getattr(t, "_target", None), "__self__", None) in live]
+        assert len(session_threads) == 2
+        pinned_threads = [c for c in (allowed_cores(f"/proc/{os.getpid()}/task/{t}/status")
+                                      for t in session_threads) if c != everything]
         if pin:
             assert all(len(c) == 1 for c in worker_cores), worker_cores
             assert worker_cores[0] != worker_cores[1]  # the least used core, not the same one

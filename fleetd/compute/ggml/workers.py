@@ -323,7 +323,11 @@ class CpuPlacer:
             return
         try:
             os.sched_setaffinity(worker.pid, want)
-            os.sched_setaffinity(0, want)  # this thread: on Linux, 0 is the caller, not the process
+            # The caller too (on Linux, 0 is this thread, not the process), unless it is the
+            # main thread (a tool or a test computing without a server): what it starts later,
+            # a fork server among them, would inherit the pin.
+            if threading.current_thread() is not threading.main_thread():
+                os.sched_setaffinity(0, want)
             worker.thread_cores = want
         except OSError as exc:  # a cpuset changed under us, or the worker is gone: unpinned
             log.debug("cannot pin worker %d to cores %s: %s", worker.pid, want, exc)
