@@ -251,6 +251,7 @@ def _tensor_and(fmt: str):
 @dataclass(frozen=True, slots=True)
 class SetTensorHash(Request):
     cmd: ClassVar[Cmd] = Cmd.SET_TENSOR_HASH
+    SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
     offset: int
     hash: int
@@ -260,6 +261,7 @@ class SetTensorHash(Request):
 @dataclass(frozen=True, slots=True)
 class GetTensor(Request):
     cmd: ClassVar[Cmd] = Cmd.GET_TENSOR
+    SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
     offset: int
     size: int
@@ -269,6 +271,7 @@ class GetTensor(Request):
 @dataclass(frozen=True, slots=True)
 class MemsetTensor(Request):
     cmd: ClassVar[Cmd] = Cmd.MEMSET_TENSOR
+    SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
     offset: int
     size: int
@@ -279,6 +282,7 @@ class MemsetTensor(Request):
 @dataclass(frozen=True, slots=True)
 class InitTensor(Request):
     cmd: ClassVar[Cmd] = Cmd.INIT_TENSOR
+    SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
 
 
@@ -448,4 +452,4 @@ for _cmd, _spec in COMMANDS.items():
     if _spec.size is not None and hasattr(_spec.request, "layout"):
         assert _spec.request.layout.size + (_T if hasattr(_spec.request, "SIZE") else 0) == _spec.size, _cmd
     if _spec.streamed_body:
-        assert _spec.size is None and _spec.min_size == _spec.request.HEADER_SIZE, _cmd
+        assert _spec.size is None and _spec.min_size == getattr(_spec.request, "HEADER_SIZE"), _cmd

@@ -224,11 +224,11 @@ class ClientConnection:
         self._gate.check_send(request.cmd)
         spec = COMMANDS[request.cmd]
         payload = request.encode()
-        size = len(payload) + (request.size if spec.streamed_body else 0)
+        size = len(payload) + (request.size if spec.streamed_body else 0)  # type: ignore[attr-defined]  # streamed: a SetTensor
         if spec.response is not None:
             if into is not None:
                 view = memoryview(into).cast("B")
-                if not spec.response.streamed or len(view) != request.size:
+                if not spec.response.streamed or len(view) != request.size:  # type: ignore[attr-defined]  # streamed: a GetTensor
                     raise LocalProtocolError(f"{request.cmd.name}: `into` of {len(view)} bytes "
                                              f"does not fit this request")
                 into = (into, view)

@@ -255,7 +255,7 @@ def nbytes(type_: int, ne: tuple[int, ...], nb: tuple[int, ...]) -> int:
     return ne[0] * nb[0] // tr.blck_size + sum((ne[i] - 1) * nb[i] for i in range(1, 4))
 
 
-def contiguous_strides(type_: int, ne: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+def contiguous_strides(type_: int, ne: tuple[int, ...]) -> tuple[int, int, int, int]:
     tr = TYPE_TRAITS[type_]
     nb0 = tr.type_size
     nb1 = nb0 * (ne[0] // tr.blck_size)

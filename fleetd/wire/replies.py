@@ -12,7 +12,10 @@ import dataclasses
 import operator
 import struct
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 _U64 = struct.Struct("<Q")
 
@@ -151,7 +154,7 @@ class DataReply(Reply):
     """GET_TENSOR: the region's bytes, as many as the request asked for."""
 
     streamed: ClassVar[bool] = True
-    data: object  # a bytearray, or the writable buffer the caller asked the data into
+    data: Buffer  # a bytearray, or the writable buffer the caller asked the data into
 
     @staticmethod
     def header(size: int) -> bytes:

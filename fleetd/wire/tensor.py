@@ -31,6 +31,12 @@ _ZERO_SRC = (0,) * GGML_MAX_SRC
 _ZERO_PARAMS = (0,) * 16
 
 
+def _dims(a) -> tuple[int, int, int, int]:
+    """A record's ne or nb (4 numbers) as ints."""
+    d0, d1, d2, d3 = (int(x) for x in a)
+    return d0, d1, d2, d3
+
+
 @dataclass(frozen=True, slots=True)
 class RpcTensor:
     id: int
@@ -69,7 +75,7 @@ class RpcTensor:
         """Build from one element of an array of RPC_TENSOR_DTYPE."""
         return cls(
             id=int(r["id"]), type=int(r["type"]), buffer=int(r["buffer"]),
-            ne=tuple(int(x) for x in r["ne"]), nb=tuple(int(x) for x in r["nb"]),
+            ne=_dims(r["ne"]), nb=_dims(r["nb"]),
             op=int(r["op"]), op_params=tuple(int(x) for x in r["op_params"]),
             flags=int(r["flags"]), src=tuple(int(x) for x in r["src"]),
             view_src=int(r["view_src"]), view_offs=int(r["view_offs"]), data=int(r["data"]),

@@ -89,18 +89,21 @@ class GgmlCpuDevice:
         self._start_lock = threading.Lock()
 
     def start_workers(self, user: str | None, max_workers: int, idle_timeout: float,
-                      pin: bool = True) -> None:
+                      pin: bool = True) -> WorkerPool:
         """Start the fork server: graphs compute in contained workers from now on."""
-        self.workers = WorkerPool(self.threads, user, max_workers, idle_timeout, pin)
-        self.workers.start()
+        self.workers = workers = WorkerPool(self.threads, user, max_workers, idle_timeout, pin)
+        workers.start()
+        return workers
 
     def run(self, plan: GgmlPlan, session_id: int, deadline: float, client=None) -> None:
         """Compute `plan` in this session's worker (see WorkerPool.compute for what it raises)."""
-        if self.workers is None:  # used outside a server (tests, tools): default limits
+        workers = self.workers
+        if workers is None:  # used outside a server (tests, tools): default limits
             with self._start_lock:
-                if self.workers is None:
-                    self.start_workers(None, 64, 300.0)
-        self.workers.compute(session_id, plan, deadline, client)
+                workers = self.workers
+                if workers is None:
+                    workers = self.start_workers(None, 64, 300.0)
+        workers.compute(session_id, plan, deadline, client)
         for buf in plan.written:
             buf.touched()
 

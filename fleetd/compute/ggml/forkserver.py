@@ -72,9 +72,10 @@ def main(argv: list[str]) -> int:
     me = os.getpid()
     try:
         while True:
-            readable, _, _ = select.select([ctl, *children], [], [])
+            watched: list[socket.socket | int] = [ctl, *children]
+            readable, _, _ = select.select(watched, [], [])
             for r in readable:
-                if r is ctl:
+                if isinstance(r, socket.socket):  # ctl; the others are pidfds
                     try:
                         kind, _payload, fds = channel.recv_message(ctl, 64, max_fds=1)
                     except (EOFError, OSError):

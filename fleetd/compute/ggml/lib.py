@@ -1,22 +1,33 @@
 """The foreign side of the ggml device: libggml-base + libggml-cpu of the pinned llama.cpp build,
-their public types and the functions fleetd calls, declared for ctypes. Nothing else lives here.
+their public types and the functions fleetd calls: each a typed stub on GgmlLibrary, declared
+for ctypes by a decorator per library (`ggml_base_function`, `ggml_cpu_function`) and bound to
+the loaded library's function by `GgmlLibrary()`. Nothing else lives here.
 
 Layouts follow `ggml/include/ggml.h` of the pinned tree (llama-cpp-python 0.3.36's vendor dir).
 `load()` checks the one size it can against the library (`ggml_tensor_overhead`), so a build of
 another ggml version with a different struct fails at load, not in a kernel.
 """
 
+# mypy: disable-error-code="empty-body"
+# (GgmlLibrary's stubs never run: each is replaced by its C function when the library loads)
+
 from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import POINTER, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
+from collections.abc import Callable
+from ctypes import (POINTER, Array, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t,
+                    c_void_p)
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from fleetd.tools import LLAMA_VERSION, build_dir
 from fleetd.wire.ggml import GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS, GGML_MAX_SRC
+
+if TYPE_CHECKING:
+    from ctypes import _Pointer  # a POINTER(...) result, in the stubs' annotations
 
 GGML_OBJECT_SIZE = 32  # struct ggml_object: offs, size, next, type, padding[4]
 
@@ -79,48 +90,131 @@ ggml_backend_t = c_void_p
 ggml_backend_buffer_t = c_void_p
 ggml_tensor_p = POINTER(GgmlTensor)
 
-# (library, name, argtypes, restype); "base" is libggml-base, "cpu" libggml-cpu.
-_FUNCTIONS = [
-    ("base", "ggml_init", [GgmlInitParams], ggml_context_p),
-    ("base", "ggml_free", [ggml_context_p], None),
-    ("base", "ggml_tensor_overhead", [], c_size_t),
-    ("base", "ggml_graph_overhead_custom", [c_size_t, c_bool], c_size_t),
-    ("base", "ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)], ggml_tensor_p),
-    ("base", "ggml_new_graph_custom", [ggml_context_p, c_size_t, c_bool], ggml_cgraph_p),
-    ("base", "ggml_add", [ggml_context_p, ggml_tensor_p, ggml_tensor_p], ggml_tensor_p),
-    ("base", "ggml_graph_add_node", [ggml_cgraph_p, ggml_tensor_p], None),
-    ("base", "ggml_graph_n_nodes", [ggml_cgraph_p], c_int),
-    ("base", "ggml_nbytes", [ggml_tensor_p], c_size_t),
-    ("base", "ggml_op_name", [c_int], c_char_p),
-    ("base", "ggml_type_name", [c_int], c_char_p),
-    ("base", "ggml_status_to_string", [c_int], c_char_p),
-    ("base", "ggml_get_type_traits", [c_int], POINTER(GgmlTypeTraits)),
-    ("base", "ggml_backend_graph_compute", [ggml_backend_t, ggml_cgraph_p], c_int),
-    ("base", "ggml_backend_free", [ggml_backend_t], None),
-    ("base", "ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t], ggml_backend_buffer_t),
-    ("base", "ggml_backend_buffer_free", [ggml_backend_buffer_t], None),
-    ("cpu", "ggml_backend_cpu_init", [], ggml_backend_t),
-    ("cpu", "ggml_backend_cpu_set_n_threads", [ggml_backend_t, c_int], None),
-    ("cpu", "ggml_get_type_traits_cpu", [c_int], POINTER(GgmlTypeTraitsCpu)),
-]
+_Stub = TypeVar("_Stub", bound=Callable[..., Any])
+_ArgTypes = list[type[Any]]
+_ResType = type[Any] | None
+
+# Every declared function: name -> (library, argtypes, restype); "base" is libggml-base, "cpu"
+# libggml-cpu. GgmlLibrary binds them when it is made.
+_DECLARED: dict[str, tuple[str, _ArgTypes, _ResType]] = {}
+
+
+def ctypes_function_for(
+    library: str,
+) -> Callable[[str, _ArgTypes, _ResType], Callable[[_Stub], _Stub]]:
+    """A decorator factory for the functions of one library (llama-cpp-python's
+    `ctypes_function_for_shared_library`): `@ggml_base_function(name, argtypes, restype)` on a
+    typed stub of GgmlLibrary declares the C function the stub stands for."""
+
+    def ctypes_function(
+        name: str, argtypes: _ArgTypes, restype: _ResType
+    ) -> Callable[[_Stub], _Stub]:
+        def declare(stub: _Stub) -> _Stub:
+            if stub.__name__ != name or name in _DECLARED:  # bound by its own name, once
+                raise TypeError(f"stub {stub.__name__} for {name}: one per function, same name")
+            _DECLARED[name] = (library, argtypes, restype)
+            return stub
+
+        return declare
+
+    return ctypes_function
+
+
+ggml_base_function = ctypes_function_for("base")
+ggml_cpu_function = ctypes_function_for("cpu")
 
 
 class GgmlLibrary:
-    """The loaded libraries, with every function of `_FUNCTIONS` as an attribute."""
+    """The loaded libraries. Each method below is a typed stub of one C function; `__init__`
+    replaces it on the instance by that function of the loaded library, argtypes and restype
+    set, so `lib.ggml_init(params)` is a ctypes call with no Python frame of ours around it.
+    ctypes gives a c_void_p result as an int, or None for NULL: `| None` where the C function
+    returns NULL (most abort instead); a POINTER(...) result as a ctypes pointer."""
 
     def __init__(self, base: ctypes.CDLL, cpu: ctypes.CDLL, cpu_path: Path) -> None:
         self.cpu_path = cpu_path
         libs = {"base": base, "cpu": cpu}
-        for lib, name, argtypes, restype in _FUNCTIONS:
-            fn = getattr(libs[lib], name)
+        for name, (library, argtypes, restype) in _DECLARED.items():
+            fn = getattr(libs[library], name)
             fn.argtypes, fn.restype = argtypes, restype
-            setattr(self, name, fn)
+            setattr(self, name, fn)  # shadows the stub (a method is a non-data descriptor)
         expected = GGML_OBJECT_SIZE + ctypes.sizeof(GgmlTensor)
         if self.ggml_tensor_overhead() != expected:
             raise OSError(
                 f"{cpu_path.parent}: struct ggml_tensor is not the one of llama.cpp "
                 f"{LLAMA_VERSION} (overhead {self.ggml_tensor_overhead()}, expected {expected})"
             )
+
+    # -- libggml-base ---------------------------------------------------------------------------
+
+    @ggml_base_function("ggml_init", [GgmlInitParams], ggml_context_p)
+    def ggml_init(self, params: GgmlInitParams, /) -> int: ...
+
+    @ggml_base_function("ggml_free", [ggml_context_p], None)
+    def ggml_free(self, ctx: int, /) -> None: ...
+
+    @ggml_base_function("ggml_tensor_overhead", [], c_size_t)
+    def ggml_tensor_overhead(self, /) -> int: ...
+
+    @ggml_base_function("ggml_graph_overhead_custom", [c_size_t, c_bool], c_size_t)
+    def ggml_graph_overhead_custom(self, size: int, grads: bool, /) -> int: ...
+
+    @ggml_base_function("ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)],
+                        ggml_tensor_p)
+    def ggml_new_tensor(self, ctx: int, type: int, n_dims: int, ne: Array[c_int64], /
+                        ) -> _Pointer[GgmlTensor]: ...
+
+    @ggml_base_function("ggml_new_graph_custom", [ggml_context_p, c_size_t, c_bool], ggml_cgraph_p)
+    def ggml_new_graph_custom(self, ctx: int, size: int, grads: bool, /) -> int: ...
+
+    @ggml_base_function("ggml_add", [ggml_context_p, ggml_tensor_p, ggml_tensor_p], ggml_tensor_p)
+    def ggml_add(self, ctx: int, a: _Pointer[GgmlTensor], b: _Pointer[GgmlTensor], /
+                 ) -> _Pointer[GgmlTensor]: ...
+
+    @ggml_base_function("ggml_graph_add_node", [ggml_cgraph_p, ggml_tensor_p], None)
+    def ggml_graph_add_node(self, cgraph: int, tensor: _Pointer[GgmlTensor], /) -> None: ...
+
+    @ggml_base_function("ggml_graph_n_nodes", [ggml_cgraph_p], c_int)
+    def ggml_graph_n_nodes(self, cgraph: int, /) -> int: ...
+
+    @ggml_base_function("ggml_nbytes", [ggml_tensor_p], c_size_t)
+    def ggml_nbytes(self, tensor: _Pointer[GgmlTensor], /) -> int: ...
+
+    @ggml_base_function("ggml_op_name", [c_int], c_char_p)
+    def ggml_op_name(self, op: int, /) -> bytes: ...  # a name for every op below GGML_OP_COUNT
+
+    @ggml_base_function("ggml_type_name", [c_int], c_char_p)
+    def ggml_type_name(self, type: int, /) -> bytes | None: ...  # None: a type number ggml left out
+
+    @ggml_base_function("ggml_status_to_string", [c_int], c_char_p)
+    def ggml_status_to_string(self, status: int, /) -> bytes: ...  # a string for every status
+
+    @ggml_base_function("ggml_get_type_traits", [c_int], POINTER(GgmlTypeTraits))
+    def ggml_get_type_traits(self, type: int, /) -> _Pointer[GgmlTypeTraits]: ...
+
+    @ggml_base_function("ggml_backend_graph_compute", [ggml_backend_t, ggml_cgraph_p], c_int)
+    def ggml_backend_graph_compute(self, backend: int, cgraph: int, /) -> int: ...
+
+    @ggml_base_function("ggml_backend_free", [ggml_backend_t], None)
+    def ggml_backend_free(self, backend: int, /) -> None: ...
+
+    @ggml_base_function("ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t],
+                        ggml_backend_buffer_t)
+    def ggml_backend_cpu_buffer_from_ptr(self, ptr: int, size: int, /) -> int: ...
+
+    @ggml_base_function("ggml_backend_buffer_free", [ggml_backend_buffer_t], None)
+    def ggml_backend_buffer_free(self, buffer: int, /) -> None: ...
+
+    # -- libggml-cpu ----------------------------------------------------------------------------
+
+    @ggml_cpu_function("ggml_backend_cpu_init", [], ggml_backend_t)
+    def ggml_backend_cpu_init(self, /) -> int | None: ...  # None: no memory for its context
+
+    @ggml_cpu_function("ggml_backend_cpu_set_n_threads", [ggml_backend_t, c_int], None)
+    def ggml_backend_cpu_set_n_threads(self, backend_cpu: int, n_threads: int, /) -> None: ...
+
+    @ggml_cpu_function("ggml_get_type_traits_cpu", [c_int], POINTER(GgmlTypeTraitsCpu))
+    def ggml_get_type_traits_cpu(self, type: int, /) -> _Pointer[GgmlTypeTraitsCpu]: ...
 
 
 def library_dirs() -> list[Path]:

@@ -92,10 +92,11 @@ class Touch:
 
 
 def rows_disjoint(touch: Touch) -> bool:
-    """No byte of a flat touch (rows at r * stride) belongs to two of its rows."""
+    """No byte of a flat touch (rows at r * stride) belongs to two of its rows (False for
+    rows by dims, of more than one row: not decided here)."""
     t = touch.tensor
     rows = t.ne[1] * t.ne[2] * t.ne[3]
-    return rows <= 1 or touch.stride >= touch.row_bytes
+    return rows <= 1 or touch.stride is not None and touch.stride >= touch.row_bytes
 
 
 def overlaps(a: RpcTensor, b: RpcTensor) -> bool:

@@ -33,7 +33,8 @@ from fleetd.compute.ggml.channel import (
     send_message,
 )
 
-INDEX_DTYPES = {26: np.dtype("<i4"), 27: np.dtype("<i8")}  # GGML_TYPE_I32, GGML_TYPE_I64
+# GGML_TYPE_I32, GGML_TYPE_I64
+INDEX_DTYPES: dict[int, np.dtype] = {26: np.dtype("<i4"), 27: np.dtype("<i8")}
 # Row ids up to this many are checked as a Python list: a decode step's token id and KV slots
 # (a few each) then cost ~1 us instead of numpy's ~4 us per reduction; more go through numpy.
 SMALL_INDEX = 64
@@ -77,16 +78,18 @@ class WorkerPlan:
 
     def __init__(self, lib: ggml.GgmlLibrary, spec: GraphSpec, maps: dict[int, Mapping]) -> None:
         self.lib, self.handles = lib, set(spec.handles)
-        self.ctx = None
-        self.graph = None
+        self.ctx: int | None = None
+        self.graph: int | None = None
         self.buffers: list[int] = []
-        self.checks = []  # (source bytes, private copy's bytes, typed view, bound, what)
-        self.padded = []  # (source view, private copy)
+        # (source bytes, private copy's bytes, typed view, bound, what)
+        self.checks: list[tuple[memoryview, memoryview, np.ndarray, int, str]] = []
+        self.padded: list[tuple[np.ndarray, np.ndarray]] = []  # (source view, private copy)
         private: dict[int, int] = {}
         for tid, handle, off, nbytes, typ, ne, nb, bound, what in spec.index_checks:
             copy = np.empty(nbytes, np.uint8)
             view = np.ndarray(ne[::-1], INDEX_DTYPES[typ], buffer=copy, strides=nb[::-1])
-            self.checks.append((memoryview(maps[handle].bytes_at(off, nbytes)), memoryview(copy),
+            # .data: memoryview(a), which numpy's stubs allow only from Python 3.12
+            self.checks.append((maps[handle].bytes_at(off, nbytes).data, copy.data,
                                 view, bound, what))
             private[tid] = copy.ctypes.data
         for tid, handle, off, nbytes, padded_nbytes in spec.padded:
@@ -139,7 +142,7 @@ class WorkerPlan:
         if n > 1 and np.all(np.diff(addrs) == step) and step >= out.itemsize:
             # the context lays its objects out back to back: one strided write
             span = (ctypes.c_char * (step * (n - 1) + out.itemsize)).from_address(int(addrs[0]))
-            np.ndarray(n, out.dtype, buffer=span, strides=(step,))[:] = out
+            np.ndarray(n, out.dtype, buffer=memoryview(span), strides=(step,))[:] = out
         else:
             for i, a in enumerate(addrs):
                 ctypes.memmove(int(a), out[i : i + 1].ctypes.data, out.itemsize)
@@ -149,8 +152,8 @@ class WorkerPlan:
             lib.ggml_graph_add_node(self.graph, ctypes.cast(a, ggml.ggml_tensor_p))
 
     def run(self, backend: int) -> tuple[int, str]:
-        for source, copy in self.padded:
-            copy[: len(source)] = source
+        for data, padded in self.padded:
+            padded[: len(data)] = data
         for source, copy, view, bound, what in self.checks:
             copy[:] = source
             if view.size <= SMALL_INDEX:
@@ -201,7 +204,7 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
     maps: dict[int, Mapping] = {}
     plans: dict[int, WorkerPlan] = {}
     send_message(sock, REPLY_READY, ready.encode())
-    key = None
+    key = -1  # the plan a RUN computes (a RUN before any COMPUTE: KeyError, the process ends)
     while True:
         try:
             kind, payload, fds = recv_message(sock, MAX_MESSAGE, max_fds=1 << 16)

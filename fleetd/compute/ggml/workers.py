@@ -20,7 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fleetd
 from fleetd.compute.ggml.channel import (
@@ -37,6 +39,9 @@ from fleetd.compute.ggml.channel import (
     send_message,
 )
 from fleetd.compute.ggml.forkserver import EXITED, PID, SPAWN
+
+if TYPE_CHECKING:
+    from fleetd.compute.buffers import Buffer
 from fleetd.compute.host_memory import memfd_of
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.transport.stream import set_recv_timeout
@@ -159,14 +164,15 @@ class Worker:
         self.pid, self.sock = pid, sock
         self.threads = threads
         self.lock = threading.Lock()  # held while a session uses it; the reaper only try-locks
-        self.mapped: dict[int, object] = {}  # handle -> Buffer
+        self.mapped: dict[int, Buffer] = {}  # handle -> Buffer
         self.built: object | None = None  # the plan whose spec it holds
         self.last_used = time.monotonic()
         self.dead = False
         self.status: int | None = None
         self.walls = ""
         self.thread_cores: tuple[int, ...] = ()  # where its session thread was pinned with it
-        self.on_kill = None  # the pool's clean-up (its cores), called once
+        # the pool's clean-up (its cores), called once
+        self.on_kill: Callable[[Worker], None] | None = None
         self._exited = threading.Event()
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
@@ -351,7 +357,7 @@ class WorkerPool:
         self.max_workers, self.idle_timeout = max_workers, idle_timeout
         self._server: ForkServer | None = None
         self._server_lock = threading.Lock()
-        self._by_session: dict[int, Worker] = {}
+        self._by_session: dict[int, Worker | _Reserved] = {}
         self._cond = threading.Condition()
         self._computing = 0
         self.deaths = 0  # workers that died or were killed mid-graph
@@ -421,6 +427,8 @@ class WorkerPool:
             if w is None:
                 self._by_session[session_id] = placeholder = _Reserved()
         if w is not None:
+            # a session computes one graph at a time: its own _Reserved only while this call spawns
+            assert isinstance(w, Worker)
             w.lock.acquire()
             if not w.dead:
                 return w
@@ -449,6 +457,8 @@ class WorkerPool:
         """A new worker; a fork server that died (killed by the OOM killer, say) is restarted
         once, so one lost process does not cost every later session its compute."""
         with self._server_lock:
+            if self._server is None:
+                raise ComputeError("compute workers closed")
             if not self._server.alive():
                 rc = self._server.proc.returncode
                 log.warning("compute fork server %s: starting another",
