@@ -108,6 +108,9 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
     (rnd,) = doc["rounds"]
     assert rnd["order"] == ["hub", "direct"] and [c["arm"] for c in rnd["cells"]] == ["hub", "direct"]
     assert chart.read_bytes().startswith(b"\x89PNG") and doc["chart"] == str(chart)
+    # one round has no spread to be beyond; a loopback fleet is told its link is not the point
+    assert "one round: no spread to compare" in doc["verdict"] and "beyond the spread" not in doc["verdict"]
+    assert "on loopback, where the link is not the bottleneck" in doc["verdict"]
 
 
 @needs_tools
@@ -135,6 +138,38 @@ def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
     fractions = [f for _, f in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
     json.dumps(result.as_dict())  # the --json document is JSON
+
+
+def test_model_ab_refuses_before_running_when_the_direct_path_cannot_copy(tmp_path, capsys):
+    """P2P off on one node, then an allow-list that refuses the next node: nothing runs, exit 1,
+    one line naming the node and what to do (no tools needed: it stops before them)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with LocalFleet(2, tmp_path / "a", server_args=["--threads", "1"]) as local:
+        assert local.fleet.select(["local-1"]).map(lambda n: n.set_p2p(False)).ok
+        assert main(["ab", str(local.nodes_file), "--model", str(model), *SMALL]) == 1
+        err = capsys.readouterr().err
+        assert "the direct path cannot copy on this fleet: P2P is off on local-1" in err
+        assert "Nothing was run" in err and "--anyway" in err
+    with LocalFleet(2, tmp_path / "b", server_args=["--threads", "1", "--peer-allow", "10.9.0.0/16"]) as local:
+        assert main(["ab", str(local.nodes_file), "--model", str(model), *SMALL]) == 1
+        err = capsys.readouterr().err
+        assert "local-0's peer allow-list (10.9.0.0/16) refuses local-1 (127.0.0.1)" in err
+
+
+@needs_tools
+def test_model_ab_anyway_runs_says_so_first_and_claims_no_win(tmp_path, model, capsys):
+    with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
+        assert local.fleet.map(lambda n: n.set_p2p(False)).ok
+        code = main(["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--anyway", "--json",
+                     "--chart", str(tmp_path / "ab.png")])
+        out, err = capsys.readouterr()
+    assert code == 1
+    assert err.index("WARNING: the direct arm will not copy") < err.index("never ran")
+    doc = json.loads(out)
+    assert doc["ok"] and not doc["direct_ran"] and "never ran" in doc["verdict"]
 
 
 @needs_tools

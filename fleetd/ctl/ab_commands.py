@@ -15,7 +15,7 @@ from fleetd.errors import FleetError
 from fleetd.fleet.ab import compare
 from fleetd.fleet.chart import write_bar_chart
 from fleetd.fleet.local import START_TIMEOUT_S
-from fleetd.fleet.model_ab import run_model_ab
+from fleetd.fleet.model_ab import direct_path_problems, run_model_ab
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import (
     ab_steps_text, ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
@@ -49,6 +49,9 @@ def configure_ab(p) -> None:
     p.add_argument("--n-prompt", type=int, default=128, help="model: prompt tokens (default 128)")
     p.add_argument("--n-gen", type=int, default=32, help="model: generated tokens (default 32)")
     p.add_argument("--chart", type=Path, metavar="PNG", help="model: also write the chart to this PNG file")
+    p.add_argument("--anyway", action="store_true",
+                   help="model: run even when the nodes say the direct path cannot copy (P2P off, "
+                        "an allow-list that refuses the next node): both arms then measure the hub path")
     p.add_argument("--rows", type=int, default=32, help="synthetic: hidden state rows (default 32, as the seed)")
     p.add_argument("--n-embd", type=int, default=5120, help="synthetic: hidden size (default 5120, as the seed)")
     p.add_argument("--layers", type=int, help="synthetic: layers in total (default 2 per stage)")
@@ -106,6 +109,15 @@ def _cmd_model_ab(args) -> int:
         return _usage_error(f"--model {args.model}: no such file")
     console = Console(stderr=True)
     with open_fleet(args) as fleet:
+        problems = direct_path_problems(fleet)
+        if problems:
+            said = "; ".join(problems)
+            if not args.anyway:
+                print(f"fleetctl ab: the direct path cannot copy on this fleet: {said}. Nothing was "
+                      "run; fix it, or pass --anyway to measure the hub path in both arms.", file=sys.stderr)
+                return 1
+            console.print(f"[bold yellow]WARNING: the direct arm will not copy: {said}. Both arms "
+                          "measure the hub path (--anyway).[/]")
         if args.json:
             result = run_model_ab(fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen)
         else:
@@ -116,8 +128,10 @@ def _cmd_model_ab(args) -> int:
                     progress=lambda step, fraction: bar.update(task, completed=fraction, description=step))
     doc = result.as_dict()
     if args.chart is not None:
-        write_bar_chart(args.chart, f"hub vs direct: {doc['stages']} rpc stages, {args.model.name}",
-                        model_ab_chart_panels(doc))
+        title = f"hub vs direct: {doc['stages']} rpc stages, {args.model.name}"
+        if not doc["direct_ran"]:
+            title += " - the direct arm never copied: both bars are the hub path"
+        write_bar_chart(args.chart, title, model_ab_chart_panels(doc))
         doc["chart"] = str(args.chart)
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -129,9 +143,9 @@ def _cmd_model_ab(args) -> int:
         out.print(model_ab_verdict(doc))
         if args.chart is not None:
             out.print(f"chart: {args.chart}")
-    if not result.ok:
+    if not result.ok or not result.direct_ran:  # no win claimed for a path that never ran
         print(f"fleetctl ab: {result.verdict}", file=sys.stderr)
-    return 0 if result.ok else 1
+    return 0 if result.ok and result.direct_ran else 1
 
 
 # -- demo: a local fleet on loopback -----------------------------------------------------------

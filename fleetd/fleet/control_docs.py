@@ -13,6 +13,8 @@ node that speaks something else shows down with that reason instead of crashing 
 
 from __future__ import annotations
 
+import ipaddress
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,11 +103,29 @@ class P2pState:
     served: bool = True  # False: this daemon does not serve COPY_TENSOR_TO at all
     was: bool | None = None  # PUT /v1/p2p only: the state before the switch
     doc: Mapping = field(default_factory=dict, repr=False, compare=False)
+    # Where COPY_TENSOR_TO may push (CIDRs), None from a fleetd that does not say; complete:
+    # False when the daemon also allows the subnet each client reaches it on (wildcard bind).
+    peer_allow: tuple[str, ...] | None = None
+    peer_allow_complete: bool = True
 
     @classmethod
     def parse(cls, doc: Any, where: str = "/v1/p2p", path: str = "") -> P2pState:
         d = _Doc(doc, where, path)
-        return cls(d.flag("enabled"), d.flag("served", True), d.flag("was", None), d.doc)
+        allow = d._get("peer_allow", list, None)
+        return cls(d.flag("enabled"), d.flag("served", True), d.flag("was", None), d.doc,
+                   tuple(map(str, allow)) if allow is not None else None,
+                   d.flag("peer_allow_complete", True))
+
+    def allows(self, ip: str) -> bool | None:
+        """Whether a push to `ip` passes the allow-list; None when this state cannot tell."""
+        if self.peer_allow is None:
+            return None
+        try:
+            addr = ipaddress.ip_address(ip)
+            inside = any(addr in ipaddress.ip_network(n, strict=False) for n in self.peer_allow)
+        except ValueError:
+            return None
+        return True if inside else (False if self.peer_allow_complete else None)
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ calls a direct arm that copied nothing a success: it says why the copies did not
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 from collections.abc import Callable, Mapping
@@ -69,6 +71,7 @@ class ArmSummary:
     per_step: dict = field(default_factory=dict)
     copies_ok: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
+    rounds: int = 1
 
     def as_dict(self) -> dict:
         return {"arm": self.arm, "median": self.median,
@@ -290,7 +293,7 @@ def _summarise(arm: str, cells: list[dict]) -> ArmSummary:
             copies += d["copies_ok"]
             for r, n in d["fallbacks"].items():
                 fallbacks[r] = fallbacks.get(r, 0) + n
-    return ArmSummary(arm, median, spread, cells[0]["md5"], cells[0]["per_step"], copies, fallbacks)
+    return ArmSummary(arm, median, spread, cells[0]["md5"], cells[0]["per_step"], copies, fallbacks, len(cells))
 
 
 def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> list[str]:
@@ -315,8 +318,51 @@ def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> lis
     return why
 
 
+def direct_path_problems(fleet: Fleet) -> list[str]:
+    """Why the direct arm could not copy on this fleet, asked before the run is spent: a node
+    whose P2P is off or not served, a control API that does not answer, a node whose allow-list
+    refuses the next node of the split (a layer split pushes from each node to the next)."""
+    problems = []
+    statuses = fleet.map(lambda n: n.status())
+    nodes = list(fleet)
+    for i, node in enumerate(nodes):
+        status = statuses.get(node)
+        if isinstance(status, BaseException) or status is None:
+            problems.append(f"{node.name}: no control API answer ({status}): cannot check P2P "
+                            "(a stock ggml-rpc-server never copies)")
+            continue
+        if not status.p2p.served:
+            problems.append(f"{node.name} does not serve COPY_TENSOR_TO")
+        elif not status.p2p.enabled:
+            problems.append(f"P2P is off on {node.name} (fleetctl p2p on NODES)")
+        elif not status.features & Feature.PEER_COPY:
+            problems.append(f"{node.name} does not advertise the peer-copy feature")
+        if i + 1 < len(nodes):
+            nxt = nodes[i + 1]
+            try:
+                ip = socket.getaddrinfo(nxt.spec.host, None, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError:
+                continue  # the node resolves it, not us: no verdict from here
+            if status.p2p.allows(ip) is False:
+                problems.append(f"{node.name}'s peer allow-list ({', '.join(status.p2p.peer_allow or ())}) "
+                                f"refuses {nxt.name} ({ip}): redeploy with it in --peer-allow")
+    return problems
+
+
+def on_loopback(fleet: Fleet) -> bool:
+    """Every node on this host's loopback (a demo or LocalFleet, not a lab's namespaces)."""
+    def loopback(host: str) -> bool:
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+    return all(loopback(n.spec.host) and not n.spec.via_netns for n in fleet)
+
+
 def _beyond_spread(hub: ArmSummary, direct: ArmSummary, metric: str) -> str:
-    """Whether the two arms' min..max ranges over rounds overlap (with one round they are points)."""
+    """Whether the two arms' min..max ranges over rounds overlap; one round has no spread."""
+    if hub.rounds < 2 or direct.rounds < 2:
+        return "one round: no spread to compare"
     (h_lo, h_hi), (d_lo, d_hi) = hub.spread[metric], direct.spread[metric]
     if d_lo > h_hi:
         return "faster beyond the spread"
@@ -377,6 +423,9 @@ def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 
                           for m in METRICS if arms["hub"].median[m])
         verdict = (f"same text in every cell (md5 {arms['hub'].md5[:12]}); direct vs hub: {gains}; "
                    f"{arms['direct'].copies_ok} peer copies")
+        if on_loopback(fleet):
+            verdict += ("; every node is on loopback, where the link is not the bottleneck: the "
+                        "direct path pays off where the coordinator's link is slow (fleetctl lab)")
     settings = {"rounds": rounds, "n_prompt": n_prompt, "n_gen": n_gen,
                 "batch_sequences": BATCH_SEQUENCES, "rpc": rpc, "prompt": PROMPT}
     return ModelAbResult(str(model), len(fleet), settings, round_docs, arms, ok, direct_ran, verdict, why)

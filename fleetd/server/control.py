@@ -125,7 +125,12 @@ def stats_doc(state: ServerState, reset_at: float) -> dict:
 def p2p_doc(state: ServerState) -> dict:
     # "served": COPY_TENSOR_TO / PEER_BARRIER are in the command table (every fleetd serves
     # them); "enabled" is the runtime switch. Clients read both.
-    return {"enabled": bool(state.p2p_enabled), "served": True}
+    # "peer_allow": where COPY_TENSOR_TO may push; "peer_allow_complete" is false for the
+    # default policy on a wildcard bind, which also allows the subnet a client came in on.
+    policy = state.peer_policy
+    return {"enabled": bool(state.p2p_enabled), "served": True,
+            "peer_allow": [str(n) for n in policy.networks],
+            "peer_allow_complete": not (policy.default and state.config.host in ("0.0.0.0", "::", ""))}
 
 
 # -- /metrics ----------------------------------------------------------------------------------
