@@ -137,7 +137,10 @@ def test_stats_reset_zeroes_totals_and_metrics(fleetd_server):
 def test_put_p2p_switches_the_daemon(fleetd_server):
     srv = fleetd_server(control_port=0)
     status, _, data = api(srv, "PUT", "/v1/p2p", b'{"enabled": false}', {"Content-Type": "application/json"})
-    assert status == 200 and json.loads(data) == {"enabled": False, "served": True, "was": True}
+    assert status == 200 and json.loads(data) == {
+        "enabled": False, "served": True, "was": True,
+        "peer_allow": ["127.0.0.0/8", "::1/128", "127.0.0.0/24"],  # the default: loopback + own /24
+        "peer_allow_complete": True}
     assert srv.state.p2p_enabled is False
     assert get_json(srv, "/v1/p2p")["enabled"] is False
     assert metrics(srv)[("fleetd_p2p_enabled", ())] == 0
