@@ -397,8 +397,10 @@ def op_health(p):
 
 
 def op_logs(p):
+    # `path`: a log the daemon reports itself (--log-file: a demo, a lab, a hand-started fleetd)
+    path = p.get("path") or os.path.join(_root(p), "fleetd.log")
     try:
-        lines = open(os.path.join(_root(p), "fleetd.log"), errors="replace").read().splitlines()
+        lines = open(path, errors="replace").read().splitlines()
     except OSError:
         lines = []
     return {"lines": lines[-p.get("lines", 50):]}

@@ -140,6 +140,7 @@ class NodeStatus:
     p2p: P2pState
     sessions: tuple[Session, ...]
     doc: Mapping = field(default_factory=dict, repr=False, compare=False)
+    log_file: str | None = None  # where the daemon logs (--log-file); None: stderr/journal
 
     @classmethod
     def parse(cls, doc: Any, where: str = "/v1/status") -> NodeStatus:
@@ -161,6 +162,7 @@ class NodeStatus:
                                    s.whole("request_bytes"), s.whole("response_bytes"))
                            for s in d.objs("sessions", [])),
             doc=d.doc,
+            log_file=d.text("log_file", None),
         )
 
 

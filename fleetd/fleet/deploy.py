@@ -501,12 +501,21 @@ class Deployer:
         return self.start(node) | {"status": "restarted"}
 
     def logs(self, node: Node, lines: int = 50) -> dict:
+        """The deployed daemon's log, else the log file a running fleetd reports (--log-file:
+        what fleetctl demo and lab start, or one started by hand with it)."""
         ag = self.agent(node)
         got = ag("logs", lines=lines)["lines"]
-        if not got:
-            state = self._inspect(node, ag)
-            if state["current"] is None:
-                raise self._not_deployed(node, ag, state)
+        if got:
+            return {"lines": got, "path": f"{ag.root}/fleetd.log"}
+        state = self._inspect(node, ag)
+        if state["current"] is None:
+            try:
+                reported = node.status().log_file
+            except Exception:  # not running, or not answering: the deploy's story is the right one
+                reported = None
+            if reported:
+                return {"lines": ag("logs", lines=lines, path=reported)["lines"], "path": reported}
+            raise self._not_deployed(node, ag, state)
         return {"lines": got, "path": f"{ag.root}/fleetd.log"}
 
     def uninstall(self, node: Node) -> dict:

@@ -207,8 +207,9 @@ class Lab:
                 "--peer-allow", subnet,
                 # RPC clients: the other nodes (peer copies) and the coordinator on its own links
                 "--allow", f"{subnet},{subnet.replace(PEER_NET, COORD_NET, 1)}",
-                "--threads", str(threads), "--log-level", "warning"]
-        with open(self.dir / f"{n.name}.log", "wb") as log:
+                "--threads", str(threads), "--log-level", "info",
+                "--log-file", str((self.dir / f"{n.name}.log").absolute())]
+        with open(self.dir / f"{n.name}.log", "ab") as log:
             # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
             # the pid is fleetd's
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -43,7 +43,7 @@ class LocalFleet:
     """
 
     def __init__(self, count: int = 2, workdir: str | Path | None = None, *,
-                 server_args: Sequence[str] = (), control: bool = True, log_level: str = "warning",
+                 server_args: Sequence[str] = (), control: bool = True, log_level: str = "info",
                  start_timeout: float = START_TIMEOUT_S,
                  preexec_fn: Callable[[], None] | None = None) -> None:
         if count < 1:
@@ -86,9 +86,12 @@ class LocalFleet:
         return self
 
     def _spawn(self, i: int, rpc: int, control: int) -> None:
+        log_path = self.workdir / f"node-{i}.log"
         args = [sys.executable, "-m", "fleetd.server", "--host", "127.0.0.1", "--port", str(rpc),
-                "--control-port", str(control), "--log-level", self.log_level, *self.server_args]
-        with open(self.workdir / f"node-{i}.log", "wb") as log:  # the child keeps its own copy
+                "--control-port", str(control), "--log-level", self.log_level,
+                "--log-file", str(log_path.absolute()), *self.server_args]
+        # stdout and stderr (a traceback before logging starts) append to the same file
+        with open(log_path, "ab") as log:  # the child keeps its own copy
             self.processes.append(subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=self.preexec_fn))

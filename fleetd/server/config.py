@@ -109,3 +109,5 @@ class ServerConfig:
     # Pin each computing session's daemon thread and worker to the same cores
     # (fleetd.compute.ggml.workers.CpuPlacer); off leaves placement to the scheduler.
     pin_workers: bool = True
+    # Where the log goes (None: stderr); /v1/status reports it so that fleetctl logs finds it.
+    log_file: str | None = None

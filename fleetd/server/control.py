@@ -105,6 +105,7 @@ def status_doc(state: ServerState) -> dict:
         "healthy": state.unhealthy is None,
         "unhealthy_reason": state.unhealthy,
         "uptime_seconds": round(now - state.started, 3),
+        "log_file": state.config.log_file,  # None: the supervisor's or the journal's
         "p2p": p2p_doc(state),
         "sessions": sessions,
     }

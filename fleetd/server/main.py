@@ -33,6 +33,7 @@ FLEETD_DEFAULTS = {
     "allow": None,
     "limits": {},  # a [limits] table: ServerLimits field names (fleetd(8) LIMITS)
     "log_level": "info",
+    "log_file": None,  # None: stderr (the supervisor's or the journal's)
     "worker_user": None,
     "pin_workers": True,
     "user": None,  # started as root: the user to drop to after binding (fleetd.server.privileges)
@@ -82,7 +83,7 @@ def _fleetd_parser() -> argparse.ArgumentParser:
         description="ggml RPC server (protocol 7, stock llama.cpp clients work unmodified) "
         "with direct server-to-server transfer.",
         epilog="A TOML --config file may set host, port, devices (list), cache_dir, threads, "
-        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, user, "
+        "cache_max_bytes, control_port, p2p (bool), peer_allow (list), allow (list), log_level, log_file, user, "
         "worker_user, pin_workers (bool) and a [limits] "
         "table (the limits flags' names with _); flags win over it.",
     )
@@ -112,6 +113,9 @@ def _fleetd_parser() -> argparse.ArgumentParser:
                    "(refuses to start when it does not exist)")
     _add_limit_flags(p)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-file", type=Path, metavar="PATH",
+                   help="append the log to this file (default: stderr); /v1/status reports it, "
+                        "fleetctl logs and the TUI read it")
     p.add_argument("--worker-user", metavar="USER",
                    help="user the contained compute workers run as when fleetd runs as root "
                         "(default: fleetd if it exists, else nobody)")
@@ -139,6 +143,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     flags = {
         "host": args.host, "port": args.port, "cache_dir": args.cache_dir, "threads": args.threads,
         "control_port": args.control_port, "log_level": args.log_level, "dequant_cache": args.dequant_cache,
+        "log_file": args.log_file,
         "devices": args.device.split(",") if args.device else None,
         "peer_allow": args.peer_allow.split(",") if args.peer_allow else None,
         "p2p": False if args.no_p2p else None,
@@ -179,10 +184,16 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         print(f"fleetd: error: {exc}", file=sys.stderr)
         return 2
     _set_threads(settings["threads"])
-    logging.basicConfig(
-        level=str(settings["log_level"]).upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    log_file = Path(settings["log_file"]).absolute() if settings["log_file"] else None
+    try:
+        logging.basicConfig(
+            level=str(settings["log_level"]).upper(),
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+            **({"filename": str(log_file)} if log_file else {}),
+        )
+    except OSError as exc:
+        print(f"fleetd: error: --log-file {log_file}: {exc.strerror}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         host=settings["host"], port=int(settings["port"]), devices=list(settings["devices"]),
         cache_dir=Path(settings["cache_dir"]) if settings["cache_dir"] else None,
@@ -194,6 +205,7 @@ def fleetd_main(argv: list[str] | None = None) -> int:
         pin_workers=bool(settings["pin_workers"]),
         user=settings["user"],
         cache_max_bytes=settings["cache_max_bytes"],
+        log_file=str(log_file) if log_file else None,
     )
     try:
         return serve_forever(config)

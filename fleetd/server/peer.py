@@ -176,6 +176,7 @@ class PeerLinks:
         if link is None:
             return None
         if link.stale():
+            log.info("peer link to %s closed by the destination: reconnecting", link.endpoint)
             link.close()
             return None
         self._links[addr] = link  # most recently used last
@@ -219,6 +220,7 @@ def _link_for(state: ServerState, links: PeerLinks, endpoint: str, host: str, po
     if link is not None:
         return link
     link = PeerLink(endpoint, addr, state.peer_timeouts)
+    log.info("peer link to %s (%s:%d) opened", client_text(endpoint), *addr)
     state.peer_stats.link_opened()
     links.put(link)
     return link
@@ -243,7 +245,8 @@ def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
         data = memoryview(buf.array)[start : start + ev.size]
         try:
             link.push(ev.dst, data, state.peer_stats)
-        except PeerFailure:
+        except PeerFailure as exc:
+            log.info("peer link to %s dropped: %s", client_text(ev.endpoint), client_text(str(exc), 200))
             links.drop(link.addr)  # the stream state is unknown now
             raise
     except PeerFailure as exc:
