@@ -58,3 +58,33 @@ def test_fleetd_log_file_flag_and_a_bad_path(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith(f"fleetd: error: --log-file {tmp_path / 'no' / 'x.log'}: ")
+
+
+def test_ab_names_the_node_that_died_mid_run_and_what_to_do(tmp_path, capsys):
+    """A real kill: node local-1 gets SIGKILL while the synthetic A/B runs through it."""
+    import signal
+    import threading
+
+    with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
+        victim = local.processes[1]
+        node = list(local.fleet)[1]
+
+        def kill_when_computing() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if node.stats().total.graph_computes >= 3:
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.05)
+            victim.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_computing, daemon=True)
+        killer.start()
+        code = main(["ab", str(local.nodes_file), "--steps", "1000", "--n-embd", "1024", "--rows", "8"])
+        killer.join(60)
+        err = capsys.readouterr().err
+    assert code == 1
+    assert f"node local-1 ({node.spec.rpc_endpoint}) stopped answering during the" in err, err
+    assert "fleetctl status NODES" in err and "fleetctl start NODES" in err

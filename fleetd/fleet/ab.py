@@ -8,6 +8,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 
+from fleetd.errors import FleetError, TransportError
 from fleetd.fleet.node import Fleet
 from fleetd.pipeline import Pipeline, per_step
 
@@ -38,8 +39,27 @@ def _peer_totals(fleet: Fleet) -> tuple[int, int]:
     return copies, fallbacks
 
 
+def node_lost(fleet: Fleet, exc: TransportError, arm: str) -> FleetError:
+    """A transport error mid-run as the node it came from and what to do: the message names an
+    endpoint ("SET_TENSOR to 127.0.0.1:51003: ..."), the nodes file names the node."""
+    text = str(exc)
+    hit = next((n for n in fleet if n.spec.rpc_endpoint in text), None)
+    who = f"node {hit.name} ({hit.spec.rpc_endpoint})" if hit is not None else "a node"
+    return FleetError(f"{who} stopped answering during the {arm} arm ({type(exc).__name__}: {text}). "
+                      "Nothing was measured; see `fleetctl status NODES` and `fleetctl logs NODES`, "
+                      "then `fleetctl start NODES` (or restart it) and run ab again")
+
+
 def run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: int, n_embd: int,
             steps: int, local_last: bool) -> ArmResult:
+    try:
+        return _run_arm(fleet, endpoints, arm, layers, rows, n_embd, steps, local_last)
+    except TransportError as exc:
+        raise node_lost(fleet, exc, arm) from exc
+
+
+def _run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: int, n_embd: int,
+             steps: int, local_last: bool) -> ArmResult:
     before = _peer_totals(fleet)
     with Pipeline(endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct",
                   stats=False) as p:
