@@ -18,7 +18,7 @@ from fleetd.fleet.local import START_TIMEOUT_S
 from fleetd.fleet.model_ab import direct_path_problems, run_model_ab
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import (
-    ab_steps_text, ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
+    ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
     model_ab_table, model_ab_verdict,
 )
 from fleetd.transport import free_port, wait_listening
@@ -26,8 +26,7 @@ from fleetd.transport import free_port, wait_listening
 
 def _print_ab(doc: dict) -> None:
     console = Console()
-    console.print(ab_table(doc))
-    console.print(ab_steps_text(doc))
+    console.print(ab_table(doc))  # the per-step accounting, once
     console.print(ab_verdict(doc))
 
 

@@ -24,9 +24,9 @@ __all__ = ["DEMO_HELP", "cmd_demo", "configure_demo"]
 
 def configure_demo(p) -> None:
     p.add_argument("--nodes", type=int, default=2, help="fleetd processes to start (default 2)")
-    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--rows", type=int, default=32, help="hidden state rows of the A/B (default 32)")
     p.add_argument("--n-embd", type=int, default=1024, help="hidden size of the A/B (default 1024)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="steps per A/B run (default 5)")
     p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp run")
     p.add_argument("--keep", action="store_true",
                    help="leave the fleet running after the report, until Ctrl-C; its nodes file stays")

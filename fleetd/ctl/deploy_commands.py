@@ -115,7 +115,7 @@ def configure_lifecycle(p) -> None:
 
 def configure_logs(p) -> None:
     _deploy_args(p)
-    p.add_argument("-n", "--lines", type=int, default=50, help="lines per node")
+    p.add_argument("-n", "--lines", type=int, default=50, help="lines per node (default 50)")
 
 
 def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:

@@ -10,7 +10,7 @@ node gets a "down" row, and `down_text` lists the reasons under the table (too l
     fmt_count, spark_text          the one number format; a sparkline of recent values
     stats_table, activity_table    NodeStats answers (fleetctl stats, the TUI's counters)
     p2p_table, p2p_text            P2pState answers (fleetctl p2p, the TUI's node table)
-    ab_table, ab_steps_text, ab_verdict   fleetd.fleet.ab.compare's document
+    ab_table, ab_verdict           fleetd.fleet.ab.compare's document
     outcome_table, lifecycle_table        fleetctl deploy and start/stop/restart/uninstall
 """
 
@@ -24,7 +24,6 @@ from rich.text import Text
 
 from fleetd.fleet.control_docs import Device, NodeStats, NodeStatus, P2pState
 from fleetd.fleet.deploy import STEPS, NodeOutcome
-from fleetd.pipeline.report import step_table
 
 Answers = Mapping[str, "NodeStatus | NodeStats | P2pState | BaseException"]
 
@@ -203,8 +202,8 @@ def stats_table(answers: Mapping[str, NodeStats | BaseException],
     t.add_column("Request", justify="right")
     t.add_column("Response", justify="right")
     for name, st in answers.items():
-        if isinstance(st, BaseException):
-            _down_row(t, name)
+        if isinstance(st, BaseException):  # "down" where the numbers go, not as a command
+            t.add_row(name, "", Text("down", style="bold red"), *[""] * (len(t.columns) - 3))
             continue
         before = previous.get(name) if rate else None
         before = before.total if isinstance(before, NodeStats) else None
@@ -262,12 +261,14 @@ def p2p_table(answers: Mapping[str, P2pState | BaseException]) -> Table:
     t = Table(title="peer copy (P2P)", title_justify="left")
     t.add_column("Node", style="bold")
     t.add_column("P2P")
-    t.add_column("Was")
+    switched = any(not isinstance(p, BaseException) and p.was is not None for p in answers.values())
+    if switched:  # only after a switch: `p2p status` has nothing to put there
+        t.add_column("Was")
     for name, p in answers.items():
         if isinstance(p, BaseException):
             _down_row(t, name)
             continue
-        t.add_row(name, p2p_text(p), "" if p.was is None else _on_off(p.was))
+        t.add_row(name, p2p_text(p), *([] if not switched else ["" if p.was is None else _on_off(p.was)]))
     return t
 
 
@@ -298,15 +299,29 @@ def ab_table(doc: dict) -> Table:
     return table
 
 
-def ab_steps_text(doc: dict) -> str:
-    """The seed's per-step table (fleetd.pipeline.report.step_table), one column per arm."""
-    return step_table({arm: a["per_step"] for arm, a in doc["arms"].items()})
-
 
 def ab_verdict(doc: dict) -> Text:
-    if doc["outputs_identical"]:
-        return Text("outputs of all runs: identical", style="bold green")
-    return Text("outputs of all runs: DIFFERENT", style="bold red")
+    """Outputs first (they must match), then the speed: time per step of hub over direct, and
+    whether the runs' ranges overlap (ABBA: two runs per arm)."""
+    if not doc["outputs_identical"]:
+        return Text("outputs of all runs: DIFFERENT", style="bold red")
+    per_arm: dict[str, list[float]] = {}
+    for run in doc.get("runs", []):
+        per_arm.setdefault(run["arm"], []).append(run["seconds_per_step"])
+    hub, direct = per_arm.get("hub"), per_arm.get("direct")
+    speed = ""
+    if hub and direct and min(direct) > 0:
+        ratio = doc["arms"]["hub"]["seconds_per_step"] / doc["arms"]["direct"]["seconds_per_step"]
+        if max(direct) < min(hub):
+            spread = "faster beyond the spread of the runs"
+        elif min(direct) > max(hub):
+            spread = "slower beyond the spread of the runs"
+        else:
+            spread = "within the spread of the runs"
+        speed = f"; direct vs hub: x{ratio:.2f} steps/s ({spread})"
+        if doc["arms"]["direct"].get("node_peer_copies", 1) == 0:
+            speed += "; but the nodes counted no peer copy: the direct arm ran the hub path"
+    return Text(f"outputs of all runs: identical{speed}", style="bold green")
 
 
 # -- deploy and the lifecycle commands ---------------------------------------------------------
