@@ -42,3 +42,37 @@ def test_synthetic_ab_gives_a_speed_verdict_with_its_spread():
         ab_verdict(_ab_doc([0.2, 0.22], [0.1, 0.11])).plain
     assert "within the spread" in ab_verdict(_ab_doc([0.2, 0.1], [0.15, 0.12])).plain
     assert "the direct arm ran the hub path" in ab_verdict(_ab_doc([0.2, 0.2], [0.2, 0.2], copies=0)).plain
+
+
+def test_status_shows_each_sessions_allocated_bytes_and_layers(fleetd_server, tmp_path):
+    """#18 item 10: which node holds which layers, and how many bytes each session holds."""
+    import json
+
+    from conftest import endpoint
+
+    from fleetd.client.graph import GraphBuilder
+    from fleetd.client.rpc import RpcClient
+    from fleetd.fleet.node import Fleet
+    from fleetd.fleet.render import fmt_bytes, layer_ranges, sessions_table
+    from fleetd.wire import GgmlType
+
+    srv = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=n\n")
+    with RpcClient(endpoint(srv)) as c:
+        handle, _ = c.alloc_buffer(1 << 16)
+        base = c.buffer_get_base(handle)
+        g = GraphBuilder()
+        for i, layer in enumerate((3, 4, 5, 9)):
+            t = g.tensor(GgmlType.F32, (16,), handle, base + 64 * i)
+            t.name = f"blk.{layer}.attn_q.weight"
+            c.set_tensor(t.rpc(), bytes(64))
+        c.sync()
+        (status,) = Fleet.load(nodes).map(lambda n: n.status()).values()
+        (session,) = status.sessions
+        assert session.allocated_bytes == 1 << 16 and session.layers == (3, 4, 5, 9)
+        out = text_of(sessions_table({"n": status}), width=140)
+        assert fmt_bytes(1 << 16) in out, out
+        assert "3-5,9" in out
+    assert layer_ranges([0, 1, 2, 7, 8, 11]) == "0-2,7-8,11" and layer_ranges([]) == ""
+    json.dumps(status.doc)

@@ -123,6 +123,11 @@ class BufferRegistry:
                 self._spans.append((base, base + span))
                 return base
 
+    def owned_bytes(self, owner: int) -> int:
+        """Bytes of the buffers `owner` (a session id) has allocated and not freed."""
+        with self._lock:
+            return self._by_owner.get(owner, 0)
+
     def _release(self, owner: int, size: int) -> None:
         with self._lock:
             self._allocated -= size

@@ -95,6 +95,8 @@ class Session:
     commands: int
     request_bytes: int
     response_bytes: int
+    allocated_bytes: int = 0  # buffers this session holds on the node
+    layers: tuple[int, ...] = ()  # model layers whose weights it wrote there (blk.N.*)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,9 @@ class NodeStatus:
             uptime_seconds=d.number("uptime_seconds", 0.0),
             p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),
             sessions=tuple(Session(s.whole("id"), s.text("peer"), s.number("age_seconds"), s.whole("commands"),
-                                   s.whole("request_bytes"), s.whole("response_bytes"))
+                                   s.whole("request_bytes"), s.whole("response_bytes"),
+                                   s.whole("allocated_bytes", 0),
+                                   tuple(x for x in s._get("layers", list, []) if isinstance(x, int)))
                            for s in d.objs("sessions", [])),
             doc=d.doc,
             log_file=d.text("log_file", None),

@@ -179,12 +179,26 @@ def sessions_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table |
     if not rows:
         return None
     t = Table(title="sessions", title_justify="left")
-    for col in ("Node", "Session", "Peer", "Age", "Commands", "Received", "Sent"):
-        t.add_column(col, justify="left" if col in ("Node", "Peer") else "right")
+    # Short headers: nine columns and a peer address fit 80 columns; the peer is never folded
+    for col in ("Node", "Id", "Peer", "Age", "Cmds", "Recv", "Sent", "Held", "Layers"):
+        t.add_column(col, justify="left" if col in ("Node", "Peer", "Layers") else "right",
+                     no_wrap=col == "Peer")
     for name, s in rows:
         t.add_row(name, str(s.id), s.peer, fmt_duration(s.age_seconds), fmt_count(s.commands),
-                  fmt_bytes(s.request_bytes), fmt_bytes(s.response_bytes))
+                  fmt_bytes(s.request_bytes), fmt_bytes(s.response_bytes), fmt_bytes(s.allocated_bytes),
+                  layer_ranges(s.layers) or "-")
     return t
+
+
+def layer_ranges(layers) -> str:
+    """0,1,2,3,7 -> "0-3,7": which layers of a model a node holds, short."""
+    out: list[str] = []
+    for n in sorted(set(layers)):
+        if out and out[-1].split("-")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ",".join(out)
 
 
 def stats_table(answers: Mapping[str, NodeStats | BaseException],

@@ -87,6 +87,9 @@ def status_doc(state: ServerState) -> dict:
             "commands": sum(s.counters.count.values()),
             "request_bytes": rx,
             "response_bytes": tx,
+            # buffers this session holds, and the model layers whose weights it wrote there
+            "allocated_bytes": state.registry.owned_bytes(s.id),
+            "layers": sorted(s.layers),
         })
     host, port = state.address[:2]
     return {

@@ -112,6 +112,7 @@ class Session:
         self.conn = ServerConnection(max_request=self.limits.max_request_bytes)
         self.counters = CommandCounters()
         self.graphs: dict[int, StoredGraph] = {}  # by device index
+        self.layers: set[int] = set()  # model layers whose weights this session wrote (blk.N.*)
         self._connected = time.monotonic()
         self._greeted = False  # HELLO answered (greet): the idle timeout applies between requests
         self._recv_timeout: float | None = None  # SO_RCVTIMEO as last set
@@ -379,8 +380,18 @@ def on_buffer_clear(s: Session, ev: BufferClear) -> int:
     return 0
 
 
+def layer_of(name: bytes) -> int | None:
+    """The layer a llama.cpp weight belongs to, from its GGUF name ("blk.12.attn_q.weight")."""
+    if not name.startswith(b"blk."):
+        return None
+    digits = name[4:].split(b".", 1)[0]
+    return int(digits) if digits.isdigit() and len(digits) < 6 else None
+
+
 def on_set_tensor(s: Session, ev: SetTensor) -> int:
     buf, start = s.region(ev.tensor, ev.offset, ev.size, "SET_TENSOR")
+    if (layer := layer_of(ev.tensor.name)) is not None:  # what status says this node holds
+        s.layers.add(layer)
     dst = memoryview(buf.array)[start : start + ev.size]
     got = s.conn.read_body_into(dst)
     while got < ev.size:
@@ -403,6 +414,8 @@ def on_set_tensor_hash(s: Session, ev: SetTensorHash) -> int:
     with f:
         size = os.fstat(f.fileno()).st_size
         buf, start = s.region(ev.tensor, ev.offset, size, "SET_TENSOR_HASH")
+        if (layer := layer_of(ev.tensor.name)) is not None:
+            s.layers.add(layer)
         dst = memoryview(buf.array)[start : start + size]
         got = 0
         while got < size and (n := f.readinto(dst[got:])):  # straight into the buffer, no copy

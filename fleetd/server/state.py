@@ -34,6 +34,7 @@ class LiveSession(Protocol):
     address: str  # the client's IP address
     started: float
     counters: CommandCounters
+    layers: set[int]  # model layers whose weights it wrote (blk.N.*)
 
 
 class SessionTable:
