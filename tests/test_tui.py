@@ -469,3 +469,37 @@ def test_fleetctl_tui_rejects_bad_arguments(tmp_path, capsys):
     assert "--interval 0: must be above 0" in capsys.readouterr().err
     assert main(["tui", str(nodes), "--ab-steps", "1"]) == 2
     assert "--ab-steps 1: must be at least 2" in capsys.readouterr().err
+
+
+def test_seen_and_poll_tell_a_killed_node_from_a_frozen_one(tmp_path):
+    """#18 item 5, real signals: SIGKILL one node, SIGSTOP the other. Seen is when a node last
+    answered (a failed poll is no answer); Poll of a poll that hangs is its age so far."""
+    with LocalFleet(2, tmp_path) as own:
+        killed, frozen = own.processes
+
+        async def scenario():
+            app = FleetApp(own.fleet, POLL_S)
+            async with app.run_test(size=SIZE) as pilot:
+                screen = dashboard(app)
+                table = screen.query_one(NodeTable)
+                assert await settle(pilot, lambda: cell(table, "0", "state") == "up" == cell(table, "1", "state"))
+                killed.send_signal(signal.SIGKILL)
+                frozen.send_signal(signal.SIGSTOP)
+                try:
+                    assert await settle(pilot, lambda: cell(table, "0", "state") == "down")
+                    # down, and Seen keeps the age of its last answer instead of "now"
+                    assert await settle(pilot, lambda: cell(table, "0", "seen") not in ("now", ""))
+                    assert await settle(pilot, lambda: cell(table, "1", "latency").startswith(">"))
+                    first = screen.hanging_poll_age("1")
+                    await pilot.pause(4 * POLL_S)
+                    assert screen.hanging_poll_age("1") > first  # it grows while the poll hangs
+                    table.move_cursor(row=1)
+                    await pilot.press("enter")
+                    assert await settle(pilot, lambda: isinstance(app.screen, NodeScreen))
+                    summary = lambda: str(app.screen.query_one("#node-summary").content)  # noqa: E731
+                    assert await settle(pilot, lambda: "a poll has been waiting" in summary()), summary()
+                    assert "now ago" not in summary()
+                finally:
+                    frozen.send_signal(signal.SIGCONT)
+
+        asyncio.run(scenario())

@@ -74,6 +74,8 @@ class DashboardScreen(Screen):
         self.histories: dict[str, History] = {key: History() for key in self.nodes}
         self.p2p_pending: set[str] = set()
         self._polls: dict[str, Worker] = {}
+        self._poll_started: dict[str, float] = {}  # a poll in flight: when it began
+        self._answered_at: dict[str, float] = {}  # the last poll the node answered (not a failure)
         self.clock = time.monotonic  # what ages are measured with (the snapshot tests fix it)
         self._down_shown = ""
         self._latencies: dict[str, deque[float]] = {}
@@ -123,6 +125,7 @@ class DashboardScreen(Screen):
                 self.poll(key)
 
     def poll(self, key: str) -> None:
+        self._poll_started[key] = self.clock()
         self._polls[key] = self.run_worker(
             partial(self._poll_node, key, self.nodes[key]), name=f"poll {self.nodes[key].name}",
             group=f"poll:{key}", exclusive=True, thread=True)
@@ -151,11 +154,30 @@ class DashboardScreen(Screen):
         recent = self._latencies.setdefault(key, deque(maxlen=LATENCY_POLLS))
         if latency is not None:
             recent.append(latency)
+        self._poll_started.pop(key, None)
+        if not isinstance(status, BaseException):
+            self._answered_at[key] = at
         self.samples[key] = Sample(status, stats, at, statistics.median(recent) if recent else None, rates)
         self.histories[key].add(at, rates)
         self._show(key)
 
     # -- attributes down ---------------------------------------------------------------------
+
+    def answered_age(self, key: str, now: float | None = None) -> float | None:
+        """Seconds since the node last answered (a failed poll is no answer); None: never."""
+        at = self._answered_at.get(key)
+        return None if at is None else (self.clock() if now is None else now) - at
+
+    def hanging_poll_age(self, key: str, now: float | None = None) -> float | None:
+        """Seconds a poll still in flight has run, when that is longer than the last poll took
+        (a frozen node: its poll's age is what the Poll column shows); None otherwise."""
+        started = self._poll_started.get(key)
+        if started is None:
+            return None
+        age = (self.clock() if now is None else now) - started
+        sample = self.samples.get(key)
+        last = sample.latency if sample is not None and sample.latency is not None else 0.0
+        return age if age > max(last, self.interval) else None
 
     def is_stale(self, key: str, now: float | None = None) -> bool:
         sample = self.samples.get(key)
@@ -173,10 +195,15 @@ class DashboardScreen(Screen):
             return row
         now = self.clock()
         history = self.histories[key].series("commands_per_s")[-SPARK_WIDTH:]
+        answered = self.answered_age(key, now)
+        hanging = self.hanging_poll_age(key, now)
         return replace(row, status=sample.status, stats=sample.stats, rates=sample.rates,
-                       history=tuple(history), seen_seconds=round(now - sample.at, 1),
+                       history=tuple(history),
+                       seen_seconds=None if answered is None else round(answered, 1),
+                       never_answered=answered is None,
                        fresh_seconds=1.5 * self.interval,
-                       latency_seconds=sample.latency, stale=self.is_stale(key, now))
+                       latency_seconds=hanging if hanging is not None else sample.latency,
+                       poll_hanging=hanging is not None, stale=self.is_stale(key, now))
 
     def _show_row(self, key: str) -> None:
         self.query_one(NodeTable).show(key, self._row(key))

@@ -46,6 +46,10 @@ class NodeSource(Protocol):
 
     def is_stale(self, key: str) -> bool: ...
 
+    def answered_age(self, key: str) -> float | None: ...
+
+    def hanging_poll_age(self, key: str) -> float | None: ...
+
 LOG_LINES = 20
 LOG_REFRESH_S = 5.0
 
@@ -96,10 +100,19 @@ class NodeScreen(Screen):
                                                                          ("\nnot answered yet", "dim")))
             commands.update("")
             return
-        age = fmt_age(self.dashboard.clock() - sample.at)
-        poll = f"{sample.latency * 1000:.0f} ms" if sample.latency is not None else "?"
+        answered = self.dashboard.answered_age(self.key)
+        hanging = self.dashboard.hanging_poll_age(self.key)
+        if answered is None:
+            when = "never answered"
+        else:
+            age = fmt_age(answered, 1.5 * self.dashboard.interval)
+            when = "answered just now" if age == "now" else f"last answered {age} ago"
+        if hanging is not None:
+            poll = f"a poll has been waiting {fmt_duration(hanging)}"
+        else:
+            poll = f"poll took {sample.latency * 1000:.0f} ms" if sample.latency is not None else "poll took ?"
         stale = self.dashboard.is_stale(self.key)
-        seen = Text(f"last answered {age} ago, poll took {poll}", style="bold yellow" if stale else "dim")
+        seen = Text(f"{when}, {poll}", style="bold yellow" if stale or hanging is not None else "dim")
         st = sample.status
         if isinstance(st, BaseException):
             state = Text(f"down: {reason(st)}", style="bold red")

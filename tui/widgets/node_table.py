@@ -64,9 +64,11 @@ class NodeRow:
     rates: Rates | None = None
     p2p_pending: bool = False
     history: tuple[float, ...] = ()  # commands/s of the recent polls, oldest first
-    seen_seconds: float | None = None  # since the last answer (an up or a down one)
+    seen_seconds: float | None = None  # since the node last answered (a failed poll is no answer)
+    never_answered: bool = False  # polled, and no poll was ever answered
     fresh_seconds: float = 1.5  # an answer younger than this shows as "now"
-    latency_seconds: float | None = None  # how long the last poll took
+    latency_seconds: float | None = None  # how long the last poll took, or the hanging one runs
+    poll_hanging: bool = False  # a poll still in flight, longer than the last one took
     stale: bool = False  # no answer for two poll intervals: the values shown are old
 
 
@@ -102,8 +104,11 @@ def fmt_latency(seconds: float | None) -> str:
 
 def row_cells(row: NodeRow) -> dict[str, object]:
     cells: dict[str, object] = {c.key: "" for c in COLUMNS}
-    cells.update(node=row.name, host=row.host, seen=fmt_age(row.seen_seconds, row.fresh_seconds),
+    cells.update(node=row.name, host=row.host,
+                 seen="never" if row.never_answered else fmt_age(row.seen_seconds, row.fresh_seconds),
                  latency=fmt_latency(row.latency_seconds))
+    if row.poll_hanging:  # its age so far, growing: not the last good poll's
+        cells["latency"] = Text(f">{fmt_latency(row.latency_seconds)}", style="bold yellow")
     if row.stale:
         cells["seen"] = Text(cells["seen"], style="bold yellow")
     if row.status is None:
