@@ -98,6 +98,8 @@ async def feed(pilot) -> DashboardScreen:
     await all_done(pilot)
     screen.samples.clear()
     screen._latencies.clear()
+    screen._answered_at.clear()
+    screen._poll_started.clear()  # the cancelled polls: none is hanging in these pictures
     for h in screen.histories.values():
         h.points.clear()
     t0 = 1000.0

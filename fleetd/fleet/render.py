@@ -324,7 +324,9 @@ def ab_verdict(doc: dict) -> Text:
         per_arm.setdefault(run["arm"], []).append(run["seconds_per_step"])
     hub, direct = per_arm.get("hub"), per_arm.get("direct")
     speed = ""
-    if hub and direct and min(direct) > 0:
+    if doc["arms"].get("direct", {}).get("node_peer_copies", 1) == 0:
+        speed = "; the direct arm never copied (both arms ran the hub path): no speed verdict"
+    elif hub and direct and min(direct) > 0:
         ratio = doc["arms"]["hub"]["seconds_per_step"] / doc["arms"]["direct"]["seconds_per_step"]
         if max(direct) < min(hub):
             spread = "faster beyond the spread of the runs"
@@ -333,8 +335,6 @@ def ab_verdict(doc: dict) -> Text:
         else:
             spread = "within the spread of the runs"
         speed = f"; direct vs hub: x{ratio:.2f} steps/s ({spread})"
-        if doc["arms"]["direct"].get("node_peer_copies", 1) == 0:
-            speed += "; but the nodes counted no peer copy: the direct arm ran the hub path"
     return Text(f"outputs of all runs: identical{speed}", style="bold green")
 
 

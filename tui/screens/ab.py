@@ -305,8 +305,7 @@ class AbScreen(Screen):
         state.update(Text(f"done in {run.seconds:.1f}s ({run.workload})"))
         verdict = [Text(run.verdict, style="bold green" if run.ok else "bold red")]
         if run.workload == "synthetic":
-            verdict[0] = Text.assemble(ab_verdict(run.doc), (f"; direct vs hub steps/s {run.speedup}"
-                                                             if run.speedup else ""))
+            verdict[0] = ab_verdict(run.doc)  # outputs, then the speed with the runs' spread
         if run.warning:
             verdict.append(Text(f"warning: {run.warning}", style="bold yellow"))
         self.query_one("#ab-verdict", Static).update(Group(*verdict))
