@@ -198,3 +198,21 @@ def test_reset_asks_first(snap_compare, tmp_path):
         await pilot.pause()
 
     assert snap_compare(make_app(tmp_path), terminal_size=(80, 24), run_before=run_before)
+
+
+def test_node_screen_80x24(snap_compare, tmp_path):
+    async def run_before(pilot):
+        screen = await feed(pilot)
+        node = NodeScreen(screen, "0")
+        await pilot.app.push_screen(node)
+        await pilot.pause()
+        pilot.app.workers.cancel_all()
+        await all_done(pilot)
+        node._show_log(["2026-12-01 22:00:00 fleetd.server INFO session 1 from 10.0.0.9 closed"])
+        await pilot.pause()
+        # the devices table, stacked under the peer copies: every header readable at 80 columns
+        node.query_one("#node-body").scroll_to_widget(node.query_one("#node-devices"), animate=False)
+        await pilot.pause()
+        assert node.query_one("#node-counters").has_class("narrow")
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(80, 24), run_before=run_before)

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import BindingType
+from textual.binding import Binding, BindingType
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 from textual.worker import Worker, get_current_worker
@@ -57,7 +57,9 @@ class Sample:
 
 class DashboardScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
-        ("enter", "show_node", "Node"),
+        # the screen scrolls at 80x24 (copies, history below the fold), whatever has the focus
+        Binding("pagedown", "scroll_screen(1)", "Page down", show=False, priority=True),
+        Binding("pageup", "scroll_screen(-1)", "Page up", show=False, priority=True),
         ("p", "toggle_p2p", "P2P"),
         ("P", "toggle_fleet_p2p", "P2P all"),
         ("r", "reset_stats", "Reset"),
@@ -254,6 +256,12 @@ class DashboardScreen(Screen):
     def selected_node(self) -> Node | None:
         key = self.query_one(NodeTable).selected_key
         return self.nodes[key] if key is not None else None
+
+    def action_scroll_screen(self, pages: int) -> None:
+        if pages > 0:
+            self.scroll_page_down()
+        else:
+            self.scroll_page_up()
 
     def action_show_node(self) -> None:
         key = self.query_one(NodeTable).selected_key

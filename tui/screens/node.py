@@ -51,6 +51,7 @@ class NodeSource(Protocol):
     def hanging_poll_age(self, key: str) -> float | None: ...
 
 LOG_LINES = 20
+NARROW_NODE_SCREEN = 110  # columns below which peer copies and devices stack
 LOG_REFRESH_S = 5.0
 
 
@@ -80,7 +81,11 @@ class NodeScreen(Screen):
             yield Static(Text("log: fetching…", style="dim"), id="node-log")
         yield Footer()
 
+    def on_resize(self) -> None:
+        self.query_one("#node-counters").set_class(self.size.width < NARROW_NODE_SCREEN, "narrow")
+
     def on_mount(self) -> None:
+        self.on_resize()
         self.sub_title = f"node {self.node.name}"
         self.query_one("#node-history").border_title = "the last minutes"
         self.query_one("#node-log").border_title = f"log (last {LOG_LINES} lines)"

@@ -8,10 +8,13 @@ on a wider terminal.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from dataclasses import dataclass
 
 from rich.cells import cell_len
 from rich.text import Text
+from textual.binding import Binding, BindingType
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
 
@@ -145,6 +148,9 @@ def _same(a: object, b: object) -> bool:
 class NodeTable(DataTable):
     """Rows are keyed by the screen's node key; `show` adds or refreshes one, `fit` picks the
     columns for a width."""
+
+    # DataTable's own Enter is hidden: this one says in the footer what it opens
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("enter", "select_cursor", "Node", show=True)]
 
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
