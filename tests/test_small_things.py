@@ -77,3 +77,23 @@ def test_status_shows_each_sessions_allocated_bytes_and_layers(fleetd_server, tm
         assert "3-5,9" in out
     assert layer_ranges([0, 1, 2, 7, 8, 11]) == "0-2,7-8,11" and layer_ranges([]) == ""
     json.dumps(status.doc)
+
+
+def test_fleetctl_model_make_writes_the_same_model_everywhere(tmp_path, capsys):
+    """#18 item 8: a test model without scripts/ (and without a download)."""
+    import hashlib
+
+    from gguf import GGUFReader
+
+    from fleetd.ctl.main import main
+
+    paths = []
+    for d in ("a", "b"):
+        assert main(["model", "make", "--arch", "llama", "--type", "q4_k", "--dir", str(tmp_path / d)]) == 0
+        paths.append(capsys.readouterr().out.strip())
+    first, second = (open(p, "rb").read() for p in paths)
+    assert hashlib.sha256(first).digest() == hashlib.sha256(second).digest()
+    reader = GGUFReader(paths[0])
+    assert any(t.name.startswith("blk.0.") for t in reader.tensors)
+    assert main(["model", "make", "--size", "huge", "--dir", str(tmp_path)]) == 2
+    assert "unknown size 'huge'" in capsys.readouterr().err

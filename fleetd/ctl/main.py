@@ -25,6 +25,7 @@ from fleetd.ctl import control_commands as control
 from fleetd.ctl import demo_command as demo
 from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
+from fleetd.ctl import model_command as model
 from fleetd.ctl import tui_command
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet.lab import MAX_NODES as MAX_LAB_NODES
@@ -56,6 +57,7 @@ SUBCOMMANDS = (
     Subcommand("ab", ab.AB_HELP, ab.configure_ab, ab.cmd_ab),
     Subcommand("demo", demo.DEMO_HELP, demo.configure_demo, demo.cmd_demo),
     Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
+    Subcommand("model", model.MODEL_HELP, model.configure_model, model.cmd_model),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}
