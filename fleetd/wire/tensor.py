@@ -64,18 +64,6 @@ class RpcTensor:
             data=v[41], name=v[42].split(b"\0", 1)[0], use_count=v[43],
         )
 
-    @classmethod
-    def from_record(cls, r) -> RpcTensor:
-        """Build from one element of an array of RPC_TENSOR_DTYPE."""
-        return cls(
-            id=int(r["id"]), type=int(r["type"]), buffer=int(r["buffer"]),
-            ne=tuple(int(x) for x in r["ne"]), nb=tuple(int(x) for x in r["nb"]),
-            op=int(r["op"]), op_params=tuple(int(x) for x in r["op_params"]),
-            flags=int(r["flags"]), src=tuple(int(x) for x in r["src"]),
-            view_src=int(r["view_src"]), view_offs=int(r["view_offs"]), data=int(r["data"]),
-            name=bytes(r["name"]).split(b"\0", 1)[0], use_count=int(r["use_count"]),
-        )
-
     @property
     def nbytes(self) -> int:
         return nbytes(self.type, self.ne, self.nb)
