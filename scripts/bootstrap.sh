@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Make a fresh machine ready: system packages, the venv with fleetd and its test deps, the
-# pinned llama.cpp tools, stock and with the client patch, the native and the portable ggml
-# libraries (cached in ~/.cache/fleetd).
+# Make a fresh machine ready: system packages, the venv with fleetd and its ctl (fleetctl, the TUI),
+# test and ansible extras, the pinned llama.cpp tools, stock and with the client patch, the native
+# and the portable ggml libraries (cached in ~/.cache/fleetd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +27,7 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77" wheel >&2
-.venv/bin/python -m pip install -q -e '.[test,ansible]' >&2
+.venv/bin/python -m pip install -q -e '.[ctl,test,ansible]' >&2
 
 bash scripts/build-llama.sh >/dev/null
 # The portable ggml build fleetctl deploy ships (lib-portable/): after the native one, never beside

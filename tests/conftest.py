@@ -1,4 +1,5 @@
-"""Shared fixtures: in-process fleetd servers, the pinned stock tools, free ports."""
+"""Shared fixtures: in-process fleetd servers, the pinned stock tools, free ports; the
+needs_tool gate (tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from helpers import missing_tools, skip_unless_built
+
 from fleetd.server import Server, ServerConfig
 from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs_tool"):
+        reason = missing_tools(*mark.args)
+        if reason is not None:
+            pytest.skip(reason)
 
 
 @pytest.fixture
@@ -80,6 +90,7 @@ def endpoint(srv: Server) -> str:
 @pytest.fixture
 def stock_server(tmp_path):
     """The pinned stock ggml-rpc-server as a subprocess; yields a starter returning its endpoint."""
+    skip_unless_built("ggml-rpc-server")
     exe = find_tool("ggml-rpc-server")
     procs = []
 
@@ -100,3 +111,4 @@ def stock_server(tmp_path):
     for p in procs:
         p.kill()
         p.wait()
+

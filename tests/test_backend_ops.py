@@ -13,15 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import needs_tool
 
-from fleetd.tools import find_tool
-
-try:
-    find_tool("test-backend-ops")
-except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(str(exc), allow_module_level=True)
-
-pytestmark = pytest.mark.stock
+pytestmark = needs_tool("test-backend-ops")
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("backend_ops", REPO / "scripts" / "backend_ops.py")
@@ -83,6 +77,7 @@ def test_backend_ops_subset_passes_on_fleetd(fleetd_process, tmp_path, op, param
     assert result.passed > 0, f"no {op} case matched -p {params!r}"
 
 
+@needs_tool("ggml-rpc-server")
 def test_one_process_through_fleetd_reaches_every_case_stock_passes(tmp_path):
     """As a user runs it: GET_ROWS, SET_ROWS and MUL_MAT_ID (q4_0) in ONE test-backend-ops
     process per server, fleetd with a 1 s request grace. The client spends seconds between

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 from conftest import REPO
+from helpers import needs_tool
 
-pytestmark = pytest.mark.stock
 
-
+@needs_tool("llama-completion", "ggml-rpc-server")
 def test_load_benchmark_runs_and_both_servers_cache_the_same_files(tmp_path):
     out = tmp_path / "load.json"
     work = tmp_path / "work"

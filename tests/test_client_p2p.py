@@ -25,20 +25,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import endpoint
+from helpers import endpoint, needs_tool
 
 from fleetd.models import generate
-from fleetd.tools import find_p2p_tool, find_tool
+from fleetd.tools import p2p_tools_dir
 from fleetd.transport import free_port
 
-try:
-    COMPLETION = find_p2p_tool("llama-completion")
-    SERVER = find_p2p_tool("llama-server")
-    STOCK_RPC = find_tool("ggml-rpc-server")
-except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(str(exc), allow_module_level=True)
+pytestmark = [needs_tool("p2p/llama-completion", "p2p/llama-server", "ggml-rpc-server"),
+              pytest.mark.timeout(300)]
 
-pytestmark = [pytest.mark.stock, pytest.mark.timeout(300)]
+COMPLETION = p2p_tools_dir() / "llama-completion"
+SERVER = p2p_tools_dir() / "llama-server"
 
 PROMPT = "the time of their first new"
 STATS_LINE = re.compile(r"^(\w+)\s+(\d+)\s+(\d+)\s+(\d+)$", re.M)

@@ -17,18 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import connection_closed, endpoint, frame
+from conftest import connection_closed, frame
+from helpers import endpoint, needs_tool
 from fleetd.client import GraphBuilder, RpcClient
-from fleetd.tools import find_tool
 from fleetd.transport import free_port
 from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64
 
-try:
-    find_tool("ggml-rpc-server")
-except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(str(exc), allow_module_level=True)
-
-pytestmark = pytest.mark.stock
+pytestmark = needs_tool("ggml-rpc-server")
 
 
 @pytest.fixture

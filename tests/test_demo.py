@@ -6,16 +6,11 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from fleetd.tools import find_tool
+from helpers import needs_tool
 
 
+@needs_tool("llama-completion", "ggml-rpc-server")  # the demo compares with the stock server
 def test_demo_runs_llama_and_ab_on_a_local_fleet():
-    try:
-        find_tool("llama-completion")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
     p = subprocess.run([sys.executable, "-m", "fleetd.server", "--help"], capture_output=True, text=True)
     assert p.returncode == 0
     p = subprocess.run(

@@ -15,6 +15,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -407,6 +408,10 @@ def test_the_wheel_leaves_out_what_an_earlier_build_left(tmp_path):
             names = whl.namelist()
         assert "fleetd/fleet/node.py" in names and "fleetd/fleet/cli.py" not in names
         assert first.sha == second.sha  # the same source gives the same release
+        # nodes install the distribution's own dependencies, none of the ctl extra's
+        project = tomllib.loads((src / "pyproject.toml").read_text())["project"]
+        assert first.requirements == tuple(project["dependencies"])
+        assert not {"rich", "textual", "paramiko"} & {r.split(">")[0] for r in first.requirements}
     finally:
         clean_build(first)
         clean_build(second)

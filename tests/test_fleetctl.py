@@ -206,6 +206,20 @@ def test_fleetctl_as_a_subprocess(fleet2):
     assert b.p2p_enabled is False and a.p2p_enabled is True
 
 
+# rich and paramiko load with fleetctl itself, textual only with `fleetctl tui`.
+@pytest.mark.parametrize("missing, command", [("rich", "status"), ("paramiko", "status"), ("textual", "tui")])
+def test_fleetctl_without_the_ctl_extra_says_how_to_install_it(missing, command, tmp_path):
+    # A None in sys.modules makes `import <missing>` fail as an uninstalled package would.
+    code = f"import sys; sys.modules[{missing!r}] = None; from fleetd.ctl import main; sys.exit(main())"
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("localhost\n")
+    proc = subprocess.run([sys.executable, "-c", code, command, str(nodes)], cwd=REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr == (f"fleetctl: {missing} is not installed: fleetctl needs the ctl extra "
+                           "(pip install 'fleetd[ctl]')\n")
+
+
 def test_stats_watch_is_bounded_by_count(fleet2, capsys):
     a, _, args = fleet2
     assert main(["stats", *args, "--watch", "--count", "3", "--interval", "0.05", "--json"]) == 0

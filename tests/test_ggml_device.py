@@ -22,13 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import endpoint
+from helpers import needs_tool
 
 from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
 from fleetd.client.rpc import RpcClient
 from fleetd.compute.device import Device, make_device
 from fleetd.errors import PeerClosed, TransportError
 from fleetd.models import generate
-from fleetd.tools import find_tool, have_tool, portable_ggml_dir
+from fleetd.tools import find_tool, portable_ggml_dir
 from fleetd.wire import GgmlOp, GgmlType
 
 try:
@@ -725,8 +726,7 @@ STOCK_KILLERS = [mul_mat_shape, mul_mat_type, op_past_enum, get_rows_range, grou
                  rope_mrope_sections, cont_dequant]  # SIGFPE (division by zero) x2, SIGSEGV
 
 
-@pytest.mark.stock
-@pytest.mark.skipif(not have_tool("ggml-rpc-server"), reason="stock tools not built")
+@needs_tool("ggml-rpc-server")
 @pytest.mark.parametrize("case", STOCK_KILLERS, ids=lambda f: f.__name__)
 def test_graph_that_kills_stock_does_not_kill_fleetd(stock_server, ggml_server, case):
     stock = stock_server()
@@ -761,8 +761,7 @@ def complete(model: Path, server: str, fa: str) -> bytes:
     return proc.stdout
 
 
-@pytest.mark.stock
-@pytest.mark.skipif(not have_tool("llama-completion"), reason="stock tools not built")
+@needs_tool("llama-completion", "ggml-rpc-server")
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_completion_byte_identical_to_stock(models, stock_server, ggml_server, arch, type_name):

@@ -8,6 +8,9 @@ other in a circle.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,3 +161,30 @@ def test_the_checker_sees_a_violation_and_a_circle(tmp_path):
     finally:
         ROOT = saved
     assert layer_of("fleetd.server.daemon") not in ALLOWED["fleetd.wire"]
+
+
+# What a node runs: the daemon's layers and the package root. Its fleetd has no ctl extra.
+DAEMON_PACKAGES = ("fleetd.server", "fleetd.compute", "fleetd.wire", "fleetd.transport", "fleetd.client")
+CTL_EXTRA = {"rich", "textual", "paramiko"}
+
+
+def test_the_daemon_imports_nothing_of_the_ctl_extra():
+    # A fresh interpreter: this one has long imported rich for other tests. __main__ modules
+    # are skipped, importing one starts the daemon.
+    code = f"""
+import importlib, pkgutil, sys
+import fleetd
+names = [m.name for m in pkgutil.iter_modules(fleetd.__path__, "fleetd.") if not m.ispkg]
+for package in {DAEMON_PACKAGES!r}:
+    names.append(package)
+    names += [m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")]
+for name in names:
+    if not name.endswith("__main__"):
+        importlib.import_module(name)
+print(len(names), sorted({{m.partition(".")[0] for m in sys.modules}} & {CTL_EXTRA!r}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    count, loaded = done.stdout.split(" ", 1)
+    assert int(count) > 50 and loaded.strip() == "[]", done.stdout

@@ -14,20 +14,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import endpoint
+from helpers import endpoint, needs_tool
 
 from fleetd.models import generate
-from fleetd.tools import find_tool
+from fleetd.tools import tools_dir
 
-try:
-    COMPLETION = find_tool("llama-completion")
-    PERPLEXITY = find_tool("llama-perplexity")
-    find_tool("ggml-rpc-server")
-except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
-    pytest.skip(str(exc), allow_module_level=True)
+pytestmark = needs_tool("llama-completion", "llama-perplexity", "ggml-rpc-server")
 
-pytestmark = pytest.mark.stock
-
+COMPLETION = tools_dir() / "llama-completion"
+PERPLEXITY = tools_dir() / "llama-perplexity"
 REPO = Path(__file__).resolve().parent.parent
 ARCHS = ["llama", "qwen3", "qwen3moe", "gemma3"]
 TYPES = ["f32", "f16", "q8_0", "q4_k"]

@@ -14,6 +14,7 @@ import json
 import subprocess
 
 import pytest
+from helpers import needs_tool
 
 from fleetd.ctl.main import main
 from fleetd.fleet.chart import png_bytes
@@ -22,29 +23,14 @@ from fleetd.fleet.model_ab import parse_batched_table, run_model_ab
 from fleetd.fleet.node import Fleet, Node
 from fleetd.fleet.nodes_file import NodeSpec
 from fleetd.models import generate
-from fleetd.tools import find_p2p_tool, find_tool
+from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
 SMALL = ["--rounds", "1", "--n-prompt", "16", "--n-gen", "6"]
 
 
-def _tools_missing() -> str | None:
-    try:
-        for tool in ("llama-bench", "llama-batched-bench", "llama-completion"):
-            find_p2p_tool(tool)
-        find_tool("ggml-rpc-server")
-    except FileNotFoundError as exc:
-        return str(exc)
-    return None
-
-
-def needs_tools(test):
-    """The patched tools (scripts/build-llama-p2p.sh) and the stock ggml-rpc-server; bounded."""
-    missing = _tools_missing()
-    for mark in (pytest.mark.stock, pytest.mark.timeout(600),
-                 pytest.mark.skipif(missing is not None, reason=missing or "")):
-        test = mark(test)
-    return test
+# What `fleetctl ab --model` runs (fleetd.fleet.model_ab): the patched client half.
+needs_patched_tools = needs_tool("p2p/llama-bench", "p2p/llama-batched-bench", "p2p/llama-completion")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +68,8 @@ def test_png_is_a_png():
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(b"IEND\xaeB`\x82")
 
 
-@needs_tools
+@needs_patched_tools
+@pytest.mark.timeout(600)
 def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsys):
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         chart = tmp_path / "ab.png"
@@ -113,7 +100,9 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
     assert "on loopback, where the link is not the bottleneck" in doc["verdict"]
 
 
-@needs_tools
+@needs_patched_tools
+@needs_tool("ggml-rpc-server")
+@pytest.mark.timeout(600)
 def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
     port = free_port()
     stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
@@ -159,7 +148,8 @@ def test_model_ab_refuses_before_running_when_the_direct_path_cannot_copy(tmp_pa
         assert "local-0's peer allow-list (10.9.0.0/16) refuses local-1 (127.0.0.1)" in err
 
 
-@needs_tools
+@needs_patched_tools
+@pytest.mark.timeout(600)
 def test_model_ab_anyway_runs_says_so_first_and_claims_no_win(tmp_path, model, capsys):
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         assert local.fleet.map(lambda n: n.set_p2p(False)).ok
@@ -172,7 +162,8 @@ def test_model_ab_anyway_runs_says_so_first_and_claims_no_win(tmp_path, model, c
     assert doc["ok"] and not doc["direct_ran"] and "never ran" in doc["verdict"]
 
 
-@needs_tools
+@needs_patched_tools
+@pytest.mark.timeout(600)
 def test_model_ab_p2p_off_on_the_nodes_is_no_success(tmp_path, model):
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         assert local.fleet.map(lambda n: n.set_p2p(False)).ok

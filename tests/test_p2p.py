@@ -16,13 +16,13 @@ import time
 import numpy as np
 import pytest
 from conftest import frame
+from helpers import needs_tool
 
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.errors import TransportError
 from fleetd.pipeline import Pipeline, per_step
 from fleetd.server.peer import FALLBACK_REASONS, PeerPolicy
 from fleetd.server.peer_policy import ANSWERS_KEPT
-from fleetd.tools import have_tool
 from fleetd.transport import Timeout, send_parts
 from fleetd.wire import Cmd, Feature, GgmlType
 
@@ -248,8 +248,7 @@ def test_fallback_destination_bounds_violated(fleetd_server):
     }
 
 
-@pytest.mark.stock
-@pytest.mark.skipif(not have_tool("ggml-rpc-server"), reason="pinned stock ggml-rpc-server not built")
+@needs_tool("ggml-rpc-server")
 def test_fallback_stock_destination(fleetd_server, stock_server):
     """A stock server never advertises the bit: idle it refuses at HELLO (and is let go at once),
     busy with another client it never answers HELLO, and the copy answers 0 within the HELLO

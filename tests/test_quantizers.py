@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import needs_tool
 
 from fleetd.compute import quantizers
 from fleetd.compute.dequant import QUANTIZABLE, dequantize, quantize
-from fleetd.tools import find_tool
 from fleetd.wire import TYPE_TRAITS, GgmlType
 
 # type: (test-backend-ops name, sha256 prefix of ggml's reference output for sample_rows(1234),
@@ -115,10 +115,6 @@ def test_nearest_int_rounds_half_to_even():
 
 @pytest.fixture(scope="module")
 def backend_ops():
-    try:
-        find_tool("test-backend-ops")
-    except FileNotFoundError as exc:  # pragma: no cover - depends on the machine
-        pytest.skip(str(exc))
     repo = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("backend_ops", repo / "scripts" / "backend_ops.py")
     module = importlib.util.module_from_spec(spec)
@@ -135,7 +131,7 @@ def fleetd_process(backend_ops, tmp_path_factory):
     server.stop()
 
 
-@pytest.mark.stock
+@needs_tool("test-backend-ops")
 @pytest.mark.parametrize("op", ["CPY", "SET_ROWS"])
 @pytest.mark.parametrize("type_", PARAMS, ids=IDS)
 def test_backend_ops_into_type_pass_on_fleetd(backend_ops, fleetd_process, tmp_path, op, type_):

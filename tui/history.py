@@ -82,13 +82,6 @@ class History:
     def series(self, name: str) -> list[float]:
         return [getattr(r, name) if r is not None else 0.0 for _, r in self.points]
 
-    def command_series(self, command: str, what: str = "count_per_s") -> list[float]:
-        out = []
-        for _, r in self.points:
-            c = r.per_command.get(command) if r is not None else None
-            out.append(getattr(c, what) if c is not None else 0.0)
-        return out
-
     @property
     def latest(self) -> Rates | None:
         return self.points[-1][1] if self.points else None

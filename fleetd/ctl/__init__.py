@@ -7,10 +7,24 @@
     ab_commands.py       ab
     demo_command.py      demo (a local fleet; --keep leaves it running)
     tui_command.py       tui (the Textual dashboard in tui/)
+    extra.py             the ctl extra (rich, textual, paramiko): one line when it is missing
 
 It sits on the fleetd.fleet library, whose renderers it prints; nothing below imports it.
 """
 
-from fleetd.ctl.main import main
+import sys
+
+from fleetd.ctl.extra import missing_ctl_package
+
+try:
+    from fleetd.ctl.main import main
+except ModuleNotFoundError as exc:  # installed without the ctl extra (a node's fleetd)
+    _missing = missing_ctl_package(exc)
+    if _missing is None:
+        raise
+
+    def main(argv: list[str] | None = None) -> int:
+        print(_missing, file=sys.stderr)
+        return 1
 
 __all__ = ["main"]

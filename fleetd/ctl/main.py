@@ -27,6 +27,7 @@ from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import model_command as model
 from fleetd.ctl import tui_command
+from fleetd.ctl.extra import missing_ctl_package
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet.lab import MAX_NODES as MAX_LAB_NODES
 from fleetd.fleet.nodes_file import NODES_FILE_HELP, NodesFileError
@@ -149,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ModuleNotFoundError as exc:  # `fleetctl tui` imports textual only when it runs
+        missing = missing_ctl_package(exc)
+        if missing is None or args.debug:
+            raise
+        print(missing, file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -27,9 +27,11 @@ and reports why.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -51,8 +53,6 @@ from fleetd.fleet.remote import Shell, shell_for
 from fleetd.fleet.ssh import NodeError
 from fleetd.tools import portable_ggml_dir
 
-# What the daemon imports; fleetctl's own dependencies (rich, textual, paramiko) stay off nodes.
-DAEMON_REQUIREMENTS = ["numpy>=1.26", "gguf>=0.17", "prometheus-client>=0.20"]
 MIN_PYTHON = (3, 11)
 MIN_FREE_BYTES = 512 * 1024 * 1024
 HEALTH_TIMEOUT_S = 30.0
@@ -79,6 +79,7 @@ class Build:
     deps: tuple[Path, ...]
     version: str
     sha: str
+    requirements: tuple[str, ...]  # the daemon's, from the wheel's metadata: what nodes install
     ggml_libs: tuple[str, ...] = ()  # the *.so files the wheel carries for the cpu device
     warning: str | None = None  # one line for the operator (no ggml libraries to ship)
 
@@ -132,6 +133,21 @@ def portable_libs(directory: Path) -> list[Path]:
     if not list(directory.glob("libggml-cpu-*.so")):
         raise FleetError(f"{directory}: no libggml-cpu-<variant>.so")
     return sorted(directory.glob("*.so"))
+
+
+# An extra's requirement ends in a marker naming it: `rich>=13; extra == "ctl"`.
+_EXTRA_MARKER = re.compile(r";.*\bextra\s*==")
+
+
+def daemon_requirements(wheel: Path) -> tuple[str, ...]:
+    """The requirements of `wheel` outside any extra: the daemon's (fleetctl's and the TUI's are
+    the `ctl` extra and stay off nodes). Read from the wheel that ships, not from the fleetd
+    installed here: that may be another checkout's, or an editable install older than its tree."""
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        dist_info = zipfile.Path(whl, metadata.rsplit("/", 1)[0] + "/")
+        requires = importlib.metadata.PathDistribution(dist_info).requires or []
+    return tuple(r for r in requires if not _EXTRA_MARKER.search(r))
 
 
 def _wheel_libs(wheel: Path) -> tuple[str, ...]:
@@ -195,14 +211,15 @@ def build(source: Path | None = None, wheel_dir: Path | None = None, ggml_lib: P
         wheel = next(out.glob("fleetd-*.whl"))
     version = wheel.name.split("-")[1]
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    requirements = daemon_requirements(wheel)
     deps_dir = WHEEL_CACHE / "deps"
-    r = _pip("download", "--no-index", "--find-links", str(deps_dir), "-d", str(deps_dir), *DAEMON_REQUIREMENTS)
+    r = _pip("download", "--no-index", "--find-links", str(deps_dir), "-d", str(deps_dir), *requirements)
     if r.returncode != 0:
-        r = _pip("download", "--only-binary=:all:", "-d", str(deps_dir), *DAEMON_REQUIREMENTS)
+        r = _pip("download", "--only-binary=:all:", "-d", str(deps_dir), *requirements)
         if r.returncode != 0:
             raise FleetError(f"downloading daemon dependencies failed: {r.stderr.strip().splitlines()[-1:]}")
     deps = tuple(sorted(deps_dir.glob("*.whl")))
-    return Build(wheel, deps, version, sha, _wheel_libs(wheel), warning)
+    return Build(wheel, deps, version, sha, requirements, _wheel_libs(wheel), warning)
 
 
 def default_root(user: str | None) -> str:
@@ -370,7 +387,7 @@ class Deployer:
 
         self.progress(node, "install")
         installed = ag("install", release=b.release, wheel=b.wheel.name,
-                       requirements=DAEMON_REQUIREMENTS, _timeout=600)["installed"]
+                       requirements=list(b.requirements), _timeout=600)["installed"]
         outcome.steps["install"] = "new venv" if installed else "exists"
 
         running = state["running"]

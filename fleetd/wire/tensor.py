@@ -31,12 +31,6 @@ _ZERO_SRC = (0,) * GGML_MAX_SRC
 _ZERO_PARAMS = (0,) * 16
 
 
-def _dims(a) -> tuple[int, int, int, int]:
-    """A record's ne or nb (4 numbers) as ints."""
-    d0, d1, d2, d3 = (int(x) for x in a)
-    return d0, d1, d2, d3
-
-
 @dataclass(frozen=True, slots=True)
 class RpcTensor:
     id: int
@@ -68,18 +62,6 @@ class RpcTensor:
             id=v[0], type=v[1], buffer=v[2], ne=v[3:7], nb=v[7:11], op=v[11],
             op_params=v[12:28], flags=v[28], src=v[29:39], view_src=v[39], view_offs=v[40],
             data=v[41], name=v[42].split(b"\0", 1)[0], use_count=v[43],
-        )
-
-    @classmethod
-    def from_record(cls, r) -> RpcTensor:
-        """Build from one element of an array of RPC_TENSOR_DTYPE."""
-        return cls(
-            id=int(r["id"]), type=int(r["type"]), buffer=int(r["buffer"]),
-            ne=_dims(r["ne"]), nb=_dims(r["nb"]),
-            op=int(r["op"]), op_params=tuple(int(x) for x in r["op_params"]),
-            flags=int(r["flags"]), src=tuple(int(x) for x in r["src"]),
-            view_src=int(r["view_src"]), view_offs=int(r["view_offs"]), data=int(r["data"]),
-            name=bytes(r["name"]).split(b"\0", 1)[0], use_count=int(r["use_count"]),
         )
 
     @property

@@ -194,9 +194,6 @@ class NodeTable(DataTable):
             wider = cell_len(str(cell)) > self.columns[ColumnKey(c.key)].content_width
             self.update_cell(key, c.key, cell, update_width=wider)
 
-    def row_of(self, key: str) -> NodeRow | None:
-        return self._rows.get(key)
-
     @property
     def selected_key(self) -> str | None:
         if not self.row_count:

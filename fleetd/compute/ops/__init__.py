@@ -100,10 +100,6 @@ def kernel_for(node: RpcTensor, src_tensors: list[RpcTensor | None]) -> Kernel:
         f"{op_name(node.op)}: not supported by fleetd (dst {type_name(node.type)}; srcs {types})")
 
 
-def supports_op(op: GgmlOp) -> bool:
-    return op in OPS
-
-
 # Importing the kernel modules fills OPS.
 from fleetd.compute.ops import (  # noqa: F401
     attention,

@@ -95,16 +95,6 @@ def repeat_to(xp, a, shape):
     return xp.broadcast_to(a, shape)
 
 
-def repeat_interleave_to(xp, a, shape):
-    """Broadcast by division (ggml's "div" broadcast: index i maps to i // (want // have))."""
-    for axis, (have, want) in enumerate(zip(a.shape, shape)):
-        if have != want:
-            if have == 0 or want % have:
-                raise UnsupportedOp(f"cannot broadcast shape {a.shape} to {tuple(shape)}")
-            a = xp.repeat(a, want // have, axis=axis)
-    return a
-
-
 def f32_param(node, slot: int) -> float:
     return node.f32[slot]  # decoded once, when the plan was built (BoundNode)
 
