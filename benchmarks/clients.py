@@ -34,17 +34,52 @@ DEFAULT_MODELS = ["llama-q4_k-bench", "llama-q8_0", "qwen3moe-q8_0-bench"]
 
 
 def one_bench(model: Path, endpoint: str, tg: int) -> float:
-    args = [str(find_tool("llama-bench")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
-            "-p", "0", "-n", str(tg), "-t", "1", "-r", "1", "-o", "json"]
+    args = [
+        str(find_tool("llama-bench")),
+        "-m",
+        str(model),
+        "--rpc",
+        endpoint,
+        "-ngl",
+        "99",
+        "-p",
+        "0",
+        "-n",
+        str(tg),
+        "-t",
+        "1",
+        "-r",
+        "1",
+        "-o",
+        "json",
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1800, check=True)
     return float(json.loads(proc.stdout)[0]["avg_ts"])
 
 
 def one_completion(model: Path, endpoint: str, n: int) -> str:
     """The greedy text's bytes (hex: a generated model prints any bytes)."""
-    args = [str(find_tool("llama-completion")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
-            "-p", "The fleet", "-n", str(n), "--temp", "0", "-t", "1", "--no-warmup", "-no-cnv",
-            "--seed", "1"]
+    args = [
+        str(find_tool("llama-completion")),
+        "-m",
+        str(model),
+        "--rpc",
+        endpoint,
+        "-ngl",
+        "99",
+        "-p",
+        "The fleet",
+        "-n",
+        str(n),
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "--no-warmup",
+        "-no-cnv",
+        "--seed",
+        "1",
+    ]
     proc = subprocess.run(args, capture_output=True, timeout=1800)  # a random model's text: bytes
     if b"common_perf_print" not in proc.stderr:
         # llama.cpp logs through a thread of its own; a process that exits before it drained
@@ -67,7 +102,9 @@ def main() -> int:
     ap.add_argument("--clients", default="1,2,4")
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--text-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None, help="server compute threads (default: as each server's)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="server compute threads (default: as each server's)"
+    )
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "clients.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench-clients.log")
     args = ap.parse_args()
@@ -94,16 +131,25 @@ def main() -> int:
                         texts, _ = together(one_completion, n, model, endpoint, args.text_tokens)
                         if None not in texts:
                             break
-                    rows.append({
-                        "model": name, "server": server, "clients": n, "wall_s": wall,
-                        "speedup": n * base_wall / wall, "client_tps": speeds,
-                        "aggregate_tps": sum(speeds),
-                        "fairness": min(speeds) / max(speeds),
-                        "same_text": all(t == alone_text and t for t in texts),
-                        "cut_logs": texts.count(None),
-                    })
-                    print(f"{name} {server} x{n}: {rows[-1]['speedup']:.2f}x, "
-                          f"t/s {[round(s, 1) for s in speeds]}", flush=True)
+                    rows.append(
+                        {
+                            "model": name,
+                            "server": server,
+                            "clients": n,
+                            "wall_s": wall,
+                            "speedup": n * base_wall / wall,
+                            "client_tps": speeds,
+                            "aggregate_tps": sum(speeds),
+                            "fairness": min(speeds) / max(speeds),
+                            "same_text": all(t == alone_text and t for t in texts),
+                            "cut_logs": texts.count(None),
+                        }
+                    )
+                    print(
+                        f"{name} {server} x{n}: {rows[-1]['speedup']:.2f}x, "
+                        f"t/s {[round(s, 1) for s in speeds]}",
+                        flush=True,
+                    )
             finally:
                 peak_tree = tree.stop()
                 peak_daemon = peak_rss_mib(proc.pid)
@@ -112,16 +158,22 @@ def main() -> int:
             for r in rows:
                 if r["model"] == name and r["server"] == server:
                     r["peak_pss_tree_mib"], r["peak_rss_mib"] = peak_tree, peak_daemon
-    head = f"{'model':22} {'server':7} {'N':>2} {'wall s':>7} {'x one':>6} {'agg t/s':>8} {'min/max':>7} {'text':>5} {'Pss MiB':>8}"
+    head = (
+        f"{'model':22} {'server':7} {'N':>2} {'wall s':>7} {'x one':>6} {'agg t/s':>8} "
+        f"{'min/max':>7} {'text':>5} {'Pss MiB':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['model']:22} {r['server']:7} {r['clients']:2d} {r['wall_s']:7.1f} {r['speedup']:6.2f} "
-              f"{r['aggregate_tps']:8.1f} {r['fairness']:7.2f} {'same' if r['same_text'] else 'DIFF':>5} "
-              f"{r['peak_pss_tree_mib']:8.0f}")
+        print(
+            f"{r['model']:22} {r['server']:7} {r['clients']:2d} {r['wall_s']:7.1f} {r['speedup']:6.2f} "
+            f"{r['aggregate_tps']:8.1f} {r['fairness']:7.2f} {'same' if r['same_text'] else 'DIFF':>5} "
+            f"{r['peak_pss_tree_mib']:8.0f}"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"threads": threads, "tg": args.tg, "cpus": os.cpu_count(),
-                                           "rows": rows}, indent=1))
+    Path(args.json).write_text(
+        json.dumps({"threads": threads, "tg": args.tg, "cpus": os.cpu_count(), "rows": rows}, indent=1)
+    )
     return 0
 
 

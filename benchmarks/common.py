@@ -39,8 +39,12 @@ def pin_client() -> None:
 def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     """Yield the endpoint of a running 'fleetd' or 'stock' server process, pinned to SERVER_CPUS."""
     if kind == "fleetd":  # the one fleetd launcher (fleetd.fleet.local); no control API needed
-        with LocalFleet(1, server_args=["--threads", str(threads), *(extra or [])], control=False,
-                        preexec_fn=_pin(SERVER_CPUS)) as local:
+        with LocalFleet(
+            1,
+            server_args=["--threads", str(threads), *(extra or [])],
+            control=False,
+            preexec_fn=_pin(SERVER_CPUS),
+        ) as local:
             yield local.endpoints[0]
         return
     with stock_process(threads, extra) as (endpoint, _proc):
@@ -48,15 +52,17 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
 
 
 @contextlib.contextmanager
-def stock_process(threads: int = 1, extra: list[str] | None = None, env: dict | None = None,
-                  log: Path | None = None):
+def stock_process(
+    threads: int = 1, extra: list[str] | None = None, env: dict | None = None, log: Path | None = None
+):
     """Yield (endpoint, Popen) of a running stock ggml-rpc-server pinned to SERVER_CPUS, its
     output into `log` (or nowhere); stopped on exit."""
     port = free_port()
     args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     with open(log or os.devnull, "ab") as out:  # the child keeps its own fd
-        proc = subprocess.Popen(args + (extra or []), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_pin(SERVER_CPUS))
+        proc = subprocess.Popen(
+            args + (extra or []), stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin(SERVER_CPUS)
+        )
     try:
         wait_listening(port)
         yield f"127.0.0.1:{port}", proc

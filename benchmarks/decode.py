@@ -36,17 +36,37 @@ from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
 # ~100M-parameter variants ("-bench"): big enough that kernels, not per-op overhead, dominate.
-DEFAULT_MODELS = ["llama-q4_k-bench", "llama-q8_0-bench", "llama-f16-bench", "qwen3moe-q8_0-bench", "llama-q8_0"]
+DEFAULT_MODELS = [
+    "llama-q4_k-bench",
+    "llama-q8_0-bench",
+    "llama-f16-bench",
+    "qwen3moe-q8_0-bench",
+    "llama-q8_0",
+]
 
 
-def start_server(kind: str, threads: int, log: Path, fleetd_args: list[str],
-                 checkout: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    kind: str, threads: int, log: Path, fleetd_args: list[str], checkout: str | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = None
     if kind == "fleetd":
         # -P: not the working directory's fleetd but PYTHONPATH's, then this checkout's.
-        args = [sys.executable, "-P", "-m", "fleetd.server", "--port", str(port), "--control-port", "0",
-                "-t", str(threads), "--log-level", "warning", *fleetd_args]
+        args = [
+            sys.executable,
+            "-P",
+            "-m",
+            "fleetd.server",
+            "--port",
+            str(port),
+            "--control-port",
+            "0",
+            "-t",
+            str(threads),
+            "--log-level",
+            "warning",
+            *fleetd_args,
+        ]
         path = [p for p in (checkout, os.environ.get("PYTHONPATH"), str(REPO)) if p]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     else:
@@ -118,8 +138,25 @@ class TreeMemory:
 
 def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
     """{'pp': tokens/s, 'tg': tokens/s} from llama-bench's JSON output."""
-    args = [str(find_tool("llama-bench")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
-            "-p", str(pp), "-n", str(tg), "-t", str(threads), "-r", str(reps), "-o", "json"]
+    args = [
+        str(find_tool("llama-bench")),
+        "-m",
+        str(model),
+        "--rpc",
+        endpoint,
+        "-ngl",
+        "99",
+        "-p",
+        str(pp),
+        "-n",
+        str(tg),
+        "-t",
+        str(threads),
+        "-r",
+        str(reps),
+        "-o",
+        "json",
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1800, check=True)
     rows = json.loads(proc.stdout)
     out = {}
@@ -180,10 +217,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    ap.add_argument("--devices", default="cpu,numpy",
-                    help="fleetd devices to run beside stock, comma separated (cpu = ggml kernels, numpy)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="servers run in turn this many times, the order reversed each round; medians")
+    ap.add_argument(
+        "--devices",
+        default="cpu,numpy",
+        help="fleetd devices to run beside stock, comma separated (cpu = ggml kernels, numpy)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="servers run in turn this many times, the order reversed each round; medians",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pp", type=int, default=64)
     ap.add_argument("--tg", type=int, default=32)
@@ -191,7 +235,9 @@ def main() -> int:
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
     ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
-    ap.add_argument("--baseline", metavar="DIR", help="also run the ggml device of the checkout in DIR (arm cpu@base)")
+    ap.add_argument(
+        "--baseline", metavar="DIR", help="also run the ggml device of the checkout in DIR (arm cpu@base)"
+    )
     args = ap.parse_args()
     devices = [d for d in args.devices.split(",") if d]
     if args.baseline:
@@ -207,14 +253,21 @@ def main() -> int:
     for name in names:
         runs: dict[str, list[dict]] = {a: [] for a in arms}
         for rnd in range(args.rounds):
-            for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+            for arm in arms if rnd % 2 == 0 else arms[::-1]:
                 device, _, base = arm.partition("@")
                 extra = [] if arm == "stock" else ["--device", device, *shlex.split(args.fleetd_args)]
-                proc, endpoint = start_server("stock" if arm == "stock" else "fleetd", args.threads,
-                                              Path(args.log), extra, args.baseline if base else None)
+                proc, endpoint = start_server(
+                    "stock" if arm == "stock" else "fleetd",
+                    args.threads,
+                    Path(args.log),
+                    extra,
+                    args.baseline if base else None,
+                )
                 tree = TreeMemory(proc.pid)
                 try:
-                    got = bench(models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps)
+                    got = bench(
+                        models_dir / f"{name}.gguf", endpoint, args.threads, args.pp, args.tg, args.reps
+                    )
                     got["peak_rss_mib"] = peak_rss_mib(proc.pid)
                     got["peak_pss_tree_mib"] = tree.stop()
                     got["processes"] = tree.processes
@@ -235,8 +288,17 @@ def main() -> int:
         results.append(row)
         print(f"{name}: " + ", ".join(f"{a} {row[a]}" for a in arms), flush=True)
     print(table(results, arms))
-    meta = {"threads": args.threads, "pp": args.pp, "tg": args.tg, "reps": args.reps, "rounds": args.rounds,
-            "cpus": os.cpu_count(), "devices": devices, "fleetd_args": args.fleetd_args, "results": results}
+    meta = {
+        "threads": args.threads,
+        "pp": args.pp,
+        "tg": args.tg,
+        "reps": args.reps,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "devices": devices,
+        "fleetd_args": args.fleetd_args,
+        "results": results,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(meta, indent=1))
     return 0

@@ -87,12 +87,39 @@ def cpu_seconds(pid: int) -> float:
 
 
 def load_once(model: Path, endpoint: str) -> dict[str, float]:
-    args = [str(find_tool("llama-completion")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
-            "-p", "the", "-n", "1", "--no-warmup", "-c", "256", "-t", "1", "-no-cnv", "--temp", "0",
-            "-fit", "off", "-lv", "4"]
+    args = [
+        str(find_tool("llama-completion")),
+        "-m",
+        str(model),
+        "--rpc",
+        endpoint,
+        "-ngl",
+        "99",
+        "-p",
+        "the",
+        "-n",
+        "1",
+        "--no-warmup",
+        "-c",
+        "256",
+        "-t",
+        "1",
+        "-no-cnv",
+        "--temp",
+        "0",
+        "-fit",
+        "off",
+        "-lv",
+        "4",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, timeout=1800, stdin=subprocess.DEVNULL,
-                          preexec_fn=lambda: os.sched_setaffinity(0, CLIENT_CPUS))
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        timeout=1800,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.sched_setaffinity(0, CLIENT_CPUS),
+    )
     wall = time.perf_counter() - t0
     out = proc.stderr.decode(errors="replace")
     start, end = LOAD_START.search(out), LOAD_END.search(out)
@@ -150,10 +177,19 @@ def run_model(model: Path, arms: list[str], rounds: int, workdir: Path) -> dict:
                 runs[arm][mode].append(got)
     # Every server names a file by the FNV-1a of its bytes: the same names, or a hash is wrong.
     same_names = all(n == names[arms[0]] for n in names.values())
-    row = {"model": model.stem, "bytes": model.stat().st_size, "files": files, "same_names": same_names,
-           "warm_misses": warm_misses, "rounds": runs}
+    row = {
+        "model": model.stem,
+        "bytes": model.stat().st_size,
+        "files": files,
+        "same_names": same_names,
+        "warm_misses": warm_misses,
+        "rounds": runs,
+    }
     for arm in arms:
-        row[arm] = {m: {k: median([r[k] for r in runs[arm][m]]) for k in ("load_s", "wall_s", "server_cpu_s")} for m in MODES}
+        row[arm] = {
+            m: {k: median([r[k] for r in runs[arm][m]]) for k in ("load_s", "wall_s", "server_cpu_s")}
+            for m in MODES
+        }
         for m in MODES:
             row[arm][m]["peak_rss_mib"] = max(r["peak_rss_mib"] or 0 for r in runs[arm][m])
     return row
@@ -184,10 +220,16 @@ def table_rows(results: list[dict], arms: list[str]) -> tuple[list[str], list[li
                 line += [f"{r[a][mode]['load_s']:.2f}", ratio(r[a][mode]["load_s"], s["load_s"])]
             line += [f"{s['server_cpu_s']:.2f}"]
             for a in fleetd:
-                line += [f"{r[a][mode]['server_cpu_s']:.2f}", ratio(r[a][mode]["server_cpu_s"], s["server_cpu_s"])]
+                line += [
+                    f"{r[a][mode]['server_cpu_s']:.2f}",
+                    ratio(r[a][mode]["server_cpu_s"], s["server_cpu_s"]),
+                ]
             line += [f"{s['peak_rss_mib']:.0f}"]
             for a in fleetd:
-                line += [f"{r[a][mode]['peak_rss_mib']:.0f}", ratio(r[a][mode]["peak_rss_mib"], s["peak_rss_mib"])]
+                line += [
+                    f"{r[a][mode]['peak_rss_mib']:.0f}",
+                    ratio(r[a][mode]["peak_rss_mib"], s["peak_rss_mib"]),
+                ]
             line += ["/".join(str(r["files"].get(a, 0)) for a in arms) if mode == "cold" else ""]
             rows.append(line)
     return columns, rows
@@ -197,10 +239,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    ap.add_argument("--devices", default="cpu", help="fleetd devices beside stock, comma separated (cpu, numpy)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="every load this many times, the servers' order reversed each round; medians")
-    ap.add_argument("--workdir", default=None, help="cache directories and server logs (default: a temporary one)")
+    ap.add_argument(
+        "--devices", default="cpu", help="fleetd devices beside stock, comma separated (cpu, numpy)"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="every load this many times, the servers' order reversed each round; medians",
+    )
+    ap.add_argument(
+        "--workdir", default=None, help="cache directories and server logs (default: a temporary one)"
+    )
     ap.add_argument("--json", default=None, help="default benchmarks/results/load.json")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -222,16 +272,26 @@ def main() -> int:
             results.append(row)
             print(f"{row['model']}: " + ", ".join(f"{a} {row[a]}" for a in arms), flush=True)
     columns, rows = table_rows(results, arms)
-    show(f"model load, median of {args.rounds} round(s); ratio = fleetd / stock (lower is better); "
-         "files = cache files written by the cold load (stock/fleetd)", columns, rows)
+    show(
+        f"model load, median of {args.rounds} round(s); ratio = fleetd / stock (lower is better); "
+        "files = cache files written by the cold load (stock/fleetd)",
+        columns,
+        rows,
+    )
     for r in results:
         if not r["same_names"]:
             print(f"warning: {r['model']}: the servers' cache files have different names (hashes)")
         for arm, misses in r["warm_misses"].items():
             if misses:
-                print(f"warning: {r['model']}: {arm}'s warm load rewrote {misses} cache file(s) (SET_TENSOR_HASH missed)")
-    out = save("load", {"rounds": args.rounds, "cpus": os.cpu_count(), "devices": arms[1:], "results": results},
-               args.json)
+                print(
+                    f"warning: {r['model']}: {arm}'s warm load rewrote {misses} cache file(s) "
+                    "(SET_TENSOR_HASH missed)"
+                )
+    out = save(
+        "load",
+        {"rounds": args.rounds, "cpus": os.cpu_count(), "devices": arms[1:], "results": results},
+        args.json,
+    )
     print(f"wrote {out}")
     return 0
 

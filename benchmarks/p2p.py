@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from fleetd.pipeline import Pipeline, per_step, step_table
 from fleetd.fleet.local import LocalFleet
+from fleetd.pipeline import Pipeline, per_step, step_table
 from fleetd.tools import find_tool, have_tool
 from fleetd.transport import wait_listening
 
@@ -37,9 +37,13 @@ def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs.append(subprocess.Popen(
-            [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         wait_listening(port)
         # The probe connection above was a whole "client" to the stock server; let it go.
         time.sleep(0.2)
@@ -48,8 +52,15 @@ def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
 
 
 def open_pipeline(endpoints: list[str], args, p2p: bool) -> Pipeline:
-    p = Pipeline(endpoints, args.layers or args.stages, args.rows, args.n_embd,
-                 local_last=args.local_last, p2p=p2p, stats=False)
+    p = Pipeline(
+        endpoints,
+        args.layers or args.stages,
+        args.rows,
+        args.n_embd,
+        local_last=args.local_last,
+        p2p=p2p,
+        stats=False,
+    )
     try:
         p.step()  # GRAPH_COMPUTE; not in the window
     except BaseException:
@@ -81,7 +92,7 @@ def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[f
     seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
     arms = list(pipes)
     for i in range(moves):
-        for arm in (arms if i % 2 == 0 else arms[::-1]):
+        for arm in arms if i % 2 == 0 else arms[::-1]:
             p = pipes[arm]
             t0 = time.perf_counter()
             how = p._move(0)
@@ -99,7 +110,7 @@ def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, lis
         pipes["direct"] = open_pipeline(endpoints, args, True)
         seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
         for r in range(args.rounds):
-            for arm in (("hub", "direct") if r % 2 == 0 else ("direct", "hub")):
+            for arm in ("hub", "direct") if r % 2 == 0 else ("direct", "hub"):
                 seconds[arm].append(timed(pipes[arm], args.steps))
         cols = {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
         remote = [s for s in pipes["direct"].stages if s.client is not None]
@@ -123,8 +134,12 @@ def run_stock(endpoints: list[str], args) -> dict:
 
 def ratio(num: list[float], den: list[float]) -> dict:
     per_round = [a / b for a, b in zip(num, den)]
-    return {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round),
-            "rounds": per_round}
+    return {
+        "median": statistics.median(per_round),
+        "min": min(per_round),
+        "max": max(per_round),
+        "rounds": per_round,
+    }
 
 
 def main() -> int:
@@ -136,8 +151,13 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=5120)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per arm")
-    ap.add_argument("--boundary", type=int, default=200, metavar="N",
-                    help="then time boundary 0 -> 1 alone N times per arm (0: skip)")
+    ap.add_argument(
+        "--boundary",
+        type=int,
+        default=200,
+        metavar="N",
+        help="then time boundary 0 -> 1 alone N times per arm (0: skip)",
+    )
     ap.add_argument("--no-stock", action="store_true", help="skip the stock server column")
     ap.add_argument("--json-out", type=Path, default=Path("benchmarks/results/p2p.json"))
     args = ap.parse_args()
@@ -156,28 +176,47 @@ def main() -> int:
                 p.kill()
                 p.wait()
 
-    print(f"{args.stages} stages, hidden state {args.rows} x {args.n_embd} f32, "
-          f"{args.steps} steps after the first x {args.rounds} rounds")
+    print(
+        f"{args.stages} stages, hidden state {args.rows} x {args.n_embd} f32, "
+        f"{args.steps} steps after the first x {args.rounds} rounds"
+    )
     print(step_table(cols))
-    print("seconds per step (loopback, median of rounds)  "
-          + "  ".join(f"{c['seconds_per_step']:.4f}" for c in cols.values()))
+    print(
+        "seconds per step (loopback, median of rounds)  "
+        + "  ".join(f"{c['seconds_per_step']:.4f}" for c in cols.values())
+    )
     direct_over_hub = ratio(cols["direct"]["seconds_per_round"], cols["hub"]["seconds_per_round"])
-    print(f"direct / hub time per step: median {direct_over_hub['median']:.3f} "
-          f"(rounds {direct_over_hub['min']:.3f} .. {direct_over_hub['max']:.3f})")
+    print(
+        f"direct / hub time per step: median {direct_over_hub['median']:.3f} "
+        f"(rounds {direct_over_hub['min']:.3f} .. {direct_over_hub['max']:.3f})"
+    )
     boundary = {}
     if moves:
         boundary = {arm: quartiles(v) for arm, v in moves.items()}
         boundary["direct_over_hub"] = boundary["direct"]["median"] / boundary["hub"]["median"]
-        print(f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
-              + "  ".join(f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
-                          for arm, b in boundary.items() if arm != "direct_over_hub")
-              + f"  direct / hub {boundary['direct_over_hub']:.3f}")
+        print(
+            f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
+            + "  ".join(
+                f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
+                for arm, b in boundary.items()
+                if arm != "direct_over_hub"
+            )
+            + f"  direct / hub {boundary['direct_over_hub']:.3f}"
+        )
     for arm, c in cols.items():
         print(f"md5 {arm}: {c['md5']}")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "arms": cols, "direct_over_hub": direct_over_hub,
-                                         "boundary": boundary}, indent=2))
+    args.json_out.write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "arms": cols,
+                "direct_over_hub": direct_over_hub,
+                "boundary": boundary,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.json_out}")
     return 0 if cols["hub"]["md5"] == cols["direct"]["md5"] else 1
 

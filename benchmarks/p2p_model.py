@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import re
 import statistics
@@ -35,29 +34,65 @@ EVAL_LINE = re.compile(r"perf_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs"
 
 
 def client_table(stderr: str) -> dict[str, tuple[int, int, int]]:
-    table = stderr[stderr.rindex("GGML_RPC_STATS client"):]
-    return {m.group(1): (int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in STATS_LINE.finditer(table)}
+    table = stderr[stderr.rindex("GGML_RPC_STATS client") :]
+    return {
+        m.group(1): (int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in STATS_LINE.finditer(table)
+    }
 
 
 def run_arm(model: Path, fleet: LocalFleet, p2p: str, n: int) -> dict:
     before = [node.stats() for node in fleet.fleet]
-    args = [str(find_p2p_tool("llama-completion")), "-m", str(model), "--rpc", ",".join(fleet.endpoints),
-            "-ngl", "99", "-sm", "layer", "-p", "the time of their first new", "-n", str(n), "--temp", "0",
-            "-t", "1", "-no-cnv", "--seed", "1"]
-    proc = subprocess.run(args, capture_output=True, timeout=1800, check=False,
-                          env=dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1"))
+    args = [
+        str(find_p2p_tool("llama-completion")),
+        "-m",
+        str(model),
+        "--rpc",
+        ",".join(fleet.endpoints),
+        "-ngl",
+        "99",
+        "-sm",
+        "layer",
+        "-p",
+        "the time of their first new",
+        "-n",
+        str(n),
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "-no-cnv",
+        "--seed",
+        "1",
+    ]
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        timeout=1800,
+        check=False,
+        env=dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1"),
+    )
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode != 0:
         raise SystemExit(f"llama-completion failed ({proc.returncode}): {stderr[-2000:]}")
     after = [node.stats() for node in fleet.fleet]
     last_before, last_after = before[-1].doc["total"]["commands"], after[-1].doc["total"]["commands"]
-    steps = sum(last_after[c]["count"] - last_before[c]["count"] for c in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"))
-    copies = sum(a.doc["total"]["commands"]["COPY_TENSOR_TO"]["count"] - b.doc["total"]["commands"]["COPY_TENSOR_TO"]["count"]
-                 for a, b in zip(after, before))
+    steps = sum(
+        last_after[c]["count"] - last_before[c]["count"] for c in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE")
+    )
+    copies = sum(
+        a.doc["total"]["commands"]["COPY_TENSOR_TO"]["count"]
+        - b.doc["total"]["commands"]["COPY_TENSOR_TO"]["count"]
+        for a, b in zip(after, before)
+    )
     evals = EVAL_LINE.findall(stderr)
     ms_per_token = float(evals[-1][0]) / int(evals[-1][1]) if evals and int(evals[-1][1]) else None
-    return {"md5": hashlib.md5(proc.stdout).hexdigest(), "steps": steps, "node_copies": copies,
-            "client": client_table(stderr), "ms_per_token": ms_per_token}
+    return {
+        "md5": hashlib.md5(proc.stdout).hexdigest(),
+        "steps": steps,
+        "node_copies": copies,
+        "client": client_table(stderr),
+        "ms_per_token": ms_per_token,
+    }
 
 
 def main() -> int:
@@ -66,8 +101,12 @@ def main() -> int:
     ap.add_argument("--model", default="llama-q8_0-bench", help="<arch>-<type>[-<size>] from fleetd.models")
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("-n", type=int, default=64, help="tokens to generate")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="runs per arm, alternating hub and direct (the order flips every round)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs per arm, alternating hub and direct (the order flips every round)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.nodes < 2 or args.n < 1 or args.rounds < 1:
@@ -76,7 +115,7 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"hub": [], "direct": []}
     with LocalFleet(args.nodes) as fleet:
         for r in range(args.rounds):
-            for arm in (("hub", "direct") if r % 2 == 0 else ("direct", "hub")):
+            for arm in ("hub", "direct") if r % 2 == 0 else ("direct", "hub"):
                 runs[arm].append(run_arm(model, fleet, "0" if arm == "hub" else "1", args.n))
     md5s = {run["md5"] for arm_runs in runs.values() for run in arm_runs}
     if len(md5s) != 1:
@@ -85,28 +124,65 @@ def main() -> int:
     rows = []
     names = sorted(set(hub["client"]) | set(direct["client"]), key=lambda c: (c == "total", c))
     for name in names:
-        if name in ("HELLO", "ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "DEVICE_COUNT",
-                    "GET_DEVICE_MEMORY", "GET_ALLOC_SIZE", "FREE_BUFFER", "BUFFER_CLEAR", "INIT_TENSOR"):
+        if name in (
+            "HELLO",
+            "ALLOC_BUFFER",
+            "GET_ALIGNMENT",
+            "GET_MAX_SIZE",
+            "BUFFER_GET_BASE",
+            "DEVICE_COUNT",
+            "GET_DEVICE_MEMORY",
+            "GET_ALLOC_SIZE",
+            "FREE_BUFFER",
+            "BUFFER_CLEAR",
+            "INIT_TENSOR",
+        ):
             continue  # set-up, not per step
         h, d = hub["client"].get(name, (0, 0, 0)), direct["client"].get(name, (0, 0, 0))
-        rows.append([name, f"{h[0] / hub['steps']:.2f}", f"{d[0] / direct['steps']:.2f}",
-                     f"{h[1] / hub['steps']:,.0f}", f"{d[1] / direct['steps']:,.0f}",
-                     f"{h[2] / hub['steps']:,.0f}", f"{d[2] / direct['steps']:,.0f}"])
-    show(f"{args.model} over {args.nodes} fleetd nodes, per step (hub {hub['steps']} steps, direct "
-         f"{direct['steps']}; {direct['node_copies']} copies counted by the nodes; md5 equal)",
-         ["command", "hub", "direct", "req B hub", "req B direct", "resp B hub", "resp B direct"], rows)
+        rows.append(
+            [
+                name,
+                f"{h[0] / hub['steps']:.2f}",
+                f"{d[0] / direct['steps']:.2f}",
+                f"{h[1] / hub['steps']:,.0f}",
+                f"{d[1] / direct['steps']:,.0f}",
+                f"{h[2] / hub['steps']:,.0f}",
+                f"{d[2] / direct['steps']:,.0f}",
+            ]
+        )
+    show(
+        f"{args.model} over {args.nodes} fleetd nodes, per step (hub {hub['steps']} steps, direct "
+        f"{direct['steps']}; {direct['node_copies']} copies counted by the nodes; md5 equal)",
+        ["command", "hub", "direct", "req B hub", "req B direct", "resp B hub", "resp B direct"],
+        rows,
+    )
     timing = {}
     ms = {arm: [run["ms_per_token"] for run in arm_runs] for arm, arm_runs in runs.items()}
     if all(x is not None for xs in ms.values() for x in xs):
         per_round = [d / h for d, h in zip(ms["direct"], ms["hub"])]
-        timing = {"ms_per_token": ms, "direct_over_hub_rounds": per_round,
-                  "direct_over_hub": statistics.median(per_round)}
-        print(f"decode ms per token (llama's eval time, median of {args.rounds}): "
-              f"hub {statistics.median(ms['hub']):.3f}, direct {statistics.median(ms['direct']):.3f}; "
-              f"direct / hub median {timing['direct_over_hub']:.3f} "
-              f"(rounds {min(per_round):.3f} .. {max(per_round):.3f})")
-    out = save("p2p_model", {"model": args.model, "nodes": args.nodes, "n": args.n, "hub": hub,
-                             "direct": direct, "timing": timing}, args.json)
+        timing = {
+            "ms_per_token": ms,
+            "direct_over_hub_rounds": per_round,
+            "direct_over_hub": statistics.median(per_round),
+        }
+        print(
+            f"decode ms per token (llama's eval time, median of {args.rounds}): "
+            f"hub {statistics.median(ms['hub']):.3f}, direct {statistics.median(ms['direct']):.3f}; "
+            f"direct / hub median {timing['direct_over_hub']:.3f} "
+            f"(rounds {min(per_round):.3f} .. {max(per_round):.3f})"
+        )
+    out = save(
+        "p2p_model",
+        {
+            "model": args.model,
+            "nodes": args.nodes,
+            "n": args.n,
+            "hub": hub,
+            "direct": direct,
+            "timing": timing,
+        },
+        args.json,
+    )
     print(f"wrote {out}")
     return 0
 

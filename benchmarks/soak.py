@@ -163,8 +163,10 @@ def main() -> int:
         start = sample(pid)
         tally = Tally()
         until = time.monotonic() + 60 * args.minutes
-        threads = [threading.Thread(target=client, args=(endpoint, i, until, args.max_iterations, tally))
-                   for i in range(args.clients)]
+        threads = [
+            threading.Thread(target=client, args=(endpoint, i, until, args.max_iterations, tally))
+            for i in range(args.clients)
+        ]
         samples = []
         for t in threads:
             t.start()
@@ -175,23 +177,48 @@ def main() -> int:
             t.join()
         time.sleep(1.0)  # sessions of vanished clients close on their own read error
         end = sample(pid)
-    rows = [["start", f"{start['rss_mib']:.1f}", start["threads"], start["fds"]],
-            ["peak during", f"{max(s['rss_mib'] for s in samples):.1f}", max(s["threads"] for s in samples),
-             max(s["fds"] for s in samples)],
-            # the plateau: a leak keeps growing here, allocator warm-up does not
-            ["last half: min..max", "{:.1f}..{:.1f}".format(*_span(s["rss_mib"] for s in samples[len(samples) // 2:])),
-             "{}..{}".format(*_span(s["threads"] for s in samples[len(samples) // 2:])),
-             "{}..{}".format(*_span(s["fds"] for s in samples[len(samples) // 2:]))],
-            ["end", f"{end['rss_mib']:.1f}", end["threads"], end["fds"]]]
-    show(f"soak: {args.clients} clients x {args.minutes:g} min, fleetd --device {args.device}",
-         ["when", "RSS MiB", "threads", "fds"], rows)
+    rows = [
+        ["start", f"{start['rss_mib']:.1f}", start["threads"], start["fds"]],
+        [
+            "peak during",
+            f"{max(s['rss_mib'] for s in samples):.1f}",
+            max(s["threads"] for s in samples),
+            max(s["fds"] for s in samples),
+        ],
+        # the plateau: a leak keeps growing here, allocator warm-up does not
+        [
+            "last half: min..max",
+            "{:.1f}..{:.1f}".format(*_span(s["rss_mib"] for s in samples[len(samples) // 2 :])),
+            "{}..{}".format(*_span(s["threads"] for s in samples[len(samples) // 2 :])),
+            "{}..{}".format(*_span(s["fds"] for s in samples[len(samples) // 2 :])),
+        ],
+        ["end", f"{end['rss_mib']:.1f}", end["threads"], end["fds"]],
+    ]
+    show(
+        f"soak: {args.clients} clients x {args.minutes:g} min, fleetd --device {args.device}",
+        ["when", "RSS MiB", "threads", "fds"],
+        rows,
+    )
     show("iterations", ["outcome", "count"], sorted([k, v] for k, v in tally.counts.items()))
-    out = save("soak", {"clients": args.clients, "minutes": args.minutes, "device": args.device,
-                        "start": start, "end": end, "samples": samples, "outcomes": tally.counts},
-               args.json)
+    out = save(
+        "soak",
+        {
+            "clients": args.clients,
+            "minutes": args.minutes,
+            "device": args.device,
+            "start": start,
+            "end": end,
+            "samples": samples,
+            "outcomes": tally.counts,
+        },
+        args.json,
+    )
     print(f"wrote {out}")
-    flat = end["threads"] <= start["threads"] and end["fds"] <= start["fds"] and \
-        end["rss_mib"] <= start["rss_mib"] * 1.10 + 16
+    flat = (
+        end["threads"] <= start["threads"]
+        and end["fds"] <= start["fds"]
+        and end["rss_mib"] <= start["rss_mib"] * 1.10 + 16
+    )
     bad = tally.counts.get("WRONG", 0) + sum(v for k, v in tally.counts.items() if k.startswith("error:"))
     print("flat" if flat else "NOT FLAT", "/", f"{bad} failed good iterations")
     return 0 if flat and not bad else 1

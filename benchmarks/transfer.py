@@ -49,8 +49,14 @@ class Target:
 
     def tensor(self, size: int) -> RpcTensor:
         ne = (size // 4, 1, 1, 1)
-        return RpcTensor(id=1, type=GgmlType.F32, buffer=self.ptr, ne=ne,
-                         nb=contiguous_strides(GgmlType.F32, ne), data=self.base)
+        return RpcTensor(
+            id=1,
+            type=GgmlType.F32,
+            buffer=self.ptr,
+            ne=ne,
+            nb=contiguous_strides(GgmlType.F32, ne),
+            data=self.base,
+        )
 
     def set_throughput(self, size: int, data: np.ndarray) -> float:
         t = self.tensor(size)
@@ -85,10 +91,16 @@ class Target:
 
 def run(max_bytes: int, rounds: int, latency_calls: int) -> dict:
     results = {"set": {}, "get": {}, "latency": {}}
-    with server_process("stock") as stock_ep, server_process("fleetd") as fleetd_ep, \
-            server_process("fleetd", extra=["--no-counters"]) as nocount_ep:
-        targets = {"stock": Target(stock_ep, max_bytes), "fleetd": Target(fleetd_ep, max_bytes),
-                   "fleetd-nocount": Target(nocount_ep, max_bytes)}
+    with (
+        server_process("stock") as stock_ep,
+        server_process("fleetd") as fleetd_ep,
+        server_process("fleetd", extra=["--no-counters"]) as nocount_ep,
+    ):
+        targets = {
+            "stock": Target(stock_ep, max_bytes),
+            "fleetd": Target(fleetd_ep, max_bytes),
+            "fleetd-nocount": Target(nocount_ep, max_bytes),
+        }
         try:
             for size in sizes(max_bytes):
                 data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
@@ -131,26 +143,70 @@ def main(argv=None) -> int:
             s = statistics.median(raw[kind]["stock"][size])
             f = statistics.median(raw[kind]["fleetd"][size])
             n = statistics.median(raw[kind]["fleetd-nocount"][size])
-            rec[kind] = {"stock_bps": s, "fleetd_bps": f, "fleetd_nocount_bps": n, "ratio": f / s,
-                         "count_cost": f / n}
+            rec[kind] = {
+                "stock_bps": s,
+                "fleetd_bps": f,
+                "fleetd_nocount_bps": n,
+                "ratio": f / s,
+                "count_cost": f / n,
+            }
             row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", f"{f / s:.2f}", f"{f / n:.2f}"]
         rows.append(row)
         records.append(rec)
-    show("SET_TENSOR / GET_TENSOR throughput on loopback (MiB/s, median)",
-         ["payload", "SET stock", "SET fleetd", "SET ratio", "SET count cost",
-          "GET stock", "GET fleetd", "GET ratio", "GET count cost"], rows)
+    show(
+        "SET_TENSOR / GET_TENSOR throughput on loopback (MiB/s, median)",
+        [
+            "payload",
+            "SET stock",
+            "SET fleetd",
+            "SET ratio",
+            "SET count cost",
+            "GET stock",
+            "GET fleetd",
+            "GET ratio",
+            "GET count cost",
+        ],
+        rows,
+    )
     ls = statistics.median(raw["latency"]["stock"])
     lf = statistics.median(raw["latency"]["fleetd"])
     ln = statistics.median(raw["latency"]["fleetd-nocount"])
-    show("Small command round trip (GET_ALIGNMENT, median)",
-         ["", "stock µs", "fleetd µs", "ratio", "fleetd no count µs", "count cost"],
-         [["latency", f"{ls * 1e6:.1f}", f"{lf * 1e6:.1f}", f"{lf / ls:.2f}", f"{ln * 1e6:.1f}", f"{lf / ln:.2f}"]])
-    out = save("transfer", {"throughput": records,
-                            "latency": {"stock_s": ls, "fleetd_s": lf, "fleetd_nocount_s": ln,
-                                        "ratio": lf / ls, "count_cost": lf / ln},
-                            "rounds": args.rounds, "raw": {k: {n: {str(s): v for s, v in d.items()} if isinstance(d, dict) else d
-                                                                  for n, d in raw[k].items()} for k in raw}},
-               args.json)
+    show(
+        "Small command round trip (GET_ALIGNMENT, median)",
+        ["", "stock µs", "fleetd µs", "ratio", "fleetd no count µs", "count cost"],
+        [
+            [
+                "latency",
+                f"{ls * 1e6:.1f}",
+                f"{lf * 1e6:.1f}",
+                f"{lf / ls:.2f}",
+                f"{ln * 1e6:.1f}",
+                f"{lf / ln:.2f}",
+            ]
+        ],
+    )
+    out = save(
+        "transfer",
+        {
+            "throughput": records,
+            "latency": {
+                "stock_s": ls,
+                "fleetd_s": lf,
+                "fleetd_nocount_s": ln,
+                "ratio": lf / ls,
+                "count_cost": lf / ln,
+            },
+            "rounds": args.rounds,
+            "raw": {
+                k: {
+                    n: {str(s): v for s, v in d.items()} if isinstance(d, dict) else d
+                    for n, d in raw[k].items()
+                }
+                for k in raw
+            },
+        },
+        args.json,
+    )
     print(f"wrote {out}")
     return 0
 

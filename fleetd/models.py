@@ -55,7 +55,70 @@ SIZES = {"tiny": TINY, "bench": BENCH, "mid": MID, "wide": WIDE, "load": LOAD, "
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream
 # dominates) and wide logit and router margins keep the models decisive, as trained ones are.
 LAYER_GAIN, DECISIVE = 0.5, 8.0
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "her", "it", "an", "be", "are", "were", "this", "which", "or", "had", "not", "but", "have", "one", "all", "their", "they", "we", "there", "been", "has", "when", "who", "more", "its", "so", "some", "time", "would", "up", "out", "if", "about", "into", "than", "them", "only", "other", "new", "may", "these", "two", "first", "any", "then", "also"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "it",
+    "an",
+    "be",
+    "are",
+    "were",
+    "this",
+    "which",
+    "or",
+    "had",
+    "not",
+    "but",
+    "have",
+    "one",
+    "all",
+    "their",
+    "they",
+    "we",
+    "there",
+    "been",
+    "has",
+    "when",
+    "who",
+    "more",
+    "its",
+    "so",
+    "some",
+    "time",
+    "would",
+    "up",
+    "out",
+    "if",
+    "about",
+    "into",
+    "than",
+    "them",
+    "only",
+    "other",
+    "new",
+    "may",
+    "these",
+    "two",
+    "first",
+    "any",
+    "then",
+    "also",
+]
 
 FILE_TYPES = {
     "f32": (GGMLQuantizationType.F32, LlamaFileType.ALL_F32),
@@ -93,13 +156,17 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
         sc = np.clip(np.nan_to_num(np.rint(scales / d32)), 0, 63).astype(np.uint8)
         mn = np.clip(np.nan_to_num(np.rint(mins / dmin32)), 0, 63).astype(np.uint8)
         step = (d32 * sc)[:, :, None]
-        q = np.clip(np.nan_to_num(np.rint((blocks + (dmin32 * mn)[:, :, None]) / step)), 0, 15).astype(np.uint8)
+        q = np.clip(np.nan_to_num(np.rint((blocks + (dmin32 * mn)[:, :, None]) / step)), 0, 15).astype(
+            np.uint8
+        )
     packed_scales = np.zeros((blocks.shape[0], 12), np.uint8)
     packed_scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
     packed_scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
     packed_scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
-    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, qs], axis=1)
+    out = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed_scales, qs], axis=1
+    )
     return out.reshape(x.shape[0], -1) if x.ndim == 2 else out.reshape(x.shape[:-1] + (-1,))
 
 
@@ -111,7 +178,9 @@ def encode(values: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray,
         return values.astype(np.float16), qtype
     if qtype == GGMLQuantizationType.Q4_K and values.shape[-1] % 256 == 0:
         return quantize_q4_k(values), qtype
-    return gguf_quants.quantize(values.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+    return gguf_quants.quantize(
+        values.astype(np.float32), GGMLQuantizationType.Q8_0
+    ), GGMLQuantizationType.Q8_0
 
 
 def weights(arch: str, n_vocab: int, rng: np.random.Generator, d: Dims) -> dict[str, np.ndarray]:
@@ -144,9 +213,13 @@ def weights(arch: str, n_vocab: int, rng: np.random.Generator, d: Dims) -> dict[
             t[p + "post_ffw_norm.weight"] = norm(d.n_embd)
         if arch == "qwen3moe":
             t[p + "ffn_gate_inp.weight"] = mat(d.n_expert, d.n_embd, DECISIVE)
-            t[p + "ffn_gate_exps.weight"] = np.stack([mat(d.n_ff_expert, d.n_embd) for _ in range(d.n_expert)])
+            t[p + "ffn_gate_exps.weight"] = np.stack(
+                [mat(d.n_ff_expert, d.n_embd) for _ in range(d.n_expert)]
+            )
             t[p + "ffn_up_exps.weight"] = np.stack([mat(d.n_ff_expert, d.n_embd) for _ in range(d.n_expert)])
-            t[p + "ffn_down_exps.weight"] = np.stack([mat(d.n_embd, d.n_ff_expert) for _ in range(d.n_expert)])
+            t[p + "ffn_down_exps.weight"] = np.stack(
+                [mat(d.n_embd, d.n_ff_expert) for _ in range(d.n_expert)]
+            )
         else:
             t[p + "ffn_gate.weight"] = mat(d.n_ff, d.n_embd)
             t[p + "ffn_up.weight"] = mat(d.n_ff, d.n_embd)

@@ -43,11 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         now = time.monotonic()
         restarts = [t for t in restarts if now - t < WINDOW_S] + [now]
         if len(restarts) > MAX_RESTARTS:
-            print(f"fleetd.supervise: {argv[0]} exited {rc} {len(restarts)} times in {WINDOW_S:.0f}s, "
-                  "giving up", file=sys.stderr, flush=True)
+            print(
+                f"fleetd.supervise: {argv[0]} exited {rc} {len(restarts)} times in {WINDOW_S:.0f}s, "
+                "giving up",
+                file=sys.stderr,
+                flush=True,
+            )
             return rc
         delay = min(10.0, 0.5 * 2 ** (len(restarts) - 1))
-        print(f"fleetd.supervise: {argv[0]} exited {rc}, restarting in {delay:.1f}s", file=sys.stderr, flush=True)
+        print(
+            f"fleetd.supervise: {argv[0]} exited {rc}, restarting in {delay:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(delay)
 
 

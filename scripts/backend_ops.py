@@ -38,15 +38,78 @@ from fleetd.transport import free_port, wait_listening
 
 # What llama.cpp sends for llama / qwen3 / qwen3moe / gemma3 (issue 3), by test-backend-ops name.
 ISSUE_OPS = [
-    "ADD", "SUB", "MUL", "DIV", "ADD_ID", "SCALE", "CPY", "DUP", "CONT", "GET_ROWS",
-    "SET_ROWS", "RMS_NORM", "NORM", "L2_NORM", "ROPE", "SOFT_MAX", "REGLU", "GEGLU", "SWIGLU", "SWIGLU_OAI", "GEGLU_ERF", "GEGLU_QUICK",
-    "SWIGLU_CLAMP", "ABS", "SGN", "NEG", "STEP", "TANH", "ELU", "RELU", "SIGMOID", "GELU",
-    "GELU_QUICK", "SILU", "HARDSWISH", "HARDSIGMOID", "EXP", "EXPM1", "SOFTPLUS", "GELU_ERF",
-    "XIELU", "FLOOR", "CEIL", "ROUND", "TRUNC", "SUM", "SUM_ROWS", "MEAN", "ARGMAX", "ARGSORT",
-    "TOP_K", "CONCAT", "PAD", "CLAMP", "SQR", "SQRT", "LOG", "SIN", "COS", "REPEAT", "CUMSUM",
-    "LEAKY_RELU", "GROUP_NORM", "SET", "ACC", "ARANGE", "FILL", "ROPE_BACK",
+    "ADD",
+    "SUB",
+    "MUL",
+    "DIV",
+    "ADD_ID",
+    "SCALE",
+    "CPY",
+    "DUP",
+    "CONT",
+    "GET_ROWS",
+    "SET_ROWS",
+    "RMS_NORM",
+    "NORM",
+    "L2_NORM",
+    "ROPE",
+    "SOFT_MAX",
+    "REGLU",
+    "GEGLU",
+    "SWIGLU",
+    "SWIGLU_OAI",
+    "GEGLU_ERF",
+    "GEGLU_QUICK",
+    "SWIGLU_CLAMP",
+    "ABS",
+    "SGN",
+    "NEG",
+    "STEP",
+    "TANH",
+    "ELU",
+    "RELU",
+    "SIGMOID",
+    "GELU",
+    "GELU_QUICK",
+    "SILU",
+    "HARDSWISH",
+    "HARDSIGMOID",
+    "EXP",
+    "EXPM1",
+    "SOFTPLUS",
+    "GELU_ERF",
+    "XIELU",
+    "FLOOR",
+    "CEIL",
+    "ROUND",
+    "TRUNC",
+    "SUM",
+    "SUM_ROWS",
+    "MEAN",
+    "ARGMAX",
+    "ARGSORT",
+    "TOP_K",
+    "CONCAT",
+    "PAD",
+    "CLAMP",
+    "SQR",
+    "SQRT",
+    "LOG",
+    "SIN",
+    "COS",
+    "REPEAT",
+    "CUMSUM",
+    "LEAKY_RELU",
+    "GROUP_NORM",
+    "SET",
+    "ACC",
+    "ARANGE",
+    "FILL",
+    "ROPE_BACK",
     "MUL_MAT_HADAMARD",  # MUL_MAT with ggml_mul_mat_set_hint(GGML_HINT_SRC0_IS_HADAMARD)
-    "MUL_MAT", "MUL_MAT_ID", "FLASH_ATTN_EXT",  # the long ones last
+    "MUL_MAT",
+    "MUL_MAT_ID",
+    "FLASH_ATTN_EXT",  # the long ones last
 ]
 MAX_ARGS_BYTES = 100_000  # one argv string stays under Linux's MAX_ARG_STRLEN (128 KiB)
 # A failing case's messages come before its name on the same line: "[CPY] ERR = … > …   CPY(…): FAIL".
@@ -91,8 +154,20 @@ class Server:
         if self.proc is None or self.proc.poll() is not None:
             self.port = free_port()
             if self.kind == "fleetd":
-                args = [sys.executable, "-m", "fleetd.server", "--port", str(self.port), "--control-port", "0",
-                        "--device", self.device, "--log-level", "warning", *self.extra]
+                args = [
+                    sys.executable,
+                    "-m",
+                    "fleetd.server",
+                    "--port",
+                    str(self.port),
+                    "--control-port",
+                    "0",
+                    "--device",
+                    self.device,
+                    "--log-level",
+                    "warning",
+                    *self.extra,
+                ]
             else:
                 args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(self.port), "-t", "1"]
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +248,7 @@ def run_op(server: Server, op: str, params: str | None, timeout: float, log: Pat
             if (verdict := verdicts.get(name)) is not None:
                 result.count(name, verdict)
         missing = [c for c in batch if c not in verdicts]
-        rest = remaining[len(batch):]
+        rest = remaining[len(batch) :]
         if missing:
             # The first unreported case took the server (or its connection) down; resume after it.
             why = "server closed the connection" if rc not in (0, 1) else f"not reported (exit {rc})"
@@ -184,8 +259,14 @@ def run_op(server: Server, op: str, params: str | None, timeout: float, log: Pat
     return result
 
 
-def run_one_process(server: Server, ops: list[str], params: str | None, timeout: float,
-                    log: Path, extra_filters: list[str] = ()) -> dict[str, OpResult]:
+def run_one_process(
+    server: Server,
+    ops: list[str],
+    params: str | None,
+    timeout: float,
+    log: Path,
+    extra_filters: list[str] = (),
+) -> dict[str, OpResult]:
     """Every op's cases in one test-backend-ops run; what the run never reported is not reached."""
     cases = {op: list_cases(server.ensure(), op, params) for op in ops}
     filters = ["-o", ",".join(ops)] + (["-p", params] if params else []) + list(extra_filters)
@@ -206,13 +287,18 @@ def run_one_process(server: Server, ops: list[str], params: str | None, timeout:
 def one_process_markdown(results: dict[str, dict[str, OpResult]], notes: list[str] = ()) -> str:
     servers = list(results)
     ops = list(dict.fromkeys(op for r in results.values() for op in r))
-    lines = ["# test-backend-ops in one process per server", "",
-             "Generated by `scripts/test-backend-ops.sh` (`scripts/backend_ops.py --one-process`): every",
-             "op below in one test-backend-ops run through each server, as a user runs it; a client the",
-             "server cuts loses every later case (*not reached*).", "",
-             *[f"- {n}" for n in notes], *([""] if notes else []),
-             "| op | " + " | ".join(f"{s} pass | fail | n/s | not reached" for s in servers) + " |",
-             "|---|" + "---:|" * (4 * len(servers))]
+    lines = [
+        "# test-backend-ops in one process per server",
+        "",
+        "Generated by `scripts/test-backend-ops.sh` (`scripts/backend_ops.py --one-process`): every",
+        "op below in one test-backend-ops run through each server, as a user runs it; a client the",
+        "server cuts loses every later case (*not reached*).",
+        "",
+        *[f"- {n}" for n in notes],
+        *([""] if notes else []),
+        "| op | " + " | ".join(f"{s} pass | fail | n/s | not reached" for s in servers) + " |",
+        "|---|" + "---:|" * (4 * len(servers)),
+    ]
     totals = {s: Counter() for s in servers}
     for op in ops:
         cells = []
@@ -221,8 +307,11 @@ def one_process_markdown(results: dict[str, dict[str, OpResult]], notes: list[st
             cells += [str(r.passed), str(r.failed), str(r.not_supported), str(r.not_reached)]
             totals[s].update(p=r.passed, f=r.failed, n=r.not_supported, u=r.not_reached)
         lines.append(f"| {op} | " + " | ".join(cells) + " |")
-    lines.append("| **total** | " + " | ".join(
-        f"**{t['p']}** | **{t['f']}** | **{t['n']}** | **{t['u']}**" for t in totals.values()) + " |")
+    lines.append(
+        "| **total** | "
+        + " | ".join(f"**{t['p']}** | **{t['f']}** | **{t['n']}** | **{t['u']}**" for t in totals.values())
+        + " |"
+    )
     failures = [(s, f) for s in servers for r in results[s].values() for f in r.failures]
     if failures:
         lines += ["", "## Failing cases", ""] + [f"- {s}: `{f[:300]}`" for s, f in failures[:200]]
@@ -243,7 +332,7 @@ def coverage_markdown(results: dict[str, dict[str, OpResult]], notes: list[str] 
         *([""] if notes else []),
         "- *n/s*: ggml's CPU backend, the reference and what the stock server computes with, does not",
         "  support the case; test-backend-ops skips it.",
-        "- *fail* with \"server closed the connection\": the server refused the graph (fleetd: one",
+        '- *fail* with "server closed the connection": the server refused the graph (fleetd: one',
         "  `UnsupportedOp` log line naming op and types, that connection closed, the daemon serving",
         "  on); otherwise the numbers differ from the CPU's beyond the case's error bound.",
         "",
@@ -265,7 +354,9 @@ def coverage_markdown(results: dict[str, dict[str, OpResult]], notes: list[str] 
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append(
         "| **total** | "
-        + " | ".join(f"**{totals[s]['passed']}** | **{totals[s]['failed']}** | **{totals[s]['ns']}**" for s in servers)
+        + " | ".join(
+            f"**{totals[s]['passed']}** | **{totals[s]['failed']}** | **{totals[s]['ns']}**" for s in servers
+        )
         + " |"
     )
     failures = [(s, f) for s in servers for r in results[s].values() for f in r.failures]
@@ -290,18 +381,27 @@ def one_process_main(args) -> int:
         finally:
             server.stop()
         for op, r in results[column].items():
-            print(f"{column:12} {op:16} pass {r.passed:5}  fail {r.failed:4}  n/s {r.not_supported:4}  "
-                  f"not reached {r.not_reached:5}", flush=True)
+            print(
+                f"{column:12} {op:16} pass {r.passed:5}  fail {r.failed:4}  n/s {r.not_supported:4}  "
+                f"not reached {r.not_reached:5}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(one_process_markdown(results, args.note))
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {s: {op: vars(r) for op, r in ops.items()} for s, ops in results.items()}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({s: {op: vars(r) for op, r in ops.items()} for s, ops in results.items()}, indent=1)
+        )
     # fleetd must pass every case the stock server passes, and reach them all
     stock = results.get("stock", {})
-    worse = [(s, op) for s, ops_ in results.items() if s != "stock" for op, r in ops_.items()
-             if r.not_reached or (op in stock and r.passed < stock[op].passed)]
+    worse = [
+        (s, op)
+        for s, ops_ in results.items()
+        if s != "stock"
+        for op, r in ops_.items()
+        if r.not_reached or (op in stock and r.passed < stock[op].passed)
+    ]
     for s, op in worse:
         print(f"{s}: {op} behind the stock server or cut short", file=sys.stderr)
     return 1 if worse else 0
@@ -309,20 +409,30 @@ def one_process_main(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-o", "--ops", default=",".join(ISSUE_OPS), help="comma separated test-backend-ops op names")
+    ap.add_argument(
+        "-o", "--ops", default=",".join(ISSUE_OPS), help="comma separated test-backend-ops op names"
+    )
     ap.add_argument("-p", "--params", default=None, help="test-backend-ops -p regex over case params")
     ap.add_argument("--servers", default="fleetd", help="fleetd, stock, or fleetd,stock")
     ap.add_argument("--device", default="cpu", help="fleetd's device: cpu (ggml kernels, default) or numpy")
-    ap.add_argument("--out", default=str(REPO / "docs" / "op-coverage.md"), help="markdown table ('' for none)")
+    ap.add_argument(
+        "--out", default=str(REPO / "docs" / "op-coverage.md"), help="markdown table ('' for none)"
+    )
     ap.add_argument("--json", default=None, help="also write results as JSON")
-    ap.add_argument("--merge", action="store_true",
-                    help="start from the results in --json and replace only the ops run now")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="start from the results in --json and replace only the ops run now",
+    )
     ap.add_argument("--note", action="append", default=[], help="a line for the table's header (repeatable)")
     ap.add_argument("--log-dir", default="/tmp/fleetd-backend-ops")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per test-backend-ops run")
-    ap.add_argument("--one-process", action="store_true",
-                    help="all ops in one test-backend-ops run per server (a cut client loses the rest)")
-    ap.add_argument("--fleetd-args", default="", help="more fleetd flags, e.g. \"--request-timeout 1\"")
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="all ops in one test-backend-ops run per server (a cut client loses the rest)",
+    )
+    ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--request-timeout 1"')
     args = ap.parse_args()
     if args.one_process:
         return one_process_main(args)
@@ -342,7 +452,10 @@ def main() -> int:
             for op in args.ops.split(","):
                 r = run_op(server, op, args.params, args.timeout, log)
                 results[column][op] = r
-                print(f"{column:12} {op:16} pass {r.passed:5}  fail {r.failed:4}  n/s {r.not_supported:4}", flush=True)
+                print(
+                    f"{column:12} {op:16} pass {r.passed:5}  fail {r.failed:4}  n/s {r.not_supported:4}",
+                    flush=True,
+                )
                 for f in r.failures[:5]:
                     print(f"         {f[:200]}", flush=True)
                 # After every op: a long run leaves its results behind even if cut short.
@@ -350,8 +463,12 @@ def main() -> int:
                     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.out).write_text(coverage_markdown(results, args.note))
                 if args.json:
-                    Path(args.json).write_text(json.dumps(
-                        {s: {op: vars(r) for op, r in ops.items()} for s, ops in results.items()}, indent=1))
+                    Path(args.json).write_text(
+                        json.dumps(
+                            {s: {op: vars(r) for op, r in ops.items()} for s, ops in results.items()},
+                            indent=1,
+                        )
+                    )
         finally:
             server.stop()
     failed = sum(r.failed for ops in results.values() for r in ops.values())

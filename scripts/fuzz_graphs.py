@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import graph_fuzzer as gf  # noqa: E402
+
 from fleetd.wire import GgmlOp, op_name  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def parse_ops(text: str | None):
         try:
             op = GgmlOp[name.strip().upper()]
         except KeyError:
-            raise SystemExit(f"fuzz_graphs: unknown op {name!r}")
+            raise SystemExit(f"fuzz_graphs: unknown op {name!r}") from None
         if op not in gf.FUZZ_OPS:
             raise SystemExit(f"fuzz_graphs: {op.name} has no generator (FUZZ_OPS)")
         ops.append(op)
@@ -48,9 +49,11 @@ def print_case(seed: int) -> None:
         print(f"  mutation: {note}")
     for t in case.gen.roots + case.gen.views:
         role = "node" if t in case.gen.nodes else "view" if t.view_src else "leaf"
-        print(f"  {role} {t.id:#x} {op_name(t.op)} "
-              f"type={t.type} ne={list(t.ne)} nb={list(t.nb)} src={[s.id for s in t.src]} "
-              f"offs={case.offsets.get(t.id, t.view_offs)} params={t.op_params[:8]}")
+        print(
+            f"  {role} {t.id:#x} {op_name(t.op)} "
+            f"type={t.type} ne={list(t.ne)} nb={list(t.nb)} src={[s.id for s in t.src]} "
+            f"offs={case.offsets.get(t.id, t.view_offs)} params={t.op_params[:8]}"
+        )
 
 
 def main(argv=None) -> int:
@@ -86,8 +89,10 @@ def main(argv=None) -> int:
     print()
     print(gf.format_table(results))
     findings = [r for r in results if r.finding]
-    print(f"\n{len(results)} cases in {time.monotonic() - t0:.0f}s, {len(findings)} findings, "
-          f"daemon started {starts} times")
+    print(
+        f"\n{len(results)} cases in {time.monotonic() - t0:.0f}s, {len(findings)} findings, "
+        f"daemon started {starts} times"
+    )
     if args.json:
         gf.dump_json(results, args.json)
     return 1 if any(r.outcome == "daemon_death" or r.corruptions for r in results) else 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write the small deterministic GGUF models of fleetd.models (see there for what they are).
 
-    scripts/make-models.py [--out DIR] [--arch llama,qwen3,qwen3moe,gemma3] [--types f32,f16,q8_0,q4_k]
-                           [--size tiny|bench|wide|load|hash]
+scripts/make-models.py [--out DIR] [--arch llama,qwen3,qwen3moe,gemma3] [--types f32,f16,q8_0,q4_k]
+                       [--size tiny|bench|wide|load|hash]
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path.home() / ".cache" / "fleetd" / "models"))
     ap.add_argument("--arch", default=",".join(ARCHS))
     ap.add_argument("--types", default=",".join(FILE_TYPES))
-    ap.add_argument("--size", default="tiny", choices=sorted(SIZES), help="tiny: tests; bench: benchmarks; wide: the lab; load: benchmarks/load.py; hash: its test")
+    ap.add_argument(
+        "--size",
+        default="tiny",
+        choices=sorted(SIZES),
+        help="tiny: tests; bench: benchmarks; wide: the lab; load: benchmarks/load.py; hash: its test",
+    )
     args = ap.parse_args()
     for arch in args.arch.split(","):
         for type_name in args.types.split(","):

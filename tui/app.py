@@ -32,8 +32,13 @@ class FleetApp(App):
         ("s", "screenshot", "Screenshot"),
     ]
 
-    def __init__(self, fleet: Fleet, interval: float = 1.0, ab: AbSettings | None = None,
-                 screenshot: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        interval: float = 1.0,
+        ab: AbSettings | None = None,
+        screenshot: str | Path | None = None,
+    ) -> None:
         super().__init__()
         self.fleet = fleet
         self.interval = interval
@@ -56,12 +61,18 @@ class FleetApp(App):
         board = self.dashboard
         if board is None:
             return
-        yield SystemCommand("Deploy", "Deploy fleetd to the nodes (the deploy screen, d)", board.action_show_deploy)
+        yield SystemCommand(
+            "Deploy", "Deploy fleetd to the nodes (the deploy screen, d)", board.action_show_deploy
+        )
         yield SystemCommand("Node detail", "The selected node in detail (Enter)", board.action_show_node)
-        yield SystemCommand("P2P on every node", "Switch peer copy on every node that answers (P)",
-                            board.action_toggle_fleet_p2p)
-        yield SystemCommand("Reset counters", "Zero the counters of every node, after asking (r)",
-                            board.action_reset_stats)
+        yield SystemCommand(
+            "P2P on every node",
+            "Switch peer copy on every node that answers (P)",
+            board.action_toggle_fleet_p2p,
+        )
+        yield SystemCommand(
+            "Reset counters", "Zero the counters of every node, after asking (r)", board.action_reset_stats
+        )
         yield SystemCommand("A/B", "Hub vs direct, synthetic or a model (a)", self.action_show_ab)
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
@@ -86,8 +97,9 @@ class FleetApp(App):
     def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
         self.deliver_screenshot(filename, path)
 
-    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
-                           time_format: str | None = None) -> str | None:
+    def deliver_screenshot(
+        self, filename: str | None = None, path: str | None = None, time_format: str | None = None
+    ) -> str | None:
         """Textual's default delivers to ~/Downloads and fails without a reason when that does
         not exist: ours writes where the user asked and says where, or why not."""
         target = self.screenshot_path()

@@ -55,11 +55,20 @@ def rates_between(before: NodeStats, after: NodeStats, seconds: float) -> Rates 
             continue
         moved = (c.request_bytes + c.response_bytes) - (old.request_bytes + old.response_bytes)
         per_command[name] = CommandRate((c.count - old.count) / seconds, max(0, moved) / seconds)
-    req = sum(c.request_bytes for c in a.commands.values()) - sum(c.request_bytes for c in b.commands.values())
-    resp = sum(c.response_bytes for c in a.commands.values()) - sum(c.response_bytes for c in b.commands.values())
+    req = sum(c.request_bytes for c in a.commands.values()) - sum(
+        c.request_bytes for c in b.commands.values()
+    )
+    resp = sum(c.response_bytes for c in a.commands.values()) - sum(
+        c.response_bytes for c in b.commands.values()
+    )
     peer = max(0, after.peer.bytes_pushed - before.peer.bytes_pushed)
-    return Rates((a.command_count - b.command_count) / seconds, max(0, req) / seconds,
-                 max(0, resp) / seconds, peer / seconds, per_command)
+    return Rates(
+        (a.command_count - b.command_count) / seconds,
+        max(0, req) / seconds,
+        max(0, resp) / seconds,
+        peer / seconds,
+        per_command,
+    )
 
 
 # The series a History keeps, by the Rates attribute they come from.

@@ -60,10 +60,20 @@ class Tensor:
     def rpc(self, use_count: int = 0) -> RpcTensor:
         srcs = tuple(s.id for s in self.src) + (0,) * (10 - len(self.src))
         return RpcTensor(
-            id=self.id, type=self.type, buffer=self.buffer, ne=self.ne, nb=self.nb, op=self.op,
-            op_params=tuple(self.op_params), flags=self.flags, src=srcs,
-            view_src=self.view_src.id if self.view_src else 0, view_offs=self.view_offs,
-            data=self.data, name=self.name.encode()[:63], use_count=use_count,
+            id=self.id,
+            type=self.type,
+            buffer=self.buffer,
+            ne=self.ne,
+            nb=self.nb,
+            op=self.op,
+            op_params=tuple(self.op_params),
+            flags=self.flags,
+            src=srcs,
+            view_src=self.view_src.id if self.view_src else 0,
+            view_offs=self.view_offs,
+            data=self.data,
+            name=self.name.encode()[:63],
+            use_count=use_count,
         )
 
 
@@ -124,9 +134,17 @@ class GraphBuilder:
     def view_of(self, a: Tensor, ne, nb, offset: int, op: GgmlOp = GgmlOp.VIEW) -> Tensor:
         root = a.view_src or a
         base_offs = a.view_offs if a.view_src else 0
-        t = Tensor(a.type, _ne4(ne), tuple(nb), op=op, src=[a], view_src=root,
-                   view_offs=base_offs + offset, buffer=a.buffer,
-                   data=a.data + offset if a.data else 0)
+        t = Tensor(
+            a.type,
+            _ne4(ne),
+            tuple(nb),
+            op=op,
+            src=[a],
+            view_src=root,
+            view_offs=base_offs + offset,
+            buffer=a.buffer,
+            data=a.data + offset if a.data else 0,
+        )
         if op == GgmlOp.VIEW:
             t.op_params[0] = offset & 0xFFFFFFFF
             t.op_params[1] = offset >> 32

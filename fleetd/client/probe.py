@@ -32,8 +32,13 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fleetd.client.probe", description=__doc__.splitlines()[0])
     p.add_argument("endpoint", metavar="HOST:PORT")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
-                   help=f"bound on the connect and on the HELLO answer, in seconds (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"bound on the connect and on the HELLO answer, in seconds (default {DEFAULT_TIMEOUT:g})",
+    )
     args = p.parse_args(argv)
     if not args.timeout > 0:
         print(json.dumps({"error": f"--timeout {args.timeout:g}: must be above 0"}))

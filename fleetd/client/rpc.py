@@ -49,8 +49,9 @@ class RpcClient:
     """One connection to a ggml RPC server, over a TCP endpoint ("host:port") or any Stream
     (as httpx's client takes a transport); every byte goes through one RpcChannel."""
 
-    def __init__(self, endpoint: str | Stream, timeout: Timeout = Timeout(),
-                 counters: ClientCounters | None = None):
+    def __init__(
+        self, endpoint: str | Stream, timeout: Timeout = Timeout(), counters: ClientCounters | None = None
+    ):
         self._stream = None if isinstance(endpoint, str) else endpoint
         self.endpoint = endpoint if isinstance(endpoint, str) else endpoint.name
         self.timeout = timeout
@@ -64,8 +65,9 @@ class RpcClient:
 
     def open(self) -> RpcClient:
         if self.channel is None:
-            stream = self._stream or TcpStream.connect(parse_endpoint(self.endpoint), self.timeout.connect,
-                                                       self.endpoint)
+            stream = self._stream or TcpStream.connect(
+                parse_endpoint(self.endpoint), self.timeout.connect, self.endpoint
+            )
             self._stream = None  # a stream serves one connection
             self.channel = RpcChannel(stream, self.timeout.read)
             self._call(Hello())

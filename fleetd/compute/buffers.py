@@ -86,13 +86,22 @@ class BufferRegistry:
         self._free_hooks: list[Callable[[Buffer], None]] = []
         self.frees = 0  # bumped on every free: a stored graph built before it rechecks
 
-    def alloc(self, device_index: int, device: Memory, size: int, owner: int, *,
-              limit: int | None = None, owner_limit: int | None = None) -> Buffer | None:
+    def alloc(
+        self,
+        device_index: int,
+        device: Memory,
+        size: int,
+        owner: int,
+        *,
+        limit: int | None = None,
+        owner_limit: int | None = None,
+    ) -> Buffer | None:
         """A new buffer, or None when the device cannot, or when it would take the registry's
         total past `limit` or the owner's past `owner_limit` (as a full device answers)."""
         with self._lock:  # reserve first, so concurrent sessions cannot overshoot together
             if (limit is not None and self._allocated + size > limit) or (
-                    owner_limit is not None and self._by_owner.get(owner, 0) + size > owner_limit):
+                owner_limit is not None and self._by_owner.get(owner, 0) + size > owner_limit
+            ):
                 return None
             self._allocated += size
             self._by_owner[owner] = self._by_owner.get(owner, 0) + size

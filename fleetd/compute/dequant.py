@@ -86,7 +86,9 @@ def _quant_q2_0(values: np.ndarray) -> np.ndarray:
     return np.concatenate([d.astype(np.float16).view(np.uint8), packed], axis=1)
 
 
-IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+IQ4_NL_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32
+)
 
 
 def _nearest_iq4_nl(scaled: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ class CacheBudget:
 
     @classmethod
     def parse(cls, spec: str | int | float | CacheBudget | None) -> CacheBudget:
-        """"0.5x" (of live buffer bytes), "512M", "2G", "1048576" or "0" (no cache)."""
+        """ "0.5x" (of live buffer bytes), "512M", "2G", "1048576" or "0" (no cache)."""
         if spec is None:
             spec = DEFAULT_BUDGET
         if isinstance(spec, CacheBudget):

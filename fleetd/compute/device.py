@@ -73,16 +73,16 @@ class Device(Memory, Protocol):
         """Validate a GRAPH_COMPUTE and make what `run` computes (a plan of this device's)."""
         ...
 
-    def run(self, plan: Any, session_id: int, deadline: float,
-            client: socket.socket | None = None) -> None:
+    def run(self, plan: Any, session_id: int, deadline: float, client: socket.socket | None = None) -> None:
         """Compute `plan` for session `session_id` (0: a caller outside the server) by the
         monotonic `deadline`; `client` is the session's socket, watched for a hang-up meanwhile.
         A device that computes in the daemon (kind "numpy") runs under the server's exec lock,
         which its caller holds."""
         ...
 
-    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float,
-                      pin: bool = True) -> None:
+    def start_workers(
+        self, user: str | None, max_workers: int, idle_timeout: float, pin: bool = True
+    ) -> None:
         """The daemon dropped root: start compute workers, on devices that have them."""
         ...
 
@@ -109,8 +109,9 @@ class NumpyDevice:
     max_size = (1 << 64) - 1  # SIZE_MAX: "no limit", as the stock CPU device answers
     library: str | None = None  # no compiled kernels
 
-    def __init__(self, dequant_cache: CacheBudget | str | int | None = None,
-                 fallback: str | None = None) -> None:
+    def __init__(
+        self, dequant_cache: CacheBudget | str | int | None = None, fallback: str | None = None
+    ) -> None:
         """`dequant_cache`: the f32 weight cache's budget, "0.5x" of the live buffer bytes
         by default, or an absolute size ("512M", "0" for none); see CacheBudget.parse.
         `fallback`: why it replaces the ggml device of `cpu`, when it does."""
@@ -144,16 +145,16 @@ class NumpyDevice:
     def build_plan(self, graph: GraphCompute, registry: BufferRegistry) -> Plan:
         return build_plan(graph, registry)
 
-    def run(self, plan: Plan, session_id: int, deadline: float,
-            client: socket.socket | None = None) -> None:
+    def run(self, plan: Plan, session_id: int, deadline: float, client: socket.socket | None = None) -> None:
         """In the caller's thread (it holds the exec lock), to the end: numpy's bounds-checked
         array operations over a validated graph, no worker to kill at the deadline."""
         plan.run(self.xp)
 
     # -- the daemon's life: no workers here ------------------------------------------------------
 
-    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float,
-                      pin: bool = True) -> None:
+    def start_workers(
+        self, user: str | None, max_workers: int, idle_timeout: float, pin: bool = True
+    ) -> None:
         pass
 
     def worker_stats(self) -> dict | None:
@@ -180,8 +181,9 @@ class NumpyDevice:
             self.dequant_cache.release(buf)
 
 
-def make_device(spec: str, dequant_cache: CacheBudget | str | int | None = None,
-                threads: int | None = None) -> Device:
+def make_device(
+    spec: str, dequant_cache: CacheBudget | str | int | None = None, threads: int | None = None
+) -> Device:
     kind = spec.strip().lower()
     if kind == "cpu":  # ggml's CPU kernels where the library loads, else numpy with one warning
         from fleetd.compute.ggml.device import load_device

@@ -64,8 +64,10 @@ class Plan:
 def build_plan(graph: GraphCompute, registry: BufferRegistry) -> Plan:
     """Validate every reachable tensor as the stock `create_node` does, then bind kernels."""
     tensors, buffers, _ = reachable_tensors(graph, registry)
-    views = {tid: tensor_view(buffers[tid], t, "GRAPH_COMPUTE") if buffers[tid] is not None else None
-             for tid, t in tensors.items()}
+    views = {
+        tid: tensor_view(buffers[tid], t, "GRAPH_COMPUTE") if buffers[tid] is not None else None
+        for tid, t in tensors.items()
+    }
 
     steps = []
     caches: dict[int, DequantCache] = {}

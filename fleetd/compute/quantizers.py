@@ -182,8 +182,12 @@ def make_q3_quants_rmse(x, nmax):
                 new = np.clip(nearest_int(xi * sl2 / safe(slx)), -nmax, nmax - 1).astype(F32)
                 slx_new = slx + w * xi * new
                 sl2_new = sl2 + w * new * new
-                accept = ((slx > 0) & (new != li) & (sl2_new > 0)
-                          & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
+                accept = (
+                    (slx > 0)
+                    & (new != li)
+                    & (sl2_new > 0)
+                    & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new)
+                )
                 levels[:, i] = np.where(accept, new, li)
                 sumlx = np.where(accept, slx_new, sumlx)
                 suml2 = np.where(accept, sl2_new, suml2)
@@ -239,7 +243,6 @@ def quietly(quantizer):
     return run
 
 
-
 @quietly
 def quant_q2_k(values: np.ndarray) -> np.ndarray:
     # quantize_row_q2_K_ref: 16 groups of 16, levels 0..3 with scale and min (weights |x|),
@@ -248,16 +251,25 @@ def quant_q2_k(values: np.ndarray) -> np.ndarray:
     groups = blocks.reshape(-1, 16)
     levels, scales, mins = make_qkx2_quants(groups, np.abs(groups), 3, -0.5, 0.1, 15, True)
     n = blocks.shape[0]
-    x, levels, scales, mins = blocks.reshape(n, 16, 16), levels.reshape(n, 16, 16), scales.reshape(n, 16), mins.reshape(n, 16)
+    x, levels, scales, mins = (
+        blocks.reshape(n, 16, 16),
+        levels.reshape(n, 16, 16),
+        scales.reshape(n, 16),
+        mins.reshape(n, 16),
+    )
     max_scale = np.maximum(scales.max(axis=1), F32(0))
     max_min = np.maximum(mins.max(axis=1), F32(0))
     with np.errstate(divide="ignore"):
-        code_scale = np.where((max_scale > 0)[:, None], nearest_int((F32(15) / safe(max_scale))[:, None] * scales), 0)
+        code_scale = np.where(
+            (max_scale > 0)[:, None], nearest_int((F32(15) / safe(max_scale))[:, None] * scales), 0
+        )
         code_min = np.where((max_min > 0)[:, None], nearest_int((F32(15) / safe(max_min))[:, None] * mins), 0)
     d = np.where(max_scale > 0, max_scale / F32(15), F32(0))
     dmin = np.where(max_min > 0, max_min / F32(15), F32(0))
     scale_bytes = ((code_scale & 0xFF) | (code_min << 4)) & 0xFF
-    levels = requantize_with_min(x, scale_bytes & 0xF, scale_bytes >> 4, d, dmin, levels, 3).reshape(n, 2, 4, 32)
+    levels = requantize_with_min(x, scale_bytes & 0xF, scale_bytes >> 4, d, dmin, levels, 3).reshape(
+        n, 2, 4, 32
+    )
     qs = pack_bits(levels, 2).reshape(n, 64)
     return np.concatenate([scale_bytes.astype(np.uint8), qs, to_f16_bytes(d), to_f16_bytes(dmin)], axis=1)
 
@@ -304,9 +316,13 @@ def quant_q4_k(values: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     levels, scales, mins = _qkx_groups_of_32(blocks, 15, -1.0, 20)
     code_scale, code_min, d, dmin = scale_and_min_codes(scales.reshape(n, 8), mins.reshape(n, 8))
-    levels = requantize_with_min(blocks.reshape(n, 8, 32), code_scale, code_min, d, dmin, levels.reshape(n, 8, 32), 15)
+    levels = requantize_with_min(
+        blocks.reshape(n, 8, 32), code_scale, code_min, d, dmin, levels.reshape(n, 8, 32), 15
+    )
     qs = pack_bits(levels.reshape(n, 4, 2, 32), 4).reshape(n, 128)
-    return np.concatenate([to_f16_bytes(d), to_f16_bytes(dmin), pack_k4_scales(code_scale, code_min), qs], axis=1)
+    return np.concatenate(
+        [to_f16_bytes(d), to_f16_bytes(dmin), pack_k4_scales(code_scale, code_min), qs], axis=1
+    )
 
 
 @quietly
@@ -316,10 +332,14 @@ def quant_q5_k(values: np.ndarray) -> np.ndarray:
     n = blocks.shape[0]
     levels, scales, mins = _qkx_groups_of_32(blocks, 31, -0.5, 15)
     code_scale, code_min, d, dmin = scale_and_min_codes(scales.reshape(n, 8), mins.reshape(n, 8))
-    levels = requantize_with_min(blocks.reshape(n, 8, 32), code_scale, code_min, d, dmin, levels.reshape(n, 8, 32), 31)
+    levels = requantize_with_min(
+        blocks.reshape(n, 8, 32), code_scale, code_min, d, dmin, levels.reshape(n, 8, 32), 31
+    )
     qh = pack_bits(levels > 15, 1)
     qs = pack_bits((levels & 0xF).reshape(n, 4, 2, 32), 4).reshape(n, 128)
-    return np.concatenate([to_f16_bytes(d), to_f16_bytes(dmin), pack_k4_scales(code_scale, code_min), qh, qs], axis=1)
+    return np.concatenate(
+        [to_f16_bytes(d), to_f16_bytes(dmin), pack_k4_scales(code_scale, code_min), qh, qs], axis=1
+    )
 
 
 @quietly
@@ -396,7 +416,7 @@ def _ue4m3_table() -> np.ndarray:
     table = np.zeros(128, F32)
     for code in range(1, 127):
         exponent, mantissa = code >> 3, code & 7
-        raw = mantissa * 2.0 ** -9 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+        raw = mantissa * 2.0**-9 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
         table[code] = F32(raw * 0.5)
     return table
 

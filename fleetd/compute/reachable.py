@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from fleetd.errors import RemoteProtocolError
 from fleetd.wire import GraphCompute, RpcTensor, check_type
 
+
 class Registry(Protocol):
     """What the walk needs of fleetd.compute.buffers.BufferRegistry (not imported: the registry
     module sits below the devices, and the devices use this walk)."""
@@ -15,12 +16,27 @@ class Registry(Protocol):
     def get(self, handle: int) -> Any: ...
 
 
-_FIELDS = ("id", "type", "buffer", "ne", "nb", "op", "op_params", "flags", "src", "view_src",
-           "view_offs", "data", "name", "use_count")
+_FIELDS = (
+    "id",
+    "type",
+    "buffer",
+    "ne",
+    "nb",
+    "op",
+    "op_params",
+    "flags",
+    "src",
+    "view_src",
+    "view_offs",
+    "data",
+    "name",
+    "use_count",
+)
 
 
-def reachable_tensors(graph: GraphCompute, registry: Registry
-                      ) -> tuple[dict[int, RpcTensor], dict[int, Any], dict[int, int]]:
+def reachable_tensors(
+    graph: GraphCompute, registry: Registry
+) -> tuple[dict[int, RpcTensor], dict[int, Any], dict[int, int]]:
     """(tensors by id, their buffers, their row in graph.tensors) for every reachable tensor.
 
     Refuses node id 0, an id missing from the tensor list, an unknown type, and data without a
@@ -44,8 +60,22 @@ def reachable_tensors(graph: GraphCompute, registry: Registry
         if i is None:
             raise RemoteProtocolError(f"GRAPH_COMPUTE: tensor id {tid:#x} not in the tensor list")
         c = [col[i] for col in columns]
-        t = RpcTensor(c[0], c[1], c[2], tuple(c[3]), tuple(c[4]), c[5], tuple(c[6]), c[7],
-                      tuple(c[8]), c[9], c[10], c[11], c[12].split(b"\0", 1)[0], c[13])
+        t = RpcTensor(
+            c[0],
+            c[1],
+            c[2],
+            tuple(c[3]),
+            tuple(c[4]),
+            c[5],
+            tuple(c[6]),
+            c[7],
+            tuple(c[8]),
+            c[9],
+            c[10],
+            c[11],
+            c[12].split(b"\0", 1)[0],
+            c[13],
+        )
         check_type(t, "GRAPH_COMPUTE")
         buf = registry.get(t.buffer) if t.buffer else None
         if buf is None and t.data != 0:

@@ -19,16 +19,69 @@ import pwd
 # What ggml's CPU compute (threads, futexes, memory) and the worker's loop (recvmsg/sendmsg on
 # its socket, mmap of the buffers it is handed) need, and what CPython does while running.
 ALLOWED = (
-    "read", "write", "readv", "writev", "pread64", "pwrite64", "recvmsg", "sendmsg", "recvfrom",
-    "sendto", "close", "fstat", "newfstatat", "lseek", "fcntl", "dup",
-    "mmap", "munmap", "mremap", "mprotect", "madvise", "brk", "msync", "mincore",
-    "futex", "futex_waitv", "set_robust_list", "get_robust_list", "rseq", "membarrier",
-    "exit", "exit_group", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack",
-    "sched_yield", "sched_getaffinity", "sched_get_priority_max", "sched_get_priority_min",
-    "getpid", "gettid", "getppid", "getuid", "geteuid", "getgid", "getegid", "getrandom",
-    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time",
-    "poll", "ppoll", "select", "pselect6", "restart_syscall", "prlimit64", "getrusage",
-    "sysinfo", "uname",
+    "read",
+    "write",
+    "readv",
+    "writev",
+    "pread64",
+    "pwrite64",
+    "recvmsg",
+    "sendmsg",
+    "recvfrom",
+    "sendto",
+    "close",
+    "fstat",
+    "newfstatat",
+    "lseek",
+    "fcntl",
+    "dup",
+    "mmap",
+    "munmap",
+    "mremap",
+    "mprotect",
+    "madvise",
+    "brk",
+    "msync",
+    "mincore",
+    "futex",
+    "futex_waitv",
+    "set_robust_list",
+    "get_robust_list",
+    "rseq",
+    "membarrier",
+    "exit",
+    "exit_group",
+    "rt_sigaction",
+    "rt_sigprocmask",
+    "rt_sigreturn",
+    "sigaltstack",
+    "sched_yield",
+    "sched_getaffinity",
+    "sched_get_priority_max",
+    "sched_get_priority_min",
+    "getpid",
+    "gettid",
+    "getppid",
+    "getuid",
+    "geteuid",
+    "getgid",
+    "getegid",
+    "getrandom",
+    "clock_gettime",
+    "clock_getres",
+    "clock_nanosleep",
+    "nanosleep",
+    "gettimeofday",
+    "time",
+    "poll",
+    "ppoll",
+    "select",
+    "pselect6",
+    "restart_syscall",
+    "prlimit64",
+    "getrusage",
+    "sysinfo",
+    "uname",
 )
 CLONE_THREAD = 0x00010000
 SCMP_ACT_KILL_PROCESS = 0x80000000
@@ -46,8 +99,12 @@ def SCMP_ACT_ERRNO(e: int) -> int:  # noqa: N802 (libseccomp's macro name)
 
 
 class ScmpArgCmp(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
-                ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
 
 
 class SandboxError(OSError):
@@ -75,8 +132,13 @@ def load_libseccomp():
     lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_rule_add_array.restype = ctypes.c_int
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
-                                           ctypes.c_uint, ctypes.POINTER(ScmpArgCmp)]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(ScmpArgCmp),
+    ]
     lib.seccomp_load.restype = ctypes.c_int
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     lib.seccomp_release.restype = None
@@ -89,7 +151,7 @@ def worker_identity(user: str | None) -> tuple[int, int] | None:
     `nobody`. None when the daemon is not root (the worker keeps the daemon's unprivileged uid)."""
     if os.geteuid() != 0:
         return None
-    for name in ([user] if user else ["fleetd", "nobody"]):
+    for name in [user] if user else ["fleetd", "nobody"]:
         try:
             pw = pwd.getpwnam(name)
         except KeyError:
@@ -133,6 +195,7 @@ def install_seccomp(lib=None) -> None:
     if not ctx:
         raise SandboxError(errno.ENOMEM, "seccomp_init failed")
     try:
+
         def add(action: int, name: str, *cmps: ScmpArgCmp) -> None:
             nr = lib.seccomp_syscall_resolve_name(name.encode())
             if nr < 0:  # not a syscall of this architecture

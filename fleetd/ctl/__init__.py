@@ -27,4 +27,5 @@ except ModuleNotFoundError as exc:  # installed without the ctl extra (a node's 
         print(_missing, file=sys.stderr)
         return 1
 
+
 __all__ = ["main"]

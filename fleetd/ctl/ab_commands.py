@@ -18,8 +18,13 @@ from fleetd.fleet.local import START_TIMEOUT_S
 from fleetd.fleet.model_ab import direct_path_problems, run_model_ab
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import (
-    ab_table, ab_verdict, model_ab_bars, model_ab_chart_panels, model_ab_steps_table,
-    model_ab_table, model_ab_verdict,
+    ab_table,
+    ab_verdict,
+    model_ab_bars,
+    model_ab_chart_panels,
+    model_ab_steps_table,
+    model_ab_table,
+    model_ab_verdict,
 )
 from fleetd.transport import free_port, wait_listening
 
@@ -32,38 +37,63 @@ def _print_ab(doc: dict) -> None:
 
 # -- ab ----------------------------------------------------------------------------------------
 
-AB_HELP = ("A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO); "
-           "synthetic stages, or a real model with --model")
+AB_HELP = (
+    "A/B: the same layer split through the coordinator (hub) and direct (COPY_TENSOR_TO); "
+    "synthetic stages, or a real model with --model"
+)
 
 
 def configure_ab(p) -> None:
     fleet_args(p)
-    p.add_argument("--workload", choices=("synthetic", "model"),
-                   help="synthetic: fleetd's own matmul stages (the default without --model); "
-                        "model: the patched llama.cpp tools on --model (the default with it)")
-    p.add_argument("--model", type=Path, metavar="GGUF",
-                   help="run llama-bench, llama-batched-bench and llama-completion on this model "
-                        "through the nodes (tools from scripts/build-llama-p2p.sh)")
+    p.add_argument(
+        "--workload",
+        choices=("synthetic", "model"),
+        help="synthetic: fleetd's own matmul stages (the default without --model); "
+        "model: the patched llama.cpp tools on --model (the default with it)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        metavar="GGUF",
+        help="run llama-bench, llama-batched-bench and llama-completion on this model "
+        "through the nodes (tools from scripts/build-llama-p2p.sh)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="model: rounds, ABBA order (default 3)")
     p.add_argument("--n-prompt", type=int, default=128, help="model: prompt tokens (default 128)")
     p.add_argument("--n-gen", type=int, default=32, help="model: generated tokens (default 32)")
     p.add_argument("--chart", type=Path, metavar="PNG", help="model: also write the chart to this PNG file")
-    p.add_argument("--anyway", action="store_true",
-                   help="model: run even when the nodes say the direct path cannot copy (P2P off, "
-                        "an allow-list that refuses the next node): both arms then measure the hub path")
-    p.add_argument("--rows", type=int, default=32, help="synthetic: hidden state rows (default 32, as the seed)")
-    p.add_argument("--n-embd", type=int, default=5120, help="synthetic: hidden size (default 5120, as the seed)")
+    p.add_argument(
+        "--anyway",
+        action="store_true",
+        help="model: run even when the nodes say the direct path cannot copy (P2P off, "
+        "an allow-list that refuses the next node): both arms then measure the hub path",
+    )
+    p.add_argument(
+        "--rows", type=int, default=32, help="synthetic: hidden state rows (default 32, as the seed)"
+    )
+    p.add_argument(
+        "--n-embd", type=int, default=5120, help="synthetic: hidden size (default 5120, as the seed)"
+    )
     p.add_argument("--layers", type=int, help="synthetic: layers in total (default 2 per stage)")
     p.add_argument("--steps", type=int, default=5, help="synthetic: steps per run (default 5, ABBA order)")
-    p.add_argument("--no-local", action="store_true",
-                   help="synthetic: no coordinator stage: every stage is a node (default: the "
-                        "coordinator's numpy device is the last stage, like RPC0,RPC1,CUDA0)")
+    p.add_argument(
+        "--no-local",
+        action="store_true",
+        help="synthetic: no coordinator stage: every stage is a node (default: the "
+        "coordinator's numpy device is the last stage, like RPC0,RPC1,CUDA0)",
+    )
 
 
 # Every number ab takes: (flag, attribute, lowest, highest); outside -> one line, exit 2.
-AB_RANGES = (("--rounds", "rounds", 1, 50), ("--n-prompt", "n_prompt", 1, 4096), ("--n-gen", "n_gen", 2, 1024),
-             ("--rows", "rows", 1, 4096), ("--n-embd", "n_embd", 1, 65536), ("--layers", "layers", 1, 1024),
-             ("--steps", "steps", 2, 1000))
+AB_RANGES = (
+    ("--rounds", "rounds", 1, 50),
+    ("--n-prompt", "n_prompt", 1, 4096),
+    ("--n-gen", "n_gen", 2, 1024),
+    ("--rows", "rows", 1, 4096),
+    ("--n-embd", "n_embd", 1, 65536),
+    ("--layers", "layers", 1, 1024),
+    ("--steps", "steps", 2, 1000),
+)
 
 
 def _usage_error(message: str) -> int:
@@ -112,19 +142,31 @@ def _cmd_model_ab(args) -> int:
         if problems:
             said = "; ".join(problems)
             if not args.anyway:
-                print(f"fleetctl ab: the direct path cannot copy on this fleet: {said}. Nothing was "
-                      "run; fix it, or pass --anyway to measure the hub path in both arms.", file=sys.stderr)
+                print(
+                    f"fleetctl ab: the direct path cannot copy on this fleet: {said}. Nothing was "
+                    "run; fix it, or pass --anyway to measure the hub path in both arms.",
+                    file=sys.stderr,
+                )
                 return 1
-            console.print(f"[bold yellow]WARNING: the direct arm will not copy: {said}. Both arms "
-                          "measure the hub path (--anyway).[/]")
+            console.print(
+                f"[bold yellow]WARNING: the direct arm will not copy: {said}. Both arms "
+                "measure the hub path (--anyway).[/]"
+            )
         if args.json:
-            result = run_model_ab(fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen)
+            result = run_model_ab(
+                fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen
+            )
         else:
             with Progress(console=console, transient=True) as bar:
                 task = bar.add_task("A/B", total=1.0)
                 result = run_model_ab(
-                    fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen,
-                    progress=lambda step, fraction: bar.update(task, completed=fraction, description=step))
+                    fleet,
+                    args.model,
+                    rounds=args.rounds,
+                    n_prompt=args.n_prompt,
+                    n_gen=args.n_gen,
+                    progress=lambda step, fraction: bar.update(task, completed=fraction, description=step),
+                )
     doc = result.as_dict()
     if args.chart is not None:
         title = f"hub vs direct: {doc['stages']} rpc stages, {args.model.name}"
@@ -165,14 +207,33 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
     model = generate("llama", "f16", workdir)
 
     def complete(rpc: str) -> tuple[list[str], str]:
-        args = [str(exe), "-m", str(model), "--rpc", rpc, "-ngl", "99", "-p", "Once upon a time",
-                "-n", "24", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1"]
+        args = [
+            str(exe),
+            "-m",
+            str(model),
+            "--rpc",
+            rpc,
+            "-ngl",
+            "99",
+            "-p",
+            "Once upon a time",
+            "-n",
+            "24",
+            "--temp",
+            "0",
+            "-no-cnv",
+            "--no-warmup",
+            "-t",
+            "1",
+        ]
         # llama.cpp prints through an asynchronous log thread that can drop the tail at exit
         # on a busy machine; a complete run ends with a blank line, so rerun (at most twice).
         for _ in range(3):
             p = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=600)
             if p.returncode != 0:
-                raise FleetError(f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+                raise FleetError(
+                    f"llama-completion exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
+                )
             if p.stdout.endswith("\n\n"):
                 break
         return args, p.stdout
@@ -180,8 +241,11 @@ def _llama_run(fleet: Fleet, workdir: Path, console: Console) -> dict | None:
     args, ours = complete(",".join(n.spec.rpc_endpoint for n in fleet))
     # The same command against the stock ggml-rpc-server: the tokens must be the same.
     port = free_port()
-    stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-p", str(port), "-t", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stock = subprocess.Popen(
+        [str(find_tool("ggml-rpc-server")), "-p", str(port), "-t", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         try:
             wait_listening(port, START_TIMEOUT_S)

@@ -15,12 +15,22 @@ import time
 from rich.console import Console, Group
 from rich.live import Live
 
+from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
 from fleetd.errors import UsageError
 from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.node import Fleet, FleetResult, Node
-from fleetd.fleet.render import (activity_table, down_text, fallback_text, fmt_bytes, fmt_count, p2p_table,
-                                 reason, sessions_table, stats_table, status_table)
-from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
+from fleetd.fleet.render import (
+    activity_table,
+    down_text,
+    fallback_text,
+    fmt_bytes,
+    fmt_count,
+    p2p_table,
+    reason,
+    sessions_table,
+    stats_table,
+    status_table,
+)
 
 # -- status ------------------------------------------------------------------------------------
 
@@ -28,8 +38,13 @@ STATUS_HELP = "version, devices, uptime, sessions and P2P state of every node"
 
 
 def node_arg(p) -> None:
-    p.add_argument("--node", action="append", default=[], metavar="NAME",
-                   help="only this node (its name, host or [user@]host[:port]; repeatable)")
+    p.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this node (its name, host or [user@]host[:port]; repeatable)",
+    )
 
 
 def configure_status(p) -> None:
@@ -58,8 +73,9 @@ def cmd_status(args) -> int:
     else:
         answers = by_name(result)
         hosts = {n.name: n.spec.target for n in result}
-        print_renderables(status_table(answers, hosts), sessions_table(answers), fallback_text(answers),
-                          down_text(answers))
+        print_renderables(
+            status_table(answers, hosts), sessions_table(answers), fallback_text(answers), down_text(answers)
+        )
     result.raise_on_failure()
     return 0
 
@@ -73,7 +89,9 @@ def configure_stats(p) -> None:
     fleet_args(p)
     node_arg(p)
     p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (or --count samples)")
-    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between samples (default 2)")
+    p.add_argument(
+        "--interval", type=float, default=2.0, metavar="S", help="seconds between samples (default 2)"
+    )
     p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N samples")
     p.add_argument("--reset", action="store_true", help="zero the counters on every node first")
 
@@ -113,9 +131,13 @@ def stats_line(at: float, answers, previous, interval: float) -> str:
         before = (previous or {}).get(name)
         rate = ""
         if isinstance(before, NodeStats) and before.since == st.since:
-            rate = f" {fmt_count(max(0, st.total.command_count - before.total.command_count) / interval, 1)}/s"
-        parts.append(f"{name} {fmt_count(st.total.command_count)} commands{rate} "
-                     f"{fmt_bytes(st.total.bytes_moved)} peer copies {fmt_count(st.peer.copies_ok)}")
+            rate = (
+                f" {fmt_count(max(0, st.total.command_count - before.total.command_count) / interval, 1)}/s"
+            )
+        parts.append(
+            f"{name} {fmt_count(st.total.command_count)} commands{rate} "
+            f"{fmt_bytes(st.total.bytes_moved)} peer copies {fmt_count(st.peer.copies_ok)}"
+        )
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
     return f"{stamp} " + "; ".join(parts)
 
@@ -155,14 +177,17 @@ P2P_HELP = "switch direct server-to-server copy on or off at runtime, or show it
 
 def p2p_action(value: str) -> str:
     if value not in ("on", "off", "status"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not on, off or status: the action comes "
-                                         f"before the nodes file (fleetctl p2p status NODES)")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not on, off or status: the action comes "
+            f"before the nodes file (fleetctl p2p status NODES)"
+        )
     return value
 
 
 def configure_p2p(p) -> None:
-    p.add_argument("action", type=p2p_action, metavar="{on,off,status}",
-                   help="switch peer copy on or off, or show it")
+    p.add_argument(
+        "action", type=p2p_action, metavar="{on,off,status}", help="switch peer copy on or off, or show it"
+    )
     fleet_args(p)
     node_arg(p)
 

@@ -28,14 +28,19 @@ def configure_demo(p) -> None:
     p.add_argument("--n-embd", type=int, default=1024, help="hidden size of the A/B (default 1024)")
     p.add_argument("--steps", type=int, default=5, help="steps per A/B run (default 5)")
     p.add_argument("--no-llama", action="store_true", help="skip the llama.cpp run")
-    p.add_argument("--keep", action="store_true",
-                   help="leave the fleet running after the report, until Ctrl-C; its nodes file stays")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the fleet running after the report, until Ctrl-C; its nodes file stays",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _wait_for_ctrl_c(console: Console, local: LocalFleet) -> None:
-    console.print(f"[bold]the fleet keeps running[/]: fleetctl tui {local.nodes_file}\n"
-                  f"nodes file {local.nodes_file} (kept); Ctrl-C stops the fleet")
+    console.print(
+        f"[bold]the fleet keeps running[/]: fleetctl tui {local.nodes_file}\n"
+        f"nodes file {local.nodes_file} (kept); Ctrl-C stops the fleet"
+    )
     try:
         threading.Event().wait()  # until Ctrl-C (KeyboardInterrupt)
     except KeyboardInterrupt:
@@ -62,12 +67,16 @@ def cmd_demo(args) -> int:
                     console.print(f"[bold]llama-completion --rpc {','.join(local.endpoints)}[/]")
                     console.print(report["llama"]["output"].strip())
                     same = report["llama"]["same_as_stock"]
-                    console.print("(random weights, so the text is noise) same output as the stock "
-                                  f"ggml-rpc-server: {'[green]yes[/]' if same else '[red]NO[/]'}")
+                    console.print(
+                        "(random weights, so the text is noise) same output as the stock "
+                        f"ggml-rpc-server: {'[green]yes[/]' if same else '[red]NO[/]'}"
+                    )
             with console.status("A/B: hub path vs direct path"):
                 report["ab"] = compare(fleet, None, args.rows, args.n_embd, args.steps, True)
             stats = by_name(fleet.map(lambda n: n.stats()))
-            report["stats"] = {k: (v.doc if not isinstance(v, Exception) else str(v)) for k, v in stats.items()}
+            report["stats"] = {
+                k: (v.doc if not isinstance(v, Exception) else str(v)) for k, v in stats.items()
+            }
             report["nodes_file"] = str(local.nodes_file)
             if not args.json:
                 _print_ab(report["ab"])

@@ -23,21 +23,34 @@ from fleetd.tools import LLAMA_VERSION
 def _deploy_args(p: argparse.ArgumentParser) -> None:
     fleet_args(p)
     p.add_argument("--node", action="append", default=[], help="only this node (repeatable)")
-    p.add_argument("--root", help="install directory on nodes (default /opt/fleetd for root, "
-                   "else ~/.local/share/fleetd)")
+    p.add_argument(
+        "--root", help="install directory on nodes (default /opt/fleetd for root, else ~/.local/share/fleetd)"
+    )
     p.add_argument("--no-systemd", action="store_true", help="never use systemd units")
-    p.add_argument("--service-user", default=SERVICE_USER, metavar="NAME",
-                   help=f"as root, run fleetd as this system user, created when missing (default {SERVICE_USER})")
-    p.add_argument("--python", default="python3", metavar="PATH",
-                   help="the nodes' interpreter for the agent and the releases' venvs (default python3; "
-                   "as root, one the service user can read, e.g. /usr/bin/python3)")
+    p.add_argument(
+        "--service-user",
+        default=SERVICE_USER,
+        metavar="NAME",
+        help=f"as root, run fleetd as this system user, created when missing (default {SERVICE_USER})",
+    )
+    p.add_argument(
+        "--python",
+        default="python3",
+        metavar="PATH",
+        help="the nodes' interpreter for the agent and the releases' venvs (default python3; "
+        "as root, one the service user can read, e.g. /usr/bin/python3)",
+    )
 
 
 def _ggml_lib_arg(p) -> None:
-    p.add_argument("--ggml-lib", type=Path, metavar="DIR",
-                   help="portable ggml build whose *.so files the wheel carries (default: "
-                   f"~/.cache/fleetd/llama.cpp-{LLAMA_VERSION}/lib-portable, from FLEETD_GGML_PORTABLE=1 "
-                   "scripts/build-llama.sh ggml; without one nodes run the numpy device)")
+    p.add_argument(
+        "--ggml-lib",
+        type=Path,
+        metavar="DIR",
+        help="portable ggml build whose *.so files the wheel carries (default: "
+        f"~/.cache/fleetd/llama.cpp-{LLAMA_VERSION}/lib-portable, from FLEETD_GGML_PORTABLE=1 "
+        "scripts/build-llama.sh ggml; without one nodes run the numpy device)",
+    )
 
 
 def _load(args) -> Fleet:
@@ -74,16 +87,28 @@ def cmd_deploy(args) -> int:
             b = build(source=args.source, wheel_dir=args.wheel_dir, ggml_lib=args.ggml_lib)
         _warn("deploy", b.warning)
         try:
-            with Progress(SpinnerColumn(), TextColumn("{task.fields[node]:<24}"), BarColumn(),
-                          TextColumn("{task.description}"), console=console,
-                          disable=args.json or not console.is_terminal) as progress:
+            with Progress(
+                SpinnerColumn(),
+                TextColumn("{task.fields[node]:<24}"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                console=console,
+                disable=args.json or not console.is_terminal,
+            ) as progress:
                 tasks = {n: progress.add_task("waiting", total=len(STEPS), node=n.name) for n in fleet}
 
                 def step(node, name):
                     progress.update(tasks[node], description=name, completed=STEPS.index(name))
 
-                deployer = Deployer(fleet, b, root=args.root, systemd=not args.no_systemd, progress=step,
-                                    service_user=args.service_user, python=args.python)
+                deployer = Deployer(
+                    fleet,
+                    b,
+                    root=args.root,
+                    systemd=not args.no_systemd,
+                    progress=step,
+                    service_user=args.service_user,
+                    python=args.python,
+                )
                 result = fleet.map(deployer.plan if args.dry_run else deployer.deploy)
                 for n in fleet:
                     progress.update(tasks[n], completed=len(STEPS), description="done")
@@ -123,12 +148,20 @@ def lifecycle_command(action: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args) -> int:
         with _load(args) as fleet:
-            deployer = Deployer(fleet, None, root=args.root, systemd=not args.no_systemd,
-                                service_user=args.service_user, python=args.python)
+            deployer = Deployer(
+                fleet,
+                None,
+                root=args.root,
+                systemd=not args.no_systemd,
+                service_user=args.service_user,
+                python=args.python,
+            )
             fn = getattr(deployer, action)
             result = fleet.map((lambda n: fn(n, args.lines)) if action == "logs" else fn)
-        rows = {n.name: (v if not isinstance(v, Exception) else {"error": f"{type(v).__name__}: {v}"})
-                for n, v in result.items()}
+        rows = {
+            n.name: (v if not isinstance(v, Exception) else {"error": f"{type(v).__name__}: {v}"})
+            for n, v in result.items()
+        }
         if args.json:
             print(json.dumps(rows, indent=2))
         elif action == "logs":

@@ -15,15 +15,27 @@ def configure_lab(p) -> None:
     sub = p.add_subparsers(dest="lab_command", metavar="up|down", required=True)
     up = sub.add_parser("up", help="build the namespaces and links, start fleetd in each, write a nodes file")
     up.add_argument("--nodes", type=int, default=3, help=f"fleetd nodes, 1..{MAX_NODES} (default 3)")
-    up.add_argument("--coordinator-link", default="200mbit", metavar="RATE",
-                    help="rate of each node's link to the coordinator, both ways (default 200mbit)")
-    up.add_argument("--peer-link", default="2gbit", metavar="RATE",
-                    help="rate of each node's link to the others, both ways (default 2gbit)")
+    up.add_argument(
+        "--coordinator-link",
+        default="200mbit",
+        metavar="RATE",
+        help="rate of each node's link to the coordinator, both ways (default 200mbit)",
+    )
+    up.add_argument(
+        "--peer-link",
+        default="2gbit",
+        metavar="RATE",
+        help="rate of each node's link to the others, both ways (default 2gbit)",
+    )
     up.add_argument("--threads", type=int, default=1, help="threads per fleetd (default 1)")
     down = sub.add_parser("down", help="stop the lab's fleetd and remove its namespaces and links")
     for q in (up, down):
-        q.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                       help=f"the lab's state, nodes file and logs (default {DEFAULT_DIR})")
+        q.add_argument(
+            "--dir",
+            type=Path,
+            default=DEFAULT_DIR,
+            help=f"the lab's state, nodes file and logs (default {DEFAULT_DIR})",
+        )
 
 
 def _usage_error(message: str) -> int:

@@ -66,11 +66,21 @@ COMMANDS = {c.name: c for c in SUBCOMMANDS}
 # Numeric options by argparse dest: (smallest allowed, whether that value itself is allowed,
 # largest allowed or None). Checked for whichever subcommand has the option.
 NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
-    "interval": (0, False, None), "connect_timeout": (0, False, None), "timeout": (0, False, None),
-    "count": (1, True, None), "lines": (1, True, None),
-    "rows": (1, True, None), "n_embd": (1, True, None), "layers": (0, True, None), "steps": (2, True, None),
-    "ab_rows": (1, True, None), "ab_n_embd": (1, True, None), "ab_steps": (2, True, None),
-    "rounds": (1, True, 50), "n_prompt": (1, True, 4096), "n_gen": (2, True, 1024),
+    "interval": (0, False, None),
+    "connect_timeout": (0, False, None),
+    "timeout": (0, False, None),
+    "count": (1, True, None),
+    "lines": (1, True, None),
+    "rows": (1, True, None),
+    "n_embd": (1, True, None),
+    "layers": (0, True, None),
+    "steps": (2, True, None),
+    "ab_rows": (1, True, None),
+    "ab_n_embd": (1, True, None),
+    "ab_steps": (2, True, None),
+    "rounds": (1, True, 50),
+    "n_prompt": (1, True, 4096),
+    "n_gen": (2, True, 1024),
     "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
 }
 # A subcommand whose option of the same name has another range.
@@ -102,7 +112,9 @@ def range_error(args: argparse.Namespace) -> str | None:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     p = argparse.ArgumentParser(
-        prog="fleetctl", description="Run fleets of fleetd nodes.", epilog=NODES_FILE_HELP,
+        prog="fleetctl",
+        description="Run fleets of fleetd nodes.",
+        epilog=NODES_FILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -17,13 +17,21 @@ def configure_model(p) -> None:
     sub = p.add_subparsers(dest="model_action", metavar="ACTION", required=True)
     make = sub.add_parser("make", help=MODEL_HELP, description=MODEL_HELP)
     make.add_argument("--arch", default="llama", help=f"one of {', '.join(ARCHS)} (default llama)")
-    make.add_argument("--type", dest="type_name", default="q8_0",
-                      help=f"weight type, one of {', '.join(FILE_TYPES)} (default q8_0)")
-    make.add_argument("--size", default="tiny",
-                      help=f"one of {', '.join(SIZES)} (default tiny: seconds on two cores; bench: ~100M "
-                           "parameters)")
-    make.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"where to write it (default {DEFAULT_DIR})")
-    make.add_argument("--json", action="store_true", help="print {\"path\": ...} instead of the path")
+    make.add_argument(
+        "--type",
+        dest="type_name",
+        default="q8_0",
+        help=f"weight type, one of {', '.join(FILE_TYPES)} (default q8_0)",
+    )
+    make.add_argument(
+        "--size",
+        default="tiny",
+        help=f"one of {', '.join(SIZES)} (default tiny: seconds on two cores; bench: ~100M parameters)",
+    )
+    make.add_argument(
+        "--dir", type=Path, default=DEFAULT_DIR, help=f"where to write it (default {DEFAULT_DIR})"
+    )
+    make.add_argument("--json", action="store_true", help='print {"path": ...} instead of the path')
 
 
 def cmd_model(args) -> int:

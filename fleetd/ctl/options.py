@@ -23,14 +23,35 @@ def fleet_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
     p.add_argument("nodes", metavar="NODES", help="nodes file (format below)")
     if json_output:
         p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("-i", "--identity", action="append", default=[], metavar="FILE",
-                   help="SSH private key to try first (repeatable; the agent and ~/.ssh are tried too)")
-    p.add_argument("--known-hosts", action="append", default=[], metavar="FILE",
-                   help="extra known_hosts file (repeatable; ~/.ssh/known_hosts is always read)")
-    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for the SSH connect and channel open (default 10)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="seconds for one control API answer (default 30)")
+    p.add_argument(
+        "-i",
+        "--identity",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="SSH private key to try first (repeatable; the agent and ~/.ssh are tried too)",
+    )
+    p.add_argument(
+        "--known-hosts",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="extra known_hosts file (repeatable; ~/.ssh/known_hosts is always read)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds for the SSH connect and channel open (default 10)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds for one control API answer (default 30)",
+    )
 
 
 def open_fleet(args) -> Fleet:
@@ -39,8 +60,12 @@ def open_fleet(args) -> Fleet:
     for flag, v in (("--connect-timeout", args.connect_timeout), ("--timeout", args.timeout)):
         if not v > 0:
             raise FleetError(f"{flag} {v:g}: must be above 0")
-    ssh = SshOptions(connect_timeout=args.connect_timeout, timeout=args.timeout,
-                     identity=tuple(args.identity), known_hosts=tuple(args.known_hosts))
+    ssh = SshOptions(
+        connect_timeout=args.connect_timeout,
+        timeout=args.timeout,
+        identity=tuple(args.identity),
+        known_hosts=tuple(args.known_hosts),
+    )
     return Fleet.load(args.nodes, ssh)
 
 
@@ -52,8 +77,11 @@ def by_name(result: FleetResult) -> dict:
 def json_doc(result: FleetResult, key: str) -> dict:
     """Per node {"up": true, key: the answer as the daemon sent it} or {"up": false, "error": ...}."""
     return {
-        n.name: ({"up": False, "error": reason(v)} if isinstance(v, BaseException)
-                 else {"up": True, key: getattr(v, "doc", v)})
+        n.name: (
+            {"up": False, "error": reason(v)}
+            if isinstance(v, BaseException)
+            else {"up": True, key: getattr(v, "doc", v)}
+        )
         for n, v in result.items()
     }
 

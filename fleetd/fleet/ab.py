@@ -23,9 +23,14 @@ class ArmResult:
     node_fallbacks: int
 
     def as_dict(self) -> dict:
-        return {"arm": self.arm, "per_step": self.per_step, "md5": self.md5,
-                "seconds_per_step": self.seconds_per_step,
-                "node_peer_copies": self.node_peer_copies, "node_fallbacks": self.node_fallbacks}
+        return {
+            "arm": self.arm,
+            "per_step": self.per_step,
+            "md5": self.md5,
+            "seconds_per_step": self.seconds_per_step,
+            "node_peer_copies": self.node_peer_copies,
+            "node_fallbacks": self.node_fallbacks,
+        }
 
 
 def _peer_totals(fleet: Fleet) -> tuple[int, int]:
@@ -45,24 +50,43 @@ def node_lost(fleet: Fleet, exc: TransportError, arm: str) -> FleetError:
     text = str(exc)
     hit = next((n for n in fleet if n.spec.rpc_endpoint in text), None)
     who = f"node {hit.name} ({hit.spec.rpc_endpoint})" if hit is not None else "a node"
-    return FleetError(f"{who} stopped answering during the {arm} arm ({type(exc).__name__}: {text}). "
-                      "Nothing was measured; see `fleetctl status NODES` and `fleetctl logs NODES`, "
-                      "then `fleetctl start NODES` (or restart it) and run ab again")
+    return FleetError(
+        f"{who} stopped answering during the {arm} arm ({type(exc).__name__}: {text}). "
+        "Nothing was measured; see `fleetctl status NODES` and `fleetctl logs NODES`, "
+        "then `fleetctl start NODES` (or restart it) and run ab again"
+    )
 
 
-def run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: int, n_embd: int,
-            steps: int, local_last: bool) -> ArmResult:
+def run_arm(
+    fleet: Fleet,
+    endpoints: list[str],
+    arm: str,
+    layers: int,
+    rows: int,
+    n_embd: int,
+    steps: int,
+    local_last: bool,
+) -> ArmResult:
     try:
         return _run_arm(fleet, endpoints, arm, layers, rows, n_embd, steps, local_last)
     except TransportError as exc:
         raise node_lost(fleet, exc, arm) from exc
 
 
-def _run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: int, n_embd: int,
-             steps: int, local_last: bool) -> ArmResult:
+def _run_arm(
+    fleet: Fleet,
+    endpoints: list[str],
+    arm: str,
+    layers: int,
+    rows: int,
+    n_embd: int,
+    steps: int,
+    local_last: bool,
+) -> ArmResult:
     before = _peer_totals(fleet)
-    with Pipeline(endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct",
-                  stats=False) as p:
+    with Pipeline(
+        endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct", stats=False
+    ) as p:
         results = [p.step()]  # GRAPH_COMPUTE: left out of the per-step window
         t0 = time.perf_counter()
         results += [p.step() for _ in range(steps - 1)]
@@ -70,13 +94,24 @@ def _run_arm(fleet: Fleet, endpoints: list[str], arm: str, layers: int, rows: in
     after = _peer_totals(fleet)
     window = results[1:] or results
     return ArmResult(
-        arm, per_step(window), hashlib.md5(b"".join(r.output for r in results)).hexdigest(),
-        elapsed / max(1, len(results) - 1), after[0] - before[0], after[1] - before[1],
+        arm,
+        per_step(window),
+        hashlib.md5(b"".join(r.output for r in results)).hexdigest(),
+        elapsed / max(1, len(results) - 1),
+        after[0] - before[0],
+        after[1] - before[1],
     )
 
 
-def compare(fleet: Fleet, layers: int | None = None, rows: int = 32, n_embd: int = 5120,
-            steps: int = 5, local_last: bool = True, order: tuple[str, ...] = ("hub", "direct", "direct", "hub")) -> dict:
+def compare(
+    fleet: Fleet,
+    layers: int | None = None,
+    rows: int = 32,
+    n_embd: int = 5120,
+    steps: int = 5,
+    local_last: bool = True,
+    order: tuple[str, ...] = ("hub", "direct", "direct", "hub"),
+) -> dict:
     """Both arms, in an ABBA order so drift on a shared machine hits both alike."""
     endpoints = [n.spec.rpc_endpoint for n in fleet]
     stages = len(endpoints) + int(local_last)
@@ -96,5 +131,13 @@ def compare(fleet: Fleet, layers: int | None = None, rows: int = 32, n_embd: int
         for arm, rs in arms.items()
     }
     md5s = {r.md5 for r in runs}
-    return {"stages": stages, "layers": layers, "rows": rows, "n_embd": n_embd, "steps": steps,
-            "arms": summary, "runs": [r.as_dict() for r in runs], "outputs_identical": len(md5s) == 1}
+    return {
+        "stages": stages,
+        "layers": layers,
+        "rows": rows,
+        "n_embd": n_embd,
+        "steps": steps,
+        "arms": summary,
+        "runs": [r.as_dict() for r in runs],
+        "outputs_identical": len(md5s) == 1,
+    }

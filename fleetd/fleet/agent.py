@@ -99,7 +99,8 @@ def op_inspect(p):
         "free_bytes": st.f_bavail * st.f_frsize,
         "current": release,
         "releases": sorted(os.listdir(os.path.join(root, "releases")))
-        if os.path.isdir(os.path.join(root, "releases")) else [],
+        if os.path.isdir(os.path.join(root, "releases"))
+        else [],
         "running": running,
         "port": _port_state(p.get("host", "0.0.0.0"), p["port"], running is not None),
         "config": config,
@@ -136,8 +137,17 @@ def op_install(p):
     if os.path.exists(marker):
         return {"installed": False}
     subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True, capture_output=True)
-    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", "--no-index",
-           "--find-links", wheels, "--disable-pip-version-check"]
+    pip = [
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-index",
+        "--find-links",
+        wheels,
+        "--disable-pip-version-check",
+    ]
     for args in (p["requirements"], ["--no-deps", os.path.join(wheels, p["release"], p["wheel"])]):
         r = subprocess.run(pip + args, capture_output=True, text=True)
         if r.returncode != 0:
@@ -182,12 +192,28 @@ def op_service_user(p):
             entry = pwd.getpwnam(name)
         except KeyError:
             shell = next((s for s in NOLOGIN if os.path.exists(s)), "/bin/false")
-            r = subprocess.run(["useradd", "--system", "--user-group", "--no-create-home",
-                                "--home-dir", "/nonexistent", "--shell", shell,
-                                "--comment", "fleetd ggml RPC server", name],
-                               capture_output=True, text=True, timeout=60)
+            r = subprocess.run(
+                [
+                    "useradd",
+                    "--system",
+                    "--user-group",
+                    "--no-create-home",
+                    "--home-dir",
+                    "/nonexistent",
+                    "--shell",
+                    shell,
+                    "--comment",
+                    "fleetd ggml RPC server",
+                    name,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if r.returncode != 0:
-                raise RuntimeError("useradd %s: %s" % (name, (r.stderr.strip().splitlines() or ["failed"])[-1]))
+                raise RuntimeError(
+                    "useradd %s: %s" % (name, (r.stderr.strip().splitlines() or ["failed"])[-1])
+                )
             done["created_user"] = name
             with open(os.path.join(root, ".service-user"), "w") as f:
                 f.write(name + "\n")
@@ -209,14 +235,24 @@ def op_service_user(p):
 def _check_interpreter(root, name, entry, done):
     """The releases' venvs are made from this interpreter: the service user must be able to
     read its standard library (not so for one under root's 0700 home, e.g. pyenv's)."""
-    r = subprocess.run([sys.executable, "-c", "import encodings.idna, json, ssl"], user=entry.pw_uid,
-                       group=entry.pw_gid, extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
+    r = subprocess.run(
+        [sys.executable, "-c", "import encodings.idna, json, ssl"],
+        user=entry.pw_uid,
+        group=entry.pw_gid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     if r.returncode != 0:
         if done["created_user"]:
             _remove_user(root, name)
-        raise RuntimeError("%s cannot run %s (%s): give fleetctl --python a system interpreter, e.g. "
-                           "/usr/bin/python3" % (name, sys.executable,
-                                                 (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]))
+        raise RuntimeError(
+            "%s cannot run %s (%s): give fleetctl --python a system interpreter, e.g. "
+            "/usr/bin/python3"
+            % (name, sys.executable, (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1])
+        )
 
 
 def op_undo_service_user(p):
@@ -303,9 +339,21 @@ def op_start(p):
         env = dict(os.environ, HOME=entry.pw_dir, USER=user, LOGNAME=user)
     log = open(os.path.join(root, "fleetd.log"), "ab")
     proc = subprocess.Popen(
-        [os.path.join(venv, "bin", "python"), "-m", "fleetd.supervise", "--",
-         os.path.join(venv, "bin", "fleetd"), "--config", config],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True, env=env,
+        [
+            os.path.join(venv, "bin", "python"),
+            "-m",
+            "fleetd.supervise",
+            "--",
+            os.path.join(venv, "bin", "fleetd"),
+            "--config",
+            config,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+        close_fds=True,
+        env=env,
     )
     with open(os.path.join(root, "fleetd.pid.part"), "w") as f:
         f.write(f"{proc.pid} {release}\n")
@@ -324,12 +372,26 @@ def _unit_path():
 # loads ggml and runs a callback under the kernel's PR_SET_MDWE), and the planned cupy device's
 # CUDA JIT needs W+X pages too. fleetd itself generates no code.
 SANDBOX = (
-    "NoNewPrivileges=yes", "CapabilityBoundingSet=", "AmbientCapabilities=",
-    "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "PrivateDevices=yes",
-    "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
-    "ProtectControlGroups=yes", "ProtectClock=yes", "ProtectHostname=yes", "ProtectProc=invisible",
-    "RestrictNamespaces=yes", "RestrictRealtime=yes", "RestrictSUIDSGID=yes", "LockPersonality=yes",
-    "RemoveIPC=yes", "UMask=0027",
+    "NoNewPrivileges=yes",
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "ProtectSystem=strict",
+    "ProtectHome=yes",
+    "PrivateTmp=yes",
+    "PrivateDevices=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "ProtectProc=invisible",
+    "RestrictNamespaces=yes",
+    "RestrictRealtime=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "RemoveIPC=yes",
+    "UMask=0027",
     # TCP (RPC, peer links, the control API) and AF_UNIX (logging, socketpairs); nothing else.
     "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
     "SystemCallArchitectures=native",
@@ -340,11 +402,19 @@ def unit_text(root, user):
     """fleetd.service: as root with a service user, run as that user inside the sandbox, with
     write access to the cache directory only; a user unit (no root) as before."""
     lines = [
-        "[Unit]", "Description=fleetd ggml RPC server", "After=network-online.target",
-        "StartLimitIntervalSec=60", "StartLimitBurst=10", "",
-        "[Service]", f"ExecStart={root}/current/bin/fleetd --config {root}/fleetd.toml",
+        "[Unit]",
+        "Description=fleetd ggml RPC server",
+        "After=network-online.target",
+        "StartLimitIntervalSec=60",
+        "StartLimitBurst=10",
+        "",
+        "[Service]",
+        f"ExecStart={root}/current/bin/fleetd --config {root}/fleetd.toml",
         # as ansible's unit: above fleetd's own caps (fleetd(8) LIMITS), so those act first
-        "Restart=always", "RestartSec=2", "LimitNOFILE=8192", "TasksMax=2048",
+        "Restart=always",
+        "RestartSec=2",
+        "LimitNOFILE=8192",
+        "TasksMax=2048",
     ]
     if user:
         lines += [f"User={user}", f"Group={user}", *SANDBOX, f"ReadWritePaths={root}/cache"]
@@ -359,8 +429,14 @@ PROBE_TIMEOUT_S = 2.0
 def _probe(venv, port):
     """HELLO on 127.0.0.1:port with the release's own interpreter and fleetd.client.probe, so a
     pass also proves the installed fleetd imports. (version, features), or OSError with why."""
-    args = [os.path.join(venv, "bin", "python"), "-m", "fleetd.client.probe", f"127.0.0.1:{port}",
-            "--timeout", str(PROBE_TIMEOUT_S)]
+    args = [
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "fleetd.client.probe",
+        f"127.0.0.1:{port}",
+        "--timeout",
+        str(PROBE_TIMEOUT_S),
+    ]
     try:
         r = subprocess.run(args, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
@@ -368,8 +444,10 @@ def _probe(venv, port):
     try:
         answer = json.loads(r.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):  # no JSON line: it did not even start (a broken install)
-        raise OSError("fleetd.client.probe: exit %d: %s" % (
-            r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1])) from None
+        raise OSError(
+            "fleetd.client.probe: exit %d: %s"
+            % (r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1])
+        ) from None
     if r.returncode != 0 or "error" in answer:
         raise OSError(answer.get("error") or f"fleetd.client.probe: exit {r.returncode}")
     return answer["version"], answer["features"]
@@ -403,7 +481,7 @@ def op_logs(p):
         lines = open(path, errors="replace").read().splitlines()
     except OSError:
         lines = []
-    return {"lines": lines[-p.get("lines", 50):]}
+    return {"lines": lines[-p.get("lines", 50) :]}
 
 
 def op_remove_release(p):

@@ -46,11 +46,11 @@ class ControlConnection(http.client.HTTPConnection):
         self.sock.settimeout(self.timeout)
 
 
-def exchange(conn: ControlConnection, method: str, path: str, body: bytes | None,
-             what: str) -> tuple[int, str, bytes]:
+def exchange(
+    conn: ControlConnection, method: str, path: str, body: bytes | None, what: str
+) -> tuple[int, str, bytes]:
     """One request on `conn` (closed afterwards): (status, content type, body)."""
-    headers = {"User-Agent": f"fleetctl/{__version__}", "Accept": "application/json",
-               "Connection": "close"}
+    headers = {"User-Agent": f"fleetctl/{__version__}", "Accept": "application/json", "Connection": "close"}
     if body is not None:
         headers["Content-Type"] = "application/json"
     where = f"{what}: {method} {path}"
@@ -76,7 +76,9 @@ def exchange(conn: ControlConnection, method: str, path: str, body: bytes | None
             got, more = len(exc.partial), exc.expected
             raise ControlUnreachable(f"{where}: answer ended after {got} of {got + more} bytes") from exc
         except (http.client.HTTPException, ValueError) as exc:
-            raise ControlUnreachable(f"{where}: got an answer that is not HTTP ({type(exc).__name__})") from exc
+            raise ControlUnreachable(
+                f"{where}: got an answer that is not HTTP ({type(exc).__name__})"
+            ) from exc
         except OSError as exc:
             raise ControlUnreachable(f"{where}: {exc}") from exc
         return resp.status, resp.getheader("Content-Type", ""), data

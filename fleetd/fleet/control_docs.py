@@ -14,7 +14,6 @@ node that speaks something else shows down with that reason instead of crashing 
 from __future__ import annotations
 
 import ipaddress
-
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +39,9 @@ class _Doc:
             return default
         value = self.doc[key]
         if not isinstance(value, types) or isinstance(value, bool) and bool not in _tuple(types):
-            raise ControlError(f"{self.where}: {self._field(key)}: expected {_names(types)}, got {value!r:.60}")
+            raise ControlError(
+                f"{self.where}: {self._field(key)}: expected {_names(types)}, got {value!r:.60}"
+            )
         return value
 
     def text(self, key: str, default: Any = ...) -> str:
@@ -60,7 +61,10 @@ class _Doc:
         return None if value is None else _Doc(value, self.where, self._field(key))
 
     def objs(self, key: str, default: Any = ...) -> list[_Doc]:
-        return [_Doc(v, self.where, f"{self._field(key)}[{i}]") for i, v in enumerate(self._get(key, list, default))]
+        return [
+            _Doc(v, self.where, f"{self._field(key)}[{i}]")
+            for i, v in enumerate(self._get(key, list, default))
+        ]
 
 
 def _tuple(types) -> tuple:
@@ -114,9 +118,14 @@ class P2pState:
     def parse(cls, doc: Any, where: str = "/v1/p2p", path: str = "") -> P2pState:
         d = _Doc(doc, where, path)
         allow = d._get("peer_allow", list, None)
-        return cls(d.flag("enabled"), d.flag("served", True), d.flag("was", None), d.doc,
-                   tuple(map(str, allow)) if allow is not None else None,
-                   d.flag("peer_allow_complete", True))
+        return cls(
+            d.flag("enabled"),
+            d.flag("served", True),
+            d.flag("was", None),
+            d.doc,
+            tuple(map(str, allow)) if allow is not None else None,
+            d.flag("peer_allow_complete", True),
+        )
 
     def allows(self, ip: str) -> bool | None:
         """Whether a push to `ip` passes the allow-list; None when this state cannot tell."""
@@ -155,16 +164,33 @@ class NodeStatus:
             features=features.whole("bits", 0) if features is not None else 0,
             rpc_host=rpc.text("host", "?"),
             rpc_port=rpc.whole("port"),
-            devices=tuple(Device(x.whole("index", i), x.text("name"), x.whole("free"), x.whole("total"),
-                                 x.text("kind", None), x.text("library", None), x.text("fallback", None))
-                          for i, x in enumerate(d.objs("devices", []))),
+            devices=tuple(
+                Device(
+                    x.whole("index", i),
+                    x.text("name"),
+                    x.whole("free"),
+                    x.whole("total"),
+                    x.text("kind", None),
+                    x.text("library", None),
+                    x.text("fallback", None),
+                )
+                for i, x in enumerate(d.objs("devices", []))
+            ),
             uptime_seconds=d.number("uptime_seconds", 0.0),
             p2p=P2pState.parse(d.doc.get("p2p") or {"enabled": False, "served": False}, where, "p2p"),
-            sessions=tuple(Session(s.whole("id"), s.text("peer"), s.number("age_seconds"), s.whole("commands"),
-                                   s.whole("request_bytes"), s.whole("response_bytes"),
-                                   s.whole("allocated_bytes", 0),
-                                   tuple(x for x in s._get("layers", list, []) if isinstance(x, int)))
-                           for s in d.objs("sessions", [])),
+            sessions=tuple(
+                Session(
+                    s.whole("id"),
+                    s.text("peer"),
+                    s.number("age_seconds"),
+                    s.whole("commands"),
+                    s.whole("request_bytes"),
+                    s.whole("response_bytes"),
+                    s.whole("allocated_bytes", 0),
+                    tuple(x for x in s._get("layers", list, []) if isinstance(x, int)),
+                )
+                for s in d.objs("sessions", [])
+            ),
             doc=d.doc,
             log_file=d.text("log_file", None),
         )
@@ -194,7 +220,9 @@ class Counters:
         commands = {}
         for name in cmds.doc:
             c = cmds.obj(name)
-            commands[name] = CommandCount(c.whole("count"), c.whole("request_bytes"), c.whole("response_bytes"))
+            commands[name] = CommandCount(
+                c.whole("count"), c.whole("request_bytes"), c.whole("response_bytes")
+            )
         return cls(commands, d.whole("graph_computes", 0), d.number("compute_seconds", 0.0))
 
     @property
@@ -226,8 +254,13 @@ class PeerCopyTotals:
         if d is None:  # a daemon without the peer extension
             return cls()
         fb = d.obj("fallbacks", None)
-        return cls(d.whole("copies_ok", 0), d.whole("bytes_pushed", 0), d.whole("bytes_confirmed", 0),
-                   d.whole("links_opened", 0), {r: fb.whole(r) for r in fb.doc} if fb is not None else {})
+        return cls(
+            d.whole("copies_ok", 0),
+            d.whole("bytes_pushed", 0),
+            d.whole("bytes_confirmed", 0),
+            d.whole("links_opened", 0),
+            {r: fb.whole(r) for r in fb.doc} if fb is not None else {},
+        )
 
     @property
     def fallback_count(self) -> int:
@@ -256,7 +289,9 @@ class NodeStats:
             since=d.number("since", 0.0),
             total=Counters.parse(d.obj("total")),
             peer=PeerCopyTotals.parse(d.obj("peer", None)),
-            sessions=tuple(SessionCounters(s.whole("id"), s.text("peer"), Counters.parse(s))
-                           for s in d.objs("sessions", [])),
+            sessions=tuple(
+                SessionCounters(s.whole("id"), s.text("peer"), Counters.parse(s))
+                for s in d.objs("sessions", [])
+            ),
             doc=d.doc,
         )

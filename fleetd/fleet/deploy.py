@@ -103,8 +103,12 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
     # A fixed zip timestamp makes the wheel reproducible: the same source gives the same sha,
     # so the same release name, so a second deploy is a no-op.
     env = dict(os.environ, SOURCE_DATE_EPOCH="315532800")
-    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"],
-                          capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 # Build artefacts and local state that never go into the wheel: at the top of the tree, and anywhere.
@@ -128,8 +132,10 @@ def portable_libs(directory: Path) -> list[Path]:
     if not (directory / "libggml-base.so").exists():
         raise FleetError(f"no portable ggml build in {directory} (no libggml-base.so)")
     if (directory / "libggml-cpu.so").exists():
-        raise FleetError(f"{directory} is a native ggml build (libggml-cpu.so, -march=native: it may "
-                         "not run on another CPU), not a portable one")
+        raise FleetError(
+            f"{directory} is a native ggml build (libggml-cpu.so, -march=native: it may "
+            "not run on another CPU), not a portable one"
+        )
     if not list(directory.glob("libggml-cpu-*.so")):
         raise FleetError(f"{directory}: no libggml-cpu-<variant>.so")
     return sorted(directory.glob("*.so"))
@@ -152,8 +158,13 @@ def daemon_requirements(wheel: Path) -> tuple[str, ...]:
 
 def _wheel_libs(wheel: Path) -> tuple[str, ...]:
     with zipfile.ZipFile(wheel) as whl:
-        return tuple(sorted(Path(n).name for n in whl.namelist()
-                            if n.startswith(WHEEL_LIB_DIR + "/") and n.endswith(".so")))
+        return tuple(
+            sorted(
+                Path(n).name
+                for n in whl.namelist()
+                if n.startswith(WHEEL_LIB_DIR + "/") and n.endswith(".so")
+            )
+        )
 
 
 def _ship_ggml(clean: Path, libs: list[Path]) -> None:
@@ -182,8 +193,10 @@ def build(source: Path | None = None, wheel_dir: Path | None = None, ggml_lib: P
             raise FleetError(f"--wheel-dir {wheel_dir}: no fleetd-*.whl in it")
         wheel = wheels[-1]
         if not _wheel_libs(wheel):
-            warning = (f"{wheel.name} carries no ggml libraries: nodes will run the numpy device "
-                       f"(build them with {PORTABLE_BUILD}, then let fleetctl build the wheel)")
+            warning = (
+                f"{wheel.name} carries no ggml libraries: nodes will run the numpy device "
+                f"(build them with {PORTABLE_BUILD}, then let fleetctl build the wheel)"
+            )
     else:
         if ggml_lib is not None:
             libs = portable_libs(Path(ggml_lib))  # asked for by name: a bad one is an error
@@ -192,8 +205,10 @@ def build(source: Path | None = None, wheel_dir: Path | None = None, ggml_lib: P
                 libs = portable_libs(portable_ggml_dir())
             except FleetError as exc:
                 libs = []
-                warning = (f"{exc}: nodes will run the numpy device (build it with {PORTABLE_BUILD}, "
-                           "or pass --ggml-lib DIR)")
+                warning = (
+                    f"{exc}: nodes will run the numpy device (build it with {PORTABLE_BUILD}, "
+                    "or pass --ggml-lib DIR)"
+                )
         out = Path(tempfile.mkdtemp(prefix="fleetd-wheel-"))
         src = source or project_root()
         # Built from a copy without build leftovers: setuptools ships whatever an earlier build
@@ -207,7 +222,9 @@ def build(source: Path | None = None, wheel_dir: Path | None = None, ggml_lib: P
         finally:
             shutil.rmtree(clean, ignore_errors=True)
         if r.returncode != 0:
-            raise FleetError(f"building the fleetd wheel from {src} failed: {r.stderr.strip().splitlines()[-1:]}")
+            raise FleetError(
+                f"building the fleetd wheel from {src} failed: {r.stderr.strip().splitlines()[-1:]}"
+            )
         wheel = next(out.glob("fleetd-*.whl"))
     version = wheel.name.split("-")[1]
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
@@ -274,9 +291,15 @@ class NodeOutcome:
     warnings: list[str] = field(default_factory=list)  # the node is up, but not as configured
 
     def as_dict(self) -> dict:
-        return {"node": self.node, "status": self.status, "release": self.release,
-                "previous": self.previous, "detail": self.detail, "steps": self.steps,
-                "warnings": self.warnings}
+        return {
+            "node": self.node,
+            "status": self.status,
+            "release": self.release,
+            "previous": self.previous,
+            "detail": self.detail,
+            "steps": self.steps,
+            "warnings": self.warnings,
+        }
 
 
 class Agent:
@@ -293,7 +316,9 @@ class Agent:
         try:
             reply = json.loads(done.stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
-            raise NodeError(f"agent {op}: exit {done.rc}: {(done.stderr or done.stdout).strip()[-200:]}") from None
+            raise NodeError(
+                f"agent {op}: exit {done.rc}: {(done.stderr or done.stdout).strip()[-200:]}"
+            ) from None
         if not reply["ok"]:
             raise NodeError(reply["error"])
         return reply["result"]
@@ -303,9 +328,16 @@ Progress = Callable[[Node, str], None]
 
 
 class Deployer:
-    def __init__(self, fleet: Fleet, build: Build | None, root: str | None = None,
-                 systemd: bool = True, progress: Progress | None = None,
-                 service_user: str | None = SERVICE_USER, python: str = "python3") -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        build: Build | None,
+        root: str | None = None,
+        systemd: bool = True,
+        progress: Progress | None = None,
+        service_user: str | None = SERVICE_USER,
+        python: str = "python3",
+    ) -> None:
         self.fleet = fleet
         self.python = python  # the node's interpreter, which the releases' venvs are made from
         self.service_user = service_user
@@ -327,7 +359,9 @@ class Deployer:
         missing = self._missing_wheels(state)
         steps["upload"] = f"{len(missing)} wheel(s)" if missing else "nothing to upload"
         steps["install"] = "exists" if b.release in state["releases"] else f"new venv {b.release}"
-        steps["configure"] = "unchanged" if state["config"] == self._config(node, state) else "write fleetd.toml"
+        steps["configure"] = (
+            "unchanged" if state["config"] == self._config(node, state) else "write fleetd.toml"
+        )
         running = state["running"]
         up_to_date = running and running["release"] == b.release and steps["configure"] == "unchanged"
         steps["start"] = "already running" if up_to_date else ("restart" if running else "start")
@@ -346,7 +380,7 @@ class Deployer:
         return f"wheels/{self.build.release}/{f.name}" if f == self.build.wheel else f"wheels/{f.name}"
 
     def _missing_wheels(self, state: dict) -> list[Path]:
-        return [f for f in self.build.files if self._wheel_path(f)[len("wheels/"):] not in state["wheels"]]
+        return [f for f in self.build.files if self._wheel_path(f)[len("wheels/") :] not in state["wheels"]]
 
     def _checks(self, node: Node, state: dict) -> dict:
         major, minor = (int(x) for x in state["python"].split("."))
@@ -356,7 +390,9 @@ class Deployer:
             raise NodeError(f"{state['free_bytes'] >> 20} MiB free, need {MIN_FREE_BYTES >> 20} MiB")
         if state["port"] == "busy":
             raise NodeError(self._port_holder(node))
-        return {"check": f"python {state['python']}, {state['free_bytes'] >> 30} GiB free, port {state['port']}"}
+        return {
+            "check": f"python {state['python']}, {state['free_bytes'] >> 30} GiB free, port {state['port']}"
+        }
 
     def _port_holder(self, node: Node) -> str:
         """Why the RPC port is busy, naming a fleetd that fleetctl did not deploy when it is one."""
@@ -365,8 +401,10 @@ class Deployer:
             version = node.status().version
         except Exception:
             return f"RPC port {port} is held by another program (not a fleetd deployed under {root})"
-        return (f"RPC port {port} is held by fleetd {version}, which fleetctl did not deploy (no "
-                f"release under {root}): stop it first, or give this node another rpc_port")
+        return (
+            f"RPC port {port} is held by fleetd {version}, which fleetctl did not deploy (no "
+            f"release under {root}): stop it first, or give this node another rpc_port"
+        )
 
     def deploy(self, node: Node) -> NodeOutcome:
         b = self.build
@@ -386,13 +424,18 @@ class Deployer:
         outcome.steps["upload"] = f"{len(missing)} wheel(s)"
 
         self.progress(node, "install")
-        installed = ag("install", release=b.release, wheel=b.wheel.name,
-                       requirements=list(b.requirements), _timeout=600)["installed"]
+        installed = ag(
+            "install", release=b.release, wheel=b.wheel.name, requirements=list(b.requirements), _timeout=600
+        )["installed"]
         outcome.steps["install"] = "new venv" if installed else "exists"
 
         running = state["running"]
-        if (running and running["release"] == b.release and state["current"] == b.release
-                and state["config"] == config):
+        if (
+            running
+            and running["release"] == b.release
+            and state["current"] == b.release
+            and state["config"] == config
+        ):
             self.progress(node, "health")
             health = ag("health", release=b.release, port=node.spec.rpc_port, timeout=5)
             if health["ok"]:
@@ -409,7 +452,9 @@ class Deployer:
         try:
             done = ag("service_user", user=user)
             changed = ag("configure", config=config)["changed"]
-            outcome.steps["configure"] = ("written" if changed else "unchanged") + (f", runs as {user}" if user else "")
+            outcome.steps["configure"] = ("written" if changed else "unchanged") + (
+                f", runs as {user}" if user else ""
+            )
 
             self.progress(node, "start")
             ag("stop", systemd=self.systemd)
@@ -432,11 +477,18 @@ class Deployer:
 
     def _health(self, node: Node, ag: Agent, release: str) -> tuple[str | None, NodeStatus | None]:
         """(None, its /v1/status) when `release` (the one started) is healthy, else (the reason, None)."""
-        h = ag("health", release=release, port=node.spec.rpc_port, timeout=HEALTH_TIMEOUT_S,
-               _timeout=HEALTH_TIMEOUT_S + 60)
+        h = ag(
+            "health",
+            release=release,
+            port=node.spec.rpc_port,
+            timeout=HEALTH_TIMEOUT_S,
+            _timeout=HEALTH_TIMEOUT_S + 60,
+        )
         if not h["ok"]:
             log = " | ".join(h["log"][-2:])
-            return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (f" (log: {log})" if log else ""), None
+            return f"no HELLO on port {node.spec.rpc_port}: {h['reason']}" + (
+                f" (log: {log})" if log else ""
+            ), None
         return self._control_health(node)
 
     def _control_health(self, node: Node) -> tuple[str | None, NodeStatus | None]:
@@ -452,8 +504,15 @@ class Deployer:
                 return f"{problem} (gave up after {CONTROL_HEALTH_TIMEOUT_S:.0f}s)", None
             time.sleep(CONTROL_HEALTH_RETRY_S)
 
-    def _roll_back(self, node: Node, ag: Agent, before: dict, previous_config: str | None, why: str,
-                   done: dict | None = None) -> str:
+    def _roll_back(
+        self,
+        node: Node,
+        ag: Agent,
+        before: dict,
+        previous_config: str | None,
+        why: str,
+        done: dict | None = None,
+    ) -> str:
         b = self.build
         ag("stop", systemd=self.systemd)
         ag("configure", config=previous_config)  # None: none, as before
@@ -465,8 +524,13 @@ class Deployer:
             return f"health check failed, new release removed: {why}"
         ag("link", release=before["current"])
         if before["running"]:
-            ag("start", release=before["current"], systemd=self.systemd,
-               user=config_user(previous_config), unit=before.get("unit"))
+            ag(
+                "start",
+                release=before["current"],
+                systemd=self.systemd,
+                user=config_user(previous_config),
+                unit=before.get("unit"),
+            )
             if self._health(node, ag, before["current"])[0] is not None:
                 return f"health check failed ({why}); previous release {before['current']} did not come back"
         if b.release != before["current"]:
@@ -479,10 +543,15 @@ class Deployer:
         """fleetd was never deployed under this root: say what was looked for, where, and
         whether something else holds the RPC port (a fleetd started by hand, say)."""
         port = node.spec.rpc_port
-        held = (f"; RPC port {port} is held by a program fleetctl did not start"
-                if state["port"] == "busy" else f"; nothing listens on RPC port {port}")
-        return NodeError(f"fleetd is not deployed here by fleetctl: no {ag.root}/current release link "
-                         f"and no {ag.root}/fleetd.pid (--root to look elsewhere){held}")
+        held = (
+            f"; RPC port {port} is held by a program fleetctl did not start"
+            if state["port"] == "busy"
+            else f"; nothing listens on RPC port {port}"
+        )
+        return NodeError(
+            f"fleetd is not deployed here by fleetctl: no {ag.root}/current release link "
+            f"and no {ag.root}/fleetd.pid (--root to look elsewhere){held}"
+        )
 
     def _inspect(self, node: Node, ag: Agent) -> dict:
         return ag("inspect", host="0.0.0.0", port=node.spec.rpc_port, systemd=self.systemd)
@@ -577,5 +646,16 @@ def clean_build(b: Build) -> None:
         shutil.rmtree(b.wheel.parent, ignore_errors=True)
 
 
-__all__ = ["Build", "Deployer", "NodeOutcome", "SERVICE_USER", "STEPS", "build", "device_warnings", "inventory", "node_config",
-           "portable_libs", "__version__"]
+__all__ = [
+    "Build",
+    "Deployer",
+    "NodeOutcome",
+    "SERVICE_USER",
+    "STEPS",
+    "build",
+    "device_warnings",
+    "inventory",
+    "node_config",
+    "portable_libs",
+    "__version__",
+]

@@ -54,7 +54,7 @@ _UNITS = {"bit": 1, "kbit": 1e3, "k": 1e3, "mbit": 1e6, "m": 1e6, "gbit": 1e9, "
 
 
 def parse_rate(text: str) -> int:
-    """"200mbit", "2gbit", "2g" -> bits per second; ValueError (one line) outside 1 mbit..40 gbit."""
+    """ "200mbit", "2gbit", "2g" -> bits per second; ValueError (one line) outside 1 mbit..40 gbit."""
     m = _RATE.match(text.strip())
     if not m:
         raise ValueError(f"rate {text!r}: expected e.g. 200mbit or 2gbit")
@@ -88,8 +88,22 @@ def _sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.Comp
 def _tbf(dev: str, bits: int, ns: str | None) -> None:
     # burst: 4 ms at the rate, at least 64 KiB (a GSO packet); a smaller bucket caps TCP below it.
     burst = max(64 * 1024, int(bits / 8 * 0.004))
-    _sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", str(bits), "burst", str(burst),
-        "latency", TBF_LATENCY, ns=ns)
+    _sh(
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        str(bits),
+        "burst",
+        str(burst),
+        "latency",
+        TBF_LATENCY,
+        ns=ns,
+    )
 
 
 class Lab:
@@ -128,8 +142,14 @@ class Lab:
 
     # -- up ----------------------------------------------------------------------------------
 
-    def up(self, nodes: int, coordinator_bits: int, peer_bits: int, threads: int = 1,
-           python: str = sys.executable) -> list[LabNode]:
+    def up(
+        self,
+        nodes: int,
+        coordinator_bits: int,
+        peer_bits: int,
+        threads: int = 1,
+        python: str = sys.executable,
+    ) -> list[LabNode]:
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
         if os.geteuid() != 0:
@@ -138,8 +158,15 @@ class Lab:
         if self.exists:
             raise FleetError(f"lab: {self.state_path} exists: run fleetctl lab down --dir {self.dir} first")
         index = self._free_index()
-        self.state = {"index": index, "coordinator_bits": coordinator_bits, "peer_bits": peer_bits,
-                      "namespaces": [], "links": [], "pids": [], "nodes": []}
+        self.state = {
+            "index": index,
+            "coordinator_bits": coordinator_bits,
+            "peer_bits": peer_bits,
+            "namespaces": [],
+            "links": [],
+            "pids": [],
+            "nodes": [],
+        }
         self._save()
         try:
             lab_nodes = self._build(index, nodes, coordinator_bits, peer_bits, threads, python)
@@ -157,7 +184,9 @@ class Lab:
                 return i
         raise FleetError(f"lab: {MAX_LABS} labs already up on this machine")
 
-    def _build(self, i: int, count: int, coord_bits: int, peer_bits: int, threads: int, python: str) -> list[LabNode]:
+    def _build(
+        self, i: int, count: int, coord_bits: int, peer_bits: int, threads: int, python: str
+    ) -> list[LabNode]:
         switch = f"fl{i}sw"
         self._record("namespaces", switch)
         _sh("ip", "netns", "add", switch)
@@ -185,8 +214,12 @@ class Lab:
             _sh("ip", "link", "set", f"p{j}", "master", "sw0", "up", ns=switch)
             _sh("ip", "addr", "add", f"{address}/24", "dev", "peer0", ns=ns)
             _sh("ip", "link", "set", "peer0", "up", ns=ns)
-            for dev, where, bits in ((root_end, None, coord_bits), ("coord0", ns, coord_bits),
-                                     ("peer0", ns, peer_bits), (f"p{j}", switch, peer_bits)):
+            for dev, where, bits in (
+                (root_end, None, coord_bits),
+                ("coord0", ns, coord_bits),
+                ("peer0", ns, peer_bits),
+                (f"p{j}", switch, peer_bits),
+            ):
                 _tbf(dev, bits, where)
             lab_nodes.append(LabNode(f"lab-{j}", ns, address, root_end))
         self.state["nodes"] = [n.__dict__ for n in lab_nodes]
@@ -196,24 +229,53 @@ class Lab:
         self.nodes_file.write_text(
             f"# fleetctl lab: {count} nodes, coordinator links {fmt_rate(coord_bits)}, "
             f"peer links {fmt_rate(peer_bits)}; control API inside each namespace\n"
-            + "".join(f"{n.address} rpc_port={DEFAULT_RPC_PORT} control_port={DEFAULT_CONTROL_PORT} "
-                      f"via_netns={n.netns} name={n.name}\n" for n in lab_nodes))
+            + "".join(
+                f"{n.address} rpc_port={DEFAULT_RPC_PORT} control_port={DEFAULT_CONTROL_PORT} "
+                f"via_netns={n.netns} name={n.name}\n"
+                for n in lab_nodes
+            )
+        )
         self._wait_ready(lab_nodes)
         return lab_nodes
 
     def _start_fleetd(self, j: int, n: LabNode, subnet: str, threads: int, python: str) -> None:
-        args = ["ip", "netns", "exec", n.netns, python, "-m", "fleetd.server", "--host", n.address,
-                "--port", str(DEFAULT_RPC_PORT), "--control-port", str(DEFAULT_CONTROL_PORT),
-                "--peer-allow", subnet,
-                # RPC clients: the other nodes (peer copies) and the coordinator on its own links
-                "--allow", f"{subnet},{subnet.replace(PEER_NET, COORD_NET, 1)}",
-                "--threads", str(threads), "--log-level", "info",
-                "--log-file", str((self.dir / f"{n.name}.log").absolute())]
+        args = [
+            "ip",
+            "netns",
+            "exec",
+            n.netns,
+            python,
+            "-m",
+            "fleetd.server",
+            "--host",
+            n.address,
+            "--port",
+            str(DEFAULT_RPC_PORT),
+            "--control-port",
+            str(DEFAULT_CONTROL_PORT),
+            "--peer-allow",
+            subnet,
+            # RPC clients: the other nodes (peer copies) and the coordinator on its own links
+            "--allow",
+            f"{subnet},{subnet.replace(PEER_NET, COORD_NET, 1)}",
+            "--threads",
+            str(threads),
+            "--log-level",
+            "info",
+            "--log-file",
+            str((self.dir / f"{n.name}.log").absolute()),
+        ]
         with open(self.dir / f"{n.name}.log", "ab") as log:
             # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
             # the pid is fleetd's
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+            proc = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                start_new_session=True,
+            )
         self._procs.append(proc)
         self._record("pids", proc.pid)
 
@@ -222,18 +284,24 @@ class Lab:
         deadline = time.monotonic() + START_TIMEOUT_S
         for node, n, proc in zip(fleet, lab_nodes, self._procs, strict=True):
             endpoint = f"{n.address}:{DEFAULT_RPC_PORT}"
-            for what, check in (("HELLO", lambda e=endpoint: RpcClient(e, Timeout(connect=1.0, read=2.0)).open().close()),
-                                ("the control API", node.status)):
+            for what, check in (
+                ("HELLO", lambda e=endpoint: RpcClient(e, Timeout(connect=1.0, read=2.0)).open().close()),
+                ("the control API", node.status),
+            ):
                 while True:
                     if proc.poll() is not None:
-                        raise FleetError(f"lab: {n.name}: fleetd exited with {proc.returncode}: {self._log_tail(n)}")
+                        raise FleetError(
+                            f"lab: {n.name}: fleetd exited with {proc.returncode}: {self._log_tail(n)}"
+                        )
                     try:
                         check()
                         break
                     except Exception as exc:  # not up yet: retried until the deadline
                         if time.monotonic() > deadline:
-                            raise FleetError(f"lab: {n.name} ({endpoint}): no answer to {what} within "
-                                             f"{START_TIMEOUT_S:g}s: {exc} ({self._log_tail(n)})") from None
+                            raise FleetError(
+                                f"lab: {n.name} ({endpoint}): no answer to {what} within "
+                                f"{START_TIMEOUT_S:g}s: {exc} ({self._log_tail(n)})"
+                            ) from None
                         time.sleep(0.1)
 
     def _log_tail(self, n: LabNode) -> str:
@@ -273,8 +341,10 @@ class Lab:
             if _sh("ip", "netns", "del", ns, check=False).returncode == 0:
                 removed.append(f"netns {ns}")
         for link in self.state.get("links", []):  # gone with their peers, unless the move failed
-            if (_sh("ip", "link", "show", link, check=False).returncode == 0
-                    and _sh("ip", "link", "del", link, check=False).returncode == 0):
+            if (
+                _sh("ip", "link", "show", link, check=False).returncode == 0
+                and _sh("ip", "link", "del", link, check=False).returncode == 0
+            ):
                 removed.append(f"link {link}")
         for path in (self.state_path, self.nodes_file):
             path.unlink(missing_ok=True)

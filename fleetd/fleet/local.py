@@ -42,10 +42,17 @@ class LocalFleet:
     Logs go to `workdir/node-<i>.log`; without a workdir, to a temporary one removed on stop.
     """
 
-    def __init__(self, count: int = 2, workdir: str | Path | None = None, *,
-                 server_args: Sequence[str] = (), control: bool = True, log_level: str = "info",
-                 start_timeout: float = START_TIMEOUT_S,
-                 preexec_fn: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        count: int = 2,
+        workdir: str | Path | None = None,
+        *,
+        server_args: Sequence[str] = (),
+        control: bool = True,
+        log_level: str = "info",
+        start_timeout: float = START_TIMEOUT_S,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         if count < 1:
             raise FleetError(f"local fleet: {count} nodes: need at least 1")
         self.count = count
@@ -74,10 +81,14 @@ class LocalFleet:
                 control = free_port() if self.control else 0
                 self._spawn(i, rpc, control)
                 self.endpoints.append(f"127.0.0.1:{rpc}")
-                lines.append(f"localhost rpc_port={rpc}" + (f" control_port={control}" if control else "")
-                             + f" name=local-{i}")
-            self.nodes_file.write_text("# a local fleet on loopback (fleetd.fleet.local)\n"
-                                       + "\n".join(lines) + "\n")
+                lines.append(
+                    f"localhost rpc_port={rpc}"
+                    + (f" control_port={control}" if control else "")
+                    + f" name=local-{i}"
+                )
+            self.nodes_file.write_text(
+                "# a local fleet on loopback (fleetd.fleet.local)\n" + "\n".join(lines) + "\n"
+            )
             self.fleet = Fleet.load(self.nodes_file)
             self._wait_ready()
         except BaseException:
@@ -87,33 +98,58 @@ class LocalFleet:
 
     def _spawn(self, i: int, rpc: int, control: int) -> None:
         log_path = self.workdir / f"node-{i}.log"
-        args = [sys.executable, "-m", "fleetd.server", "--host", "127.0.0.1", "--port", str(rpc),
-                "--control-port", str(control), "--log-level", self.log_level,
-                "--log-file", str(log_path.absolute()), *self.server_args]
+        args = [
+            sys.executable,
+            "-m",
+            "fleetd.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rpc),
+            "--control-port",
+            str(control),
+            "--log-level",
+            self.log_level,
+            "--log-file",
+            str(log_path.absolute()),
+            *self.server_args,
+        ]
         # stdout and stderr (a traceback before logging starts) append to the same file
         with open(log_path, "ab") as log:  # the child keeps its own copy
-            self.processes.append(subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=self.preexec_fn))
+            self.processes.append(
+                subprocess.Popen(
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                    preexec_fn=self.preexec_fn,
+                )
+            )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
-        for i, (node, proc, endpoint) in enumerate(zip(self.fleet, self.processes, self.endpoints, strict=True)):
-            checks = [("HELLO", lambda: RpcClient(endpoint, PROBE_TIMEOUT).open().close())]
+        for i, (node, proc, endpoint) in enumerate(
+            zip(self.fleet, self.processes, self.endpoints, strict=True)
+        ):
+            checks = [("HELLO", lambda endpoint=endpoint: RpcClient(endpoint, PROBE_TIMEOUT).open().close())]
             if self.control:
                 checks.append(("the control API", node.status))
             for what, check in checks:
                 while True:
                     if proc.poll() is not None:
-                        raise FleetError(f"{node.name} ({endpoint}) exited with {proc.returncode}: "
-                                         f"{self._log_tail(i)}")
+                        raise FleetError(
+                            f"{node.name} ({endpoint}) exited with {proc.returncode}: {self._log_tail(i)}"
+                        )
                     try:
                         check()
                         break
                     except Exception as exc:  # not up yet: retried until the deadline
                         if time.monotonic() > deadline:
-                            raise FleetError(f"{node.name} ({endpoint}): no answer to {what} within "
-                                             f"{self.start_timeout:g}s: {exc}") from None
+                            raise FleetError(
+                                f"{node.name} ({endpoint}): no answer to {what} within "
+                                f"{self.start_timeout:g}s: {exc}"
+                            ) from None
                         time.sleep(POLL_S)
 
     def _log_tail(self, i: int) -> str:

@@ -43,18 +43,25 @@ from fleetd.wire.commands import Feature
 ARMS = ("hub", "direct")
 P2P_ENV = {"hub": "0", "direct": "1"}
 METRICS = ("pp_tps", "tg_tps", "batched_tps")
-METRIC_LABELS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s",
-                 "batched_tps": "batched tok/s"}
+METRIC_LABELS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "batched tok/s"}
 BATCH_SEQUENCES = 4
 PROMPT = "the time of their first new"
 TOOL_TIMEOUT_S = 900.0
 # The per-step table: what one decode step costs, commands the hub and direct paths differ in.
-STEP_COMMANDS = ("COPY_TENSOR_TO", "PEER_BARRIER", "GET_TENSOR", "SET_TENSOR", "GRAPH_COMPUTE",
-                 "GRAPH_RECOMPUTE")
+STEP_COMMANDS = (
+    "COPY_TENSOR_TO",
+    "PEER_BARRIER",
+    "GET_TENSOR",
+    "SET_TENSOR",
+    "GRAPH_COMPUTE",
+    "GRAPH_RECOMPUTE",
+)
 
 _CLIENT_LINE = re.compile(r"^(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$", re.M)
 # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-_BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6, re.M)
+_BATCHED_ROW = re.compile(
+    r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6, re.M
+)
 
 Progress = Callable[[str, float], None]
 
@@ -74,9 +81,15 @@ class ArmSummary:
     rounds: int = 1
 
     def as_dict(self) -> dict:
-        return {"arm": self.arm, "median": self.median,
-                "spread": {k: list(v) for k, v in self.spread.items()}, "md5": self.md5,
-                "per_step": self.per_step, "copies_ok": self.copies_ok, "fallbacks": self.fallbacks}
+        return {
+            "arm": self.arm,
+            "median": self.median,
+            "spread": {k: list(v) for k, v in self.spread.items()},
+            "md5": self.md5,
+            "per_step": self.per_step,
+            "copies_ok": self.copies_ok,
+            "fallbacks": self.fallbacks,
+        }
 
 
 @dataclass
@@ -92,10 +105,17 @@ class ModelAbResult:
     why_not_direct: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"model": self.model, "stages": self.stages, "settings": self.settings,
-                "ok": self.ok, "direct_ran": self.direct_ran, "verdict": self.verdict,
-                "why_not_direct": self.why_not_direct,
-                "arms": {k: a.as_dict() for k, a in self.arms.items()}, "rounds": self.rounds}
+        return {
+            "model": self.model,
+            "stages": self.stages,
+            "settings": self.settings,
+            "ok": self.ok,
+            "direct_ran": self.direct_ran,
+            "verdict": self.verdict,
+            "why_not_direct": self.why_not_direct,
+            "arms": {k: a.as_dict() for k, a in self.arms.items()},
+            "rounds": self.rounds,
+        }
 
 
 # -- the nodes' counters -----------------------------------------------------------------------
@@ -118,14 +138,22 @@ def _delta(before: Mapping, after: Mapping) -> dict:
             old = b.total.commands.get(cmd)
             count = c.count - (old.count if old else 0)
             if count:
-                commands[cmd] = {"count": count,
-                                 "bytes": c.request_bytes + c.response_bytes
-                                 - ((old.request_bytes + old.response_bytes) if old else 0)}
-        out[name] = {"commands": commands,
-                     "copies_ok": a.peer.copies_ok - b.peer.copies_ok,
-                     "bytes_pushed": a.peer.bytes_pushed - b.peer.bytes_pushed,
-                     "fallbacks": {r: n - b.peer.fallbacks.get(r, 0) for r, n in a.peer.fallbacks.items()
-                                   if n - b.peer.fallbacks.get(r, 0)}}
+                commands[cmd] = {
+                    "count": count,
+                    "bytes": c.request_bytes
+                    + c.response_bytes
+                    - ((old.request_bytes + old.response_bytes) if old else 0),
+                }
+        out[name] = {
+            "commands": commands,
+            "copies_ok": a.peer.copies_ok - b.peer.copies_ok,
+            "bytes_pushed": a.peer.bytes_pushed - b.peer.bytes_pushed,
+            "fallbacks": {
+                r: n - b.peer.fallbacks.get(r, 0)
+                for r, n in a.peer.fallbacks.items()
+                if n - b.peer.fallbacks.get(r, 0)
+            },
+        }
     return out
 
 
@@ -144,8 +172,15 @@ def _run(tool: str, args: list[str], arm: str, timeout: float) -> subprocess.Com
     exe = find_p2p_tool(tool)
     env = dict(os.environ, GGML_RPC_P2P=P2P_ENV[arm], GGML_RPC_STATS="1")
     try:
-        p = subprocess.run([str(exe), *args], capture_output=True, text=True, errors="replace",
-                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [str(exe), *args],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            env=env,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         raise FleetError(f"{tool} ({arm}): no result within {timeout:g}s") from None
     if p.returncode != 0:
@@ -158,11 +193,19 @@ def client_stats(stderr: str, tool: str = "tool") -> dict[str, dict[str, int]]:
     """The patched client's GGML_RPC_STATS=1 table: command -> count, request/response bytes."""
     at = stderr.rfind("GGML_RPC_STATS client")
     if at < 0:
-        raise FleetError(f"{tool} printed no GGML_RPC_STATS table: not the patched client "
-                         "(scripts/build-llama-p2p.sh builds it)")
-    return {m.group(1): {"count": int(m.group(2)), "request_bytes": int(m.group(3)),
-                         "response_bytes": int(m.group(4))}
-            for m in _CLIENT_LINE.finditer(stderr[at:]) if m.group(1) != "command"}
+        raise FleetError(
+            f"{tool} printed no GGML_RPC_STATS table: not the patched client "
+            "(scripts/build-llama-p2p.sh builds it)"
+        )
+    return {
+        m.group(1): {
+            "count": int(m.group(2)),
+            "request_bytes": int(m.group(3)),
+            "response_bytes": int(m.group(4)),
+        }
+        for m in _CLIENT_LINE.finditer(stderr[at:])
+        if m.group(1) != "command"
+    }
 
 
 def parse_bench_json(stdout: str) -> dict[str, float]:
@@ -192,15 +235,28 @@ def _rpc_args(model: Path, rpc: str) -> list[str]:
 
 
 def _bench(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: float) -> dict:
-    p = _run("llama-bench", [*_rpc_args(model, rpc), "-p", str(n_prompt), "-n", str(n_gen),
-                             "-r", "1", "-o", "json"], arm, timeout)
+    p = _run(
+        "llama-bench",
+        [*_rpc_args(model, rpc), "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-o", "json"],
+        arm,
+        timeout,
+    )
     return parse_bench_json(p.stdout)
 
 
 def _batched(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: float) -> dict:
     ctx = BATCH_SEQUENCES * (n_prompt + n_gen) + 16
-    args = [*_rpc_args(model, rpc), "-c", str(ctx), "-npp", str(n_prompt), "-ntg", str(n_gen),
-            "-npl", str(BATCH_SEQUENCES)]
+    args = [
+        *_rpc_args(model, rpc),
+        "-c",
+        str(ctx),
+        "-npp",
+        str(n_prompt),
+        "-ntg",
+        str(n_gen),
+        "-npl",
+        str(BATCH_SEQUENCES),
+    ]
     # The table goes through llama.cpp's asynchronous log thread, which can drop it at exit on
     # a busy machine (as llama-completion's tail, below): rerun, at most twice.
     for _ in range(3):
@@ -213,10 +269,23 @@ def _batched(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout
     return {"batched_tps": rows[-1]["s"], "batched": rows}
 
 
-def _complete(fleet: Fleet, model: Path, rpc: str, arm: str, n: int, timeout: float) -> tuple[str, dict, dict]:
+def _complete(
+    fleet: Fleet, model: Path, rpc: str, arm: str, n: int, timeout: float
+) -> tuple[str, dict, dict]:
     """Greedy text: (stdout, the client's GGML_RPC_STATS, the nodes' counter deltas)."""
-    args = [*_rpc_args(model, rpc), "-p", PROMPT, "-n", str(n), "--temp", "0", "--seed", "1",
-            "-no-cnv", "--no-warmup"]
+    args = [
+        *_rpc_args(model, rpc),
+        "-p",
+        PROMPT,
+        "-n",
+        str(n),
+        "--temp",
+        "0",
+        "--seed",
+        "1",
+        "-no-cnv",
+        "--no-warmup",
+    ]
     # llama.cpp logs through an asynchronous thread that can drop the tail of the output at
     # exit on a busy machine; a complete run ends with a blank line, so rerun (at most twice).
     # The counters are those of the last run alone.
@@ -240,16 +309,25 @@ def _per_step(short: tuple[dict, dict], long: tuple[dict, dict], steps: int) -> 
             continue
         count = (c["count"] - old["count"]) / steps
         if count:
-            client[cmd] = {"count": count,
-                           "bytes": (c["request_bytes"] + c["response_bytes"]
-                                     - old["request_bytes"] - old["response_bytes"]) / steps}
+            client[cmd] = {
+                "count": count,
+                "bytes": (
+                    c["request_bytes"] + c["response_bytes"] - old["request_bytes"] - old["response_bytes"]
+                )
+                / steps,
+            }
     nodes_long, nodes_short = _node_commands(nn), _node_commands(n1)
-    nodes = {cmd: (nodes_long.get(cmd, 0) - nodes_short.get(cmd, 0)) / steps
-             for cmd in sorted(set(nodes_long) | set(nodes_short))}
-    return {"client": client, "nodes": {k: v for k, v in nodes.items() if v},
-            "coordinator_bytes": sum(c["bytes"] for c in client.values()),
-            "peer_bytes": sum(d["bytes_pushed"] for d in nn.values()) / steps
-            - sum(d["bytes_pushed"] for d in n1.values()) / steps}
+    nodes = {
+        cmd: (nodes_long.get(cmd, 0) - nodes_short.get(cmd, 0)) / steps
+        for cmd in sorted(set(nodes_long) | set(nodes_short))
+    }
+    return {
+        "client": client,
+        "nodes": {k: v for k, v in nodes.items() if v},
+        "coordinator_bytes": sum(c["bytes"] for c in client.values()),
+        "peer_bytes": sum(d["bytes_pushed"] for d in nn.values()) / steps
+        - sum(d["bytes_pushed"] for d in n1.values()) / steps,
+    }
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -257,14 +335,25 @@ def _per_step(short: tuple[dict, dict], long: tuple[dict, dict], steps: int) -> 
 
 def check_settings(rounds: int, n_prompt: int, n_gen: int) -> None:
     """One line per bad number (fleetctl turns it into exit 2)."""
-    for name, value, low, high in (("rounds", rounds, 1, 50), ("n_prompt", n_prompt, 1, 4096),
-                                   ("n_gen", n_gen, 2, 1024)):
+    for name, value, low, high in (
+        ("rounds", rounds, 1, 50),
+        ("n_prompt", n_prompt, 1, 4096),
+        ("n_gen", n_gen, 2, 1024),
+    ):
         if not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{name} {value!r}: must be a whole number in {low}..{high}")
 
 
-def _cell(fleet: Fleet, model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int,
-          timeout: float, step: Callable[[str], None]) -> dict:
+def _cell(
+    fleet: Fleet,
+    model: Path,
+    rpc: str,
+    arm: str,
+    n_prompt: int,
+    n_gen: int,
+    timeout: float,
+    step: Callable[[str], None],
+) -> dict:
     step(f"{arm}: llama-bench")
     before = _snapshot(fleet)
     cell: dict = {"arm": arm, **_bench(model, rpc, arm, n_prompt, n_gen, timeout)}
@@ -279,7 +368,10 @@ def _cell(fleet: Fleet, model: Path, rpc: str, arm: str, n_prompt: int, n_gen: i
     cell["per_step"] = _per_step((short_client, short_nodes), (long_client, long_nodes), n_gen - 1)
     cell["nodes"] = _delta(before, after)  # the whole cell: copies and fallbacks by reason
     cell["nodes_without_counters"] = sorted(
-        name for name, v in after.items() if isinstance(v, Exception) or isinstance(before.get(name), Exception))
+        name
+        for name, v in after.items()
+        if isinstance(v, Exception) or isinstance(before.get(name), Exception)
+    )
     return cell
 
 
@@ -293,7 +385,9 @@ def _summarise(arm: str, cells: list[dict]) -> ArmSummary:
             copies += d["copies_ok"]
             for r, n in d["fallbacks"].items():
                 fallbacks[r] = fallbacks.get(r, 0) + n
-    return ArmSummary(arm, median, spread, cells[0]["md5"], cells[0]["per_step"], copies, fallbacks, len(cells))
+    return ArmSummary(
+        arm, median, spread, cells[0]["md5"], cells[0]["per_step"], copies, fallbacks, len(cells)
+    )
 
 
 def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> list[str]:
@@ -313,8 +407,11 @@ def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> lis
             why.append(f"{node.name} does not advertise the peer-copy feature")
     sent = sum(c["per_step"]["client"].get("COPY_TENSOR_TO", {}).get("count", 0) for c in direct)
     if not why:
-        why.append("the client sent no COPY_TENSOR_TO" if not sent else
-                   "the client sent COPY_TENSOR_TO but no node counted a copy")
+        why.append(
+            "the client sent no COPY_TENSOR_TO"
+            if not sent
+            else "the client sent COPY_TENSOR_TO but no node counted a copy"
+        )
     return why
 
 
@@ -328,8 +425,10 @@ def direct_path_problems(fleet: Fleet) -> list[str]:
     for i, node in enumerate(nodes):
         status = statuses.get(node)
         if isinstance(status, BaseException) or status is None:
-            problems.append(f"{node.name}: no control API answer ({status}): cannot check P2P "
-                            "(a stock ggml-rpc-server never copies)")
+            problems.append(
+                f"{node.name}: no control API answer ({status}): cannot check P2P "
+                "(a stock ggml-rpc-server never copies)"
+            )
             continue
         if not status.p2p.served:
             problems.append(f"{node.name} does not serve COPY_TENSOR_TO")
@@ -344,18 +443,22 @@ def direct_path_problems(fleet: Fleet) -> list[str]:
             except OSError:
                 continue  # the node resolves it, not us: no verdict from here
             if status.p2p.allows(ip) is False:
-                problems.append(f"{node.name}'s peer allow-list ({', '.join(status.p2p.peer_allow or ())}) "
-                                f"refuses {nxt.name} ({ip}): redeploy with it in --peer-allow")
+                problems.append(
+                    f"{node.name}'s peer allow-list ({', '.join(status.p2p.peer_allow or ())}) "
+                    f"refuses {nxt.name} ({ip}): redeploy with it in --peer-allow"
+                )
     return problems
 
 
 def on_loopback(fleet: Fleet) -> bool:
     """Every node on this host's loopback (a demo or LocalFleet, not a lab's namespaces)."""
+
     def loopback(host: str) -> bool:
         try:
             return host == "localhost" or ipaddress.ip_address(host).is_loopback
         except ValueError:
             return False
+
     return all(loopback(n.spec.host) and not n.spec.via_netns for n in fleet)
 
 
@@ -371,8 +474,16 @@ def _beyond_spread(hub: ArmSummary, direct: ArmSummary, metric: str) -> str:
     return "within the spread"
 
 
-def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 128, n_gen: int = 32,
-                 progress: Progress | None = None, timeout: float = TOOL_TIMEOUT_S) -> ModelAbResult:
+def run_model_ab(
+    fleet: Fleet,
+    model: Path,
+    *,
+    rounds: int = 3,
+    n_prompt: int = 128,
+    n_gen: int = 32,
+    progress: Progress | None = None,
+    timeout: float = TOOL_TIMEOUT_S,
+) -> ModelAbResult:
     """Both arms over `rounds` rounds; see the module docstring. Raises ValueError for bad
     numbers and FleetError when a tool is missing or fails; a text mismatch is `ok=False`."""
     check_settings(rounds, n_prompt, n_gen)
@@ -400,8 +511,18 @@ def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 
         order = ARMS if r % 2 == 0 else ARMS[::-1]
         cells = []
         for arm in order:
-            cells.append(_cell(fleet, model, rpc, arm, n_prompt, n_gen, timeout,
-                               lambda what, r=r: step(f"round {r + 1}/{rounds} {what}")))
+            cells.append(
+                _cell(
+                    fleet,
+                    model,
+                    rpc,
+                    arm,
+                    n_prompt,
+                    n_gen,
+                    timeout,
+                    lambda what, r=r: step(f"round {r + 1}/{rounds} {what}"),
+                )
+            )
         round_docs.append({"round": r + 1, "order": list(order), "cells": cells})
     if progress is not None:
         progress("done", 1.0)
@@ -418,14 +539,27 @@ def run_model_ab(fleet: Fleet, model: Path, *, rounds: int = 3, n_prompt: int = 
     elif not direct_ran:
         verdict = "same text, but the direct path never ran: " + "; ".join(why)
     else:
-        gains = ", ".join(f"{METRIC_LABELS[m]} x{arms['direct'].median[m] / arms['hub'].median[m]:.2f} "
-                          f"({_beyond_spread(arms['hub'], arms['direct'], m)})"
-                          for m in METRICS if arms["hub"].median[m])
-        verdict = (f"same text in every cell (md5 {arms['hub'].md5[:12]}); direct vs hub: {gains}; "
-                   f"{arms['direct'].copies_ok} peer copies")
+        gains = ", ".join(
+            f"{METRIC_LABELS[m]} x{arms['direct'].median[m] / arms['hub'].median[m]:.2f} "
+            f"({_beyond_spread(arms['hub'], arms['direct'], m)})"
+            for m in METRICS
+            if arms["hub"].median[m]
+        )
+        verdict = (
+            f"same text in every cell (md5 {arms['hub'].md5[:12]}); direct vs hub: {gains}; "
+            f"{arms['direct'].copies_ok} peer copies"
+        )
         if on_loopback(fleet):
-            verdict += ("; every node is on loopback, where the link is not the bottleneck: the "
-                        "direct path pays off where the coordinator's link is slow (fleetctl lab)")
-    settings = {"rounds": rounds, "n_prompt": n_prompt, "n_gen": n_gen,
-                "batch_sequences": BATCH_SEQUENCES, "rpc": rpc, "prompt": PROMPT}
+            verdict += (
+                "; every node is on loopback, where the link is not the bottleneck: the "
+                "direct path pays off where the coordinator's link is slow (fleetctl lab)"
+            )
+    settings = {
+        "rounds": rounds,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "batch_sequences": BATCH_SEQUENCES,
+        "rpc": rpc,
+        "prompt": PROMPT,
+    }
     return ModelAbResult(str(model), len(fleet), settings, round_docs, arms, ok, direct_ran, verdict, why)

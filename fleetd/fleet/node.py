@@ -85,8 +85,11 @@ class Node:
                 self._client = None
 
     def _open_control(self):
-        return self._open_port(self.spec.control_port, "control API",
-                               f"is fleetd running with --control-port {self.spec.control_port}?")
+        return self._open_port(
+            self.spec.control_port,
+            "control API",
+            f"is fleetd running with --control-port {self.spec.control_port}?",
+        )
 
     def _open_port(self, port: int, what: str, hint: str, host: str = "127.0.0.1"):
         """A stream to host:port as the node sees it: plain TCP for a local node, else an SSH
@@ -102,7 +105,9 @@ class Node:
             except TimeoutError as exc:
                 raise ConnectTimeout(f"{what} {host}:{port}: no answer within {t:g}s") from exc
             except OSError as exc:
-                raise ControlUnreachable(f"{what} {host}:{port}: {(exc.strerror or str(exc)).lower()}: {hint}") from exc
+                raise ControlUnreachable(
+                    f"{what} {host}:{port}: {(exc.strerror or str(exc)).lower()}: {hint}"
+                ) from exc
         return open_tunnel(self.ssh(), self.spec, port, t, host)
 
     def hello(self, bound: str | None = None) -> tuple[int, int, int]:
@@ -155,8 +160,9 @@ class Node:
 
     def set_p2p(self, enabled: bool) -> P2pState:
         """Switch peer copy; the answer says what it was (`was`)."""
-        return P2pState.parse(self.call("PUT", "/v1/p2p", {"enabled": bool(enabled)}),
-                              f"{self.name}: PUT /v1/p2p")
+        return P2pState.parse(
+            self.call("PUT", "/v1/p2p", {"enabled": bool(enabled)}), f"{self.name}: PUT /v1/p2p"
+        )
 
     def metrics(self) -> str:
         status, _, data = self.request("GET", "/metrics")
@@ -228,9 +234,13 @@ class Fleet(list):
 
         if not self:
             return FleetResult()
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(self))), thread_name_prefix="fleet") as pool:
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(workers, len(self))), thread_name_prefix="fleet"
+        ) as pool:
             values = list(pool.map(one, self))
-        return FleetResult((n, v.exc if isinstance(v, _Failed) else v) for n, v in zip(self, values, strict=True))
+        return FleetResult(
+            (n, v.exc if isinstance(v, _Failed) else v) for n, v in zip(self, values, strict=True)
+        )
 
     def close(self) -> None:
         for n in self:

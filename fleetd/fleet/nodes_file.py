@@ -31,9 +31,11 @@ DEFAULT_SSH_PORT = 22
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 # The one rule for which nodes are reached without SSH; the README and fleetctl(1) say the same.
-LOCAL_RULE = ("localhost, 127.0.0.1 and [::1], written without a user and without an SSH port, "
-              "are reached directly over loopback, without SSH; every other node (127.0.0.2, "
-              "root@localhost, localhost:2222 too) goes through SSH.")
+LOCAL_RULE = (
+    "localhost, 127.0.0.1 and [::1], written without a user and without an SSH port, "
+    "are reached directly over loopback, without SSH; every other node (127.0.0.2, "
+    "root@localhost, localhost:2222 too) goes through SSH."
+)
 
 NODES_FILE_HELP = f"""\
 nodes file: one node per line, '#' starts a comment, blank lines are ignored:
@@ -138,8 +140,10 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             devs = tuple(d for d in value.split(",") if d)
             bad = unknown_devices(devs)
             if not devs or bad:
-                raise NodesFileError(f"{where}: devices {value!r}: expected fleetd's devices, "
-                                     f"comma separated: {', '.join(DEVICE_NAMES)}")
+                raise NodesFileError(
+                    f"{where}: devices {value!r}: expected fleetd's devices, "
+                    f"comma separated: {', '.join(DEVICE_NAMES)}"
+                )
             kw[key] = devs
         elif key == "via_netns":
             if not _HOST.match(value):
@@ -156,8 +160,10 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
     if "control_port" not in kw:  # two fleetd on one host (one per GPU) need no control_port= each
         kw["control_port"] = control_port_for(kw.get("rpc_port", DEFAULT_RPC_PORT))
         if kw["control_port"] > 65535:
-            raise NodesFileError(f"{where}: rpc_port {kw['rpc_port']} + {CONTROL_PORT_OFFSET} is past "
-                                 "65535: give control_port= too")
+            raise NodesFileError(
+                f"{where}: rpc_port {kw['rpc_port']} + {CONTROL_PORT_OFFSET} is past "
+                "65535: give control_port= too"
+            )
     return NodeSpec(host=host, user=user, ssh_port=ssh_port, line=lineno, **kw)
 
 
@@ -181,6 +187,7 @@ def load_nodes(path: str | Path) -> list[NodeSpec]:
 
 def _name(specs: list[NodeSpec], source: str) -> list[NodeSpec]:
     """Fill in default names; /rpc_port tells apart nodes that share a host."""
+
     def base(s: NodeSpec) -> str:
         host = f"[{s.host}]" if ":" in s.host else s.host
         return host if s.ssh_port == DEFAULT_SSH_PORT else f"{host}:{s.ssh_port}"

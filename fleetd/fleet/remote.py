@@ -78,8 +78,9 @@ class SshShell(Shell):
 class LocalShell(Shell):
     def run(self, command: str, stdin: str | None = None, timeout: float = 300) -> Completed:
         try:
-            p = subprocess.run(["/bin/sh", "-c", command], input=stdin, capture_output=True,
-                               text=True, timeout=timeout)
+            p = subprocess.run(
+                ["/bin/sh", "-c", command], input=stdin, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired as exc:
             raise NodeError(f"local: {command.split()[0]}: timed out after {timeout}s") from exc
         return Completed(command, p.returncode, p.stdout, p.stderr)

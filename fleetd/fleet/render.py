@@ -55,9 +55,12 @@ def spark_text(values, width: int = 12, style: str = "cyan") -> Text:
     if not tail:
         return Text("")
     top = max(tail)
-    blocks = "".join(SPARK_BLOCKS[0] if top <= 0 else
-                     SPARK_BLOCKS[min(len(SPARK_BLOCKS) - 1, int(v / top * (len(SPARK_BLOCKS) - 1) + 0.5))]
-                     for v in tail)
+    blocks = "".join(
+        SPARK_BLOCKS[0]
+        if top <= 0
+        else SPARK_BLOCKS[min(len(SPARK_BLOCKS) - 1, int(v / top * (len(SPARK_BLOCKS) - 1) + 0.5))]
+        for v in tail
+    )
     return Text(blocks.rjust(width, " "), style=style)
 
 
@@ -85,8 +88,13 @@ def down_text(answers: Answers) -> Text | None:
 
 def fallback_text(answers: Answers) -> Text | None:
     """Devices that came up as a stand-in (cpu -> numpy) and the daemon's reason, one line each."""
-    lines = [f"{name}: device {d.index} is {d.kind}: {d.fallback}" for name, st in answers.items()
-             if isinstance(st, NodeStatus) for d in st.devices if d.fallback]
+    lines = [
+        f"{name}: device {d.index} is {d.kind}: {d.fallback}"
+        for name, st in answers.items()
+        if isinstance(st, NodeStatus)
+        for d in st.devices
+        if d.fallback
+    ]
     return Text("\n".join(lines), style="yellow") if lines else None
 
 
@@ -115,15 +123,20 @@ def _device_text(d: Device) -> str:
 # -- the control API's answers -----------------------------------------------------------------
 
 
-def status_table(answers: Mapping[str, NodeStatus | BaseException],
-                 hosts: Mapping[str, str] | None = None) -> Table:
+def status_table(
+    answers: Mapping[str, NodeStatus | BaseException], hosts: Mapping[str, str] | None = None
+) -> Table:
     """One row per node from GET /v1/status; a down node's row says down, its reason goes below.
     `hosts` ({name: [user@]host[:port]}) puts the host under a node's name when they differ, so
     a node named with `name=` still shows where it is."""
     t = Table(title="fleetd nodes", title_justify="left")
     for col in ("Node", "State", "Version", "RPC", "P2P", "Devices", "Uptime", "Sessions"):
-        t.add_column(col, justify="right" if col in ("Uptime", "Sessions") else "left",
-                     style="bold" if col == "Node" else None, no_wrap=col != "Devices")
+        t.add_column(
+            col,
+            justify="right" if col in ("Uptime", "Sessions") else "left",
+            style="bold" if col == "Node" else None,
+            no_wrap=col != "Devices",
+        )
     for name, st in answers.items():
         host = (hosts or {}).get(name, name)
         label = name if host == name else Text.assemble(name, "\n", (host, "dim not bold"))
@@ -131,8 +144,13 @@ def status_table(answers: Mapping[str, NodeStatus | BaseException],
             t.add_row(label, Text("down", style="bold red"), *[""] * (len(t.columns) - 2))
             continue
         t.add_row(
-            label, Text("up", style="bold green"), st.version, f":{st.rpc_port}", p2p_text(st.p2p),
-            ", ".join(_device_text(d) for d in st.devices), fmt_duration(st.uptime_seconds),
+            label,
+            Text("up", style="bold green"),
+            st.version,
+            f":{st.rpc_port}",
+            p2p_text(st.p2p),
+            ", ".join(_device_text(d) for d in st.devices),
+            fmt_duration(st.uptime_seconds),
             str(len(st.sessions)),
         )
     return t
@@ -151,8 +169,14 @@ def devices_table(status: NodeStatus) -> Table:
         t.add_column(col, justify="right" if col in ("Allocated", "Free", "Total") else "left")
     for d in status.devices:
         used = max(0, d.total - d.free)
-        t.add_row(f"{d.index}: {d.name}", d.kind or Text("-", style="dim"), fmt_bytes(used),
-                  fmt_bytes(d.free), fmt_bytes(d.total), memory_bar(used, d.total))
+        t.add_row(
+            f"{d.index}: {d.name}",
+            d.kind or Text("-", style="dim"),
+            fmt_bytes(used),
+            fmt_bytes(d.free),
+            fmt_bytes(d.total),
+            memory_bar(used, d.total),
+        )
     return t
 
 
@@ -181,12 +205,21 @@ def sessions_table(answers: Mapping[str, NodeStatus | BaseException]) -> Table |
     t = Table(title="sessions", title_justify="left")
     # Short headers: nine columns and a peer address fit 80 columns; the peer is never folded
     for col in ("Node", "Id", "Peer", "Age", "Cmds", "Recv", "Sent", "Held", "Layers"):
-        t.add_column(col, justify="left" if col in ("Node", "Peer", "Layers") else "right",
-                     no_wrap=col == "Peer")
+        t.add_column(
+            col, justify="left" if col in ("Node", "Peer", "Layers") else "right", no_wrap=col == "Peer"
+        )
     for name, s in rows:
-        t.add_row(name, str(s.id), s.peer, fmt_duration(s.age_seconds), fmt_count(s.commands),
-                  fmt_bytes(s.request_bytes), fmt_bytes(s.response_bytes), fmt_bytes(s.allocated_bytes),
-                  layer_ranges(s.layers) or "-")
+        t.add_row(
+            name,
+            str(s.id),
+            s.peer,
+            fmt_duration(s.age_seconds),
+            fmt_count(s.commands),
+            fmt_bytes(s.request_bytes),
+            fmt_bytes(s.response_bytes),
+            fmt_bytes(s.allocated_bytes),
+            layer_ranges(s.layers) or "-",
+        )
     return t
 
 
@@ -201,9 +234,11 @@ def layer_ranges(layers) -> str:
     return ",".join(out)
 
 
-def stats_table(answers: Mapping[str, NodeStats | BaseException],
-                previous: Mapping[str, NodeStats | BaseException | None] | None = None,
-                interval: float | None = None) -> Table:
+def stats_table(
+    answers: Mapping[str, NodeStats | BaseException],
+    previous: Mapping[str, NodeStats | BaseException | None] | None = None,
+    interval: float | None = None,
+) -> Table:
     """Per node, the commands used since the last reset (count, request and response bytes) and
     a total row; with `previous` (the sample `interval` seconds earlier) also commands per second."""
     rate = bool(previous is not None and interval)
@@ -222,8 +257,11 @@ def stats_table(answers: Mapping[str, NodeStats | BaseException],
         before = previous.get(name) if rate else None
         before = before.total if isinstance(before, NodeStats) else None
         used = list(st.total.used().items())
-        total = (sum(c.count for _, c in used), sum(c.request_bytes for _, c in used),
-                 sum(c.response_bytes for _, c in used))
+        total = (
+            sum(c.count for _, c in used),
+            sum(c.request_bytes for _, c in used),
+            sum(c.response_bytes for _, c in used),
+        )
         rows = [(c, v.count, v.request_bytes, v.response_bytes) for c, v in used] + [("all", *total)]
         for i, (c, count, req, resp) in enumerate(rows):
             row = [name if i == 0 else "", Text(c, style="bold") if c == "all" else c, fmt_count(count)]
@@ -264,8 +302,13 @@ def activity_table(answers: Mapping[str, NodeStats | BaseException]) -> Table:
         peer = st.peer
         fallbacks = ", ".join(f"{r} {fmt_count(n)}" for r, n in peer.fallbacks.items() if n) or "-"
         t.add_row(
-            name, fmt_count(st.total.graph_computes), f"{st.total.compute_seconds:.3f}s",
-            fmt_count(peer.copies_ok), fmt_bytes(peer.bytes_pushed), fmt_bytes(peer.bytes_confirmed), fallbacks,
+            name,
+            fmt_count(st.total.graph_computes),
+            f"{st.total.compute_seconds:.3f}s",
+            fmt_count(peer.copies_ok),
+            fmt_bytes(peer.bytes_pushed),
+            fmt_bytes(peer.bytes_confirmed),
+            fallbacks,
         )
     return t
 
@@ -293,8 +336,10 @@ def ab_table(doc: dict) -> Table:
     """Both arms of fleetd.fleet.ab.compare side by side: commands and bytes per step, what the
     nodes counted, time per step, output md5."""
     arms = doc["arms"]
-    table = Table(title=f"hub vs direct: {doc['stages']} stages, {doc['layers']} layers, "
-                        f"{doc['rows']} x {doc['n_embd']} f32")
+    table = Table(
+        title=f"hub vs direct: {doc['stages']} stages, {doc['layers']} layers, "
+        f"{doc['rows']} x {doc['n_embd']} f32"
+    )
     table.add_column("")
     for arm in arms:
         table.add_column(arm, justify="right")
@@ -302,7 +347,10 @@ def ab_table(doc: dict) -> Table:
         ("COPY_TENSOR_TO per step", lambda a: f"{a['per_step']['commands'].get('COPY_TENSOR_TO', 0):.2f}"),
         ("GET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('GET_TENSOR', 0):.2f}"),
         ("SET_TENSOR per step", lambda a: f"{a['per_step']['commands'].get('SET_TENSOR', 0):.2f}"),
-        ("coordinator bytes per step", lambda a: fmt_count(a['per_step']['request_bytes'] + a['per_step']['response_bytes'])),
+        (
+            "coordinator bytes per step",
+            lambda a: fmt_count(a["per_step"]["request_bytes"] + a["per_step"]["response_bytes"]),
+        ),
         ("peer copies counted by nodes", lambda a: str(a["node_peer_copies"])),
         ("fallbacks counted by nodes", lambda a: str(a["node_fallbacks"])),
         ("seconds per step (median)", lambda a: f"{a['seconds_per_step']:.4f}"),
@@ -311,7 +359,6 @@ def ab_table(doc: dict) -> Table:
     for label, fn in rows:
         table.add_row(label, *(fn(a) for a in arms.values()))
     return table
-
 
 
 def ab_verdict(doc: dict) -> Text:
@@ -340,8 +387,13 @@ def ab_verdict(doc: dict) -> Text:
 
 # -- deploy and the lifecycle commands ---------------------------------------------------------
 
-OUTCOME_STYLE = {"deployed": "green", "unchanged": "cyan", "planned": "blue",
-                 "rolled-back": "yellow", "failed": "red"}
+OUTCOME_STYLE = {
+    "deployed": "green",
+    "unchanged": "cyan",
+    "planned": "blue",
+    "rolled-back": "yellow",
+    "failed": "red",
+}
 
 
 def outcome_table(outcomes: list[NodeOutcome]) -> Table:
@@ -353,8 +405,13 @@ def outcome_table(outcomes: list[NodeOutcome]) -> Table:
         steps = "\n".join(f"{s}: {o.steps[s]}" for s in STEPS if s in o.steps)
         # a warning: the node is up, not as configured; under its steps, in yellow
         warnings = [f"[yellow]warning: {escape(w)}[/]" for w in o.warnings]
-        table.add_row(o.node, f"[{style}]{o.status}[/]", o.release or "-", o.previous or "-",
-                      "\n".join(x for x in (steps, o.detail, *warnings) if x))
+        table.add_row(
+            o.node,
+            f"[{style}]{o.status}[/]",
+            o.release or "-",
+            o.previous or "-",
+            "\n".join(x for x in (steps, o.detail, *warnings) if x),
+        )
     return table
 
 
@@ -376,19 +433,27 @@ MODEL_AB_METRICS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched
 def model_ab_table(doc: dict) -> Table:
     """ModelAbResult.as_dict(): per arm the median and min..max over rounds, copies, md5."""
     s = doc["settings"]
-    table = Table(title=f"hub vs direct: {doc['stages']} RPC stages, {doc['model'].rsplit('/', 1)[-1]}, "
-                        f"{s['rounds']} rounds, pp {s['n_prompt']}, tg {s['n_gen']}, "
-                        f"{s['batch_sequences']} sequences")
+    table = Table(
+        title=f"hub vs direct: {doc['stages']} RPC stages, {doc['model'].rsplit('/', 1)[-1]}, "
+        f"{s['rounds']} rounds, pp {s['n_prompt']}, tg {s['n_gen']}, "
+        f"{s['batch_sequences']} sequences"
+    )
     table.add_column("")
     for arm in doc["arms"]:
         table.add_column(arm, justify="right")
     for key, label in MODEL_AB_METRICS.items():
-        table.add_row(f"{label} (median, min..max)", *(
-            f"{a['median'][key]:.2f} ({a['spread'][key][0]:.2f}..{a['spread'][key][1]:.2f})"
-            for a in doc["arms"].values()))
+        table.add_row(
+            f"{label} (median, min..max)",
+            *(
+                f"{a['median'][key]:.2f} ({a['spread'][key][0]:.2f}..{a['spread'][key][1]:.2f})"
+                for a in doc["arms"].values()
+            ),
+        )
     table.add_row("peer copies counted by nodes", *(str(a["copies_ok"]) for a in doc["arms"].values()))
-    table.add_row("fallbacks counted by nodes", *(
-        ", ".join(f"{r} {n}" for r, n in a["fallbacks"].items()) or "0" for a in doc["arms"].values()))
+    table.add_row(
+        "fallbacks counted by nodes",
+        *(", ".join(f"{r} {n}" for r, n in a["fallbacks"].items()) or "0" for a in doc["arms"].values()),
+    )
     table.add_row("greedy text md5", *(a["md5"][:12] for a in doc["arms"].values()))
     return table
 
@@ -404,7 +469,9 @@ def model_ab_steps_table(doc: dict) -> Table:
         table.add_column(arm, justify="right")
     steps = {arm: a["per_step"] for arm, a in doc["arms"].items()}
     for cmd in STEP_COMMANDS:
-        table.add_row(f"coordinator {cmd}", *(f"{s['client'].get(cmd, {}).get('count', 0):.2f}" for s in steps.values()))
+        table.add_row(
+            f"coordinator {cmd}", *(f"{s['client'].get(cmd, {}).get('count', 0):.2f}" for s in steps.values())
+        )
     for cmd in STEP_COMMANDS:
         table.add_row(f"nodes {cmd}", *(f"{s['nodes'].get(cmd, 0):.2f}" for s in steps.values()))
     table.add_row("coordinator link bytes", *(fmt_bytes(s["coordinator_bytes"]) for s in steps.values()))
@@ -419,8 +486,11 @@ def model_ab_bars(doc: dict, columns: int = 80) -> Table:
     for col in ("metric", "arm", "bar", "value"):
         table.add_column(col, no_wrap=True)
     styles = ("blue", "dark_orange", "green", "magenta")
-    values = [f"{a['median'][k]:.2f} ({a['spread'][k][0]:.2f}..{a['spread'][k][1]:.2f})"
-              for k in MODEL_AB_METRICS for a in doc["arms"].values()]
+    values = [
+        f"{a['median'][k]:.2f} ({a['spread'][k][0]:.2f}..{a['spread'][k][1]:.2f})"
+        for k in MODEL_AB_METRICS
+        for a in doc["arms"].values()
+    ]
     labels = max(map(len, MODEL_AB_METRICS.values())) + max(map(len, doc["arms"])) + max(map(len, values))
     width = max(8, min(40, columns - labels - 8))  # 8: the padding between four columns
     for key, label in MODEL_AB_METRICS.items():
@@ -441,5 +511,7 @@ def model_ab_verdict(doc: dict) -> Text:
 
 def model_ab_chart_panels(doc: dict) -> dict:
     """{metric label: {arm: (median, min, max)}}: what fleetd.fleet.chart draws."""
-    return {label: {arm: (a["median"][key], *a["spread"][key]) for arm, a in doc["arms"].items()}
-            for key, label in MODEL_AB_METRICS.items()}
+    return {
+        label: {arm: (a["median"][key], *a["spread"][key]) for arm, a in doc["arms"].items()}
+        for key, label in MODEL_AB_METRICS.items()
+    }

@@ -75,10 +75,17 @@ def open_ssh(spec: NodeSpec, options: SshOptions) -> paramiko.SSHClient:
     try:
         sock = _wait_for_banner(spec, what, t)
         client.connect(
-            spec.host, spec.ssh_port, username=spec.user or getpass.getuser(), sock=sock,
+            spec.host,
+            spec.ssh_port,
+            username=spec.user or getpass.getuser(),
+            sock=sock,
             key_filename=[str(Path(p).expanduser()) for p in options.identity] or None,
-            allow_agent=options.allow_agent, look_for_keys=options.look_for_keys,
-            timeout=t, banner_timeout=t, auth_timeout=t, channel_timeout=t,
+            allow_agent=options.allow_agent,
+            look_for_keys=options.look_for_keys,
+            timeout=t,
+            banner_timeout=t,
+            auth_timeout=t,
+            channel_timeout=t,
         )
     except BaseException as exc:
         client.close()
@@ -107,8 +114,10 @@ def _wait_for_banner(spec: NodeSpec, what: str, timeout: float) -> socket.socket
         raise
     if not first:
         sock.close()
-        raise SshError(f"{what}: connection closed before the SSH banner (not an SSH server, "
-                       "or sshd refused it: MaxStartups, tcp wrappers?)")
+        raise SshError(
+            f"{what}: connection closed before the SSH banner (not an SSH server, "
+            "or sshd refused it: MaxStartups, tcp wrappers?)"
+        )
     return sock
 
 
@@ -121,7 +130,9 @@ def _translate(what: str, exc: Exception, timeout: float) -> Exception:
             f"{exc.key.get_fingerprint().hex()}): possible man-in-the-middle, refusing"
         )
     if isinstance(exc, paramiko.AuthenticationException):
-        return SshError(f"{what}: authentication failed ({exc}); keys come from the agent, ~/.ssh or --identity")
+        return SshError(
+            f"{what}: authentication failed ({exc}); keys come from the agent, ~/.ssh or --identity"
+        )
     if isinstance(exc, TimeoutError):
         return ConnectTimeout(f"{what}: no answer within {timeout:g}s")
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
@@ -130,15 +141,19 @@ def _translate(what: str, exc: Exception, timeout: float) -> Exception:
     if isinstance(exc, paramiko.SSHException):
         msg = str(exc)
         if "not found in known_hosts" in msg:
-            return SshError(f"{what}: host key not in known_hosts (add it, e.g. ssh-keyscan, or pass --known-hosts FILE)")
+            return SshError(
+                f"{what}: host key not in known_hosts (add it, e.g. ssh-keyscan, or pass --known-hosts FILE)"
+            )
         if "banner" in msg.lower():
             # paramiko says "Error reading SSH protocol banner" for both; the cause tells them apart.
             cause = exc.__cause__ or exc.__context__
             if isinstance(cause, TimeoutError):
                 return ConnectTimeout(f"{what}: no SSH banner within {timeout:g}s")
             if isinstance(cause, (EOFError, ConnectionError)):
-                return SshError(f"{what}: connection closed before the SSH banner (not an SSH server, "
-                                "or sshd refused it: MaxStartups, tcp wrappers?)")
+                return SshError(
+                    f"{what}: connection closed before the SSH banner (not an SSH server, "
+                    "or sshd refused it: MaxStartups, tcp wrappers?)"
+                )
             return SshError(f"{what}: bad SSH banner: {msg}")
         return SshError(f"{what}: {msg}")
     if isinstance(exc, socket.gaierror):
@@ -153,8 +168,9 @@ def spec_host(what: str) -> str:
     return what.split("@", 1)[-1].rsplit(":", 1)[0]
 
 
-def open_tunnel(client: paramiko.SSHClient, spec: NodeSpec, port: int, timeout: float,
-                host: str = "127.0.0.1") -> paramiko.Channel:
+def open_tunnel(
+    client: paramiko.SSHClient, spec: NodeSpec, port: int, timeout: float, host: str = "127.0.0.1"
+) -> paramiko.Channel:
     """A direct-tcpip channel from the node's sshd to host:port as the node sees it (loopback
     by default: the control API listens nowhere else)."""
     transport = client.get_transport()
@@ -163,11 +179,19 @@ def open_tunnel(client: paramiko.SSHClient, spec: NodeSpec, port: int, timeout: 
     try:
         return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout)
     except paramiko.ChannelException as exc:
-        hint = f"is fleetd running there with --control-port {port}?" if host == "127.0.0.1" else "is fleetd running?"
-        raise ControlUnreachable(f"{_describe(spec)}: channel to {host}:{port} refused ({exc.text}): {hint}") from exc
+        hint = (
+            f"is fleetd running there with --control-port {port}?"
+            if host == "127.0.0.1"
+            else "is fleetd running?"
+        )
+        raise ControlUnreachable(
+            f"{_describe(spec)}: channel to {host}:{port} refused ({exc.text}): {hint}"
+        ) from exc
     except paramiko.SSHException as exc:
         if "timeout" in str(exc).lower():
-            raise ConnectTimeout(f"{_describe(spec)}: channel to {host}:{port}: no answer within {timeout:g}s") from exc
+            raise ConnectTimeout(
+                f"{_describe(spec)}: channel to {host}:{port}: no answer within {timeout:g}s"
+            ) from exc
         raise SshError(f"{_describe(spec)}: channel to {host}:{port}: {exc}") from exc
     except (OSError, EOFError) as exc:
         raise SshError(f"{_describe(spec)}: connection lost opening a channel: {exc}") from exc

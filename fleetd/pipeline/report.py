@@ -9,8 +9,7 @@ from fleetd.pipeline.results import StepResult
 from fleetd.wire import Cmd
 
 # Row order of the tables: the data movers first, as in the seed's PR description.
-ROW_ORDER = (Cmd.GET_TENSOR, Cmd.SET_TENSOR, Cmd.COPY_TENSOR_TO, Cmd.GRAPH_COMPUTE,
-             Cmd.GRAPH_RECOMPUTE)
+ROW_ORDER = (Cmd.GET_TENSOR, Cmd.SET_TENSOR, Cmd.COPY_TENSOR_TO, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE)
 
 
 def per_step(results: list[StepResult]) -> dict:
@@ -48,11 +47,16 @@ def step_table(columns: dict[str, dict]) -> str:
     names = [k for k in names if any(col["commands"].get(k) for col in columns.values())]
     rows = [["per step"] + arms]
     for k in names:
-        rows.append([k] + [f"{col['commands'][k]:.2f}" if k in col["commands"] else "-"
-                           for col in columns.values()])
+        rows.append(
+            [k] + [f"{col['commands'][k]:.2f}" if k in col["commands"] else "-" for col in columns.values()]
+        )
     rows.append(["total commands"] + [f"{c['total_commands']:.2f}" for c in columns.values()])
-    rows.append(["request bytes from the coordinator"] + [_bytes(c["request_bytes"]) for c in columns.values()])
-    rows.append(["response bytes to the coordinator"] + [_bytes(c["response_bytes"]) for c in columns.values()])
+    rows.append(
+        ["request bytes from the coordinator"] + [_bytes(c["request_bytes"]) for c in columns.values()]
+    )
+    rows.append(
+        ["response bytes to the coordinator"] + [_bytes(c["response_bytes"]) for c in columns.values()]
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
@@ -65,5 +69,7 @@ def step_line(r: StepResult) -> str:
     cmds = ", ".join(f"{Cmd(c).name} {n}" for c, n in sorted(r.counters.count.items()) if n)
     req = sum(r.counters.request_bytes.values())
     resp = sum(r.counters.response_bytes.values())
-    return (f"rpc stats: step {r.step}: {cmds}; request {_bytes(req)} B, response {_bytes(resp)} B; "
-            f"direct {r.direct}, fallback {r.fallbacks}")
+    return (
+        f"rpc stats: step {r.step}: {cmds}; request {_bytes(req)} B, response {_bytes(resp)} B; "
+        f"direct {r.direct}, fallback {r.fallbacks}"
+    )

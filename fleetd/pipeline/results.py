@@ -13,8 +13,8 @@ class StepResult:
     step: int
     output: bytes
     counters: ClientCounters  # this step's commands and bytes at the coordinator
-    direct: int               # boundaries moved by COPY_TENSOR_TO
-    fallbacks: int            # COPY_TENSOR_TO answered 0, moved through the hub instead
+    direct: int  # boundaries moved by COPY_TENSOR_TO
+    fallbacks: int  # COPY_TENSOR_TO answered 0, moved through the hub instead
 
     @property
     def md5(self) -> str:

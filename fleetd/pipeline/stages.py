@@ -18,13 +18,13 @@ from fleetd.compute.views import check_extent
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GraphCompute, RpcTensor
 
-
 LOCAL_GRAPH_TIMEOUT = 600.0  # seconds one graph of the local device may take (fleetd's default)
 
 
 class RemoteStage:
-    def __init__(self, endpoint: str, counters: ClientCounters, timeout: Timeout,
-                 peer_endpoint: str | None = None) -> None:
+    def __init__(
+        self, endpoint: str, counters: ClientCounters, timeout: Timeout, peer_endpoint: str | None = None
+    ) -> None:
         self.client = RpcClient(endpoint, timeout, counters).open()
         self.endpoint = endpoint
         # The address servers use to reach this one (the coordinator's view by default).

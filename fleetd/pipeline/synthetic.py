@@ -99,8 +99,9 @@ class StageGraph:
     weights: list[tuple[Tensor, Callable[[], np.ndarray]]]
 
 
-def build_stage(work: Workload, layers: range, lay: StageLayout, buffer: int, base: int,
-                device: int = 0) -> StageGraph:
+def build_stage(
+    work: Workload, layers: range, lay: StageLayout, buffer: int, base: int, device: int = 0
+) -> StageGraph:
     g = GraphBuilder()
     x = g.tensor(GgmlType.F32, (work.n_embd, work.rows), buffer, base + lay.hidden_in, "hidden_in")
     hidden_in = x

@@ -87,10 +87,18 @@ class CacheDir:
         self.max_bytes = parse_budget(max_bytes, st.f_bavail * st.f_frsize + self.held)
         self.xattrs = self._xattrs_work()
         if not self.xattrs:
-            log.warning("cache directory %s: no user xattrs here, so each hit re-hashes its file "
-                        "to check it is whole", self.path)
-        log.info("cache directory %s: %d files, %d of %d bytes", self.path, len(self._files),
-                 self.held, self.max_bytes)
+            log.warning(
+                "cache directory %s: no user xattrs here, so each hit re-hashes its file "
+                "to check it is whole",
+                self.path,
+            )
+        log.info(
+            "cache directory %s: %d files, %d of %d bytes",
+            self.path,
+            len(self._files),
+            self.held,
+            self.max_bytes,
+        )
         self._evict(keep=None)
 
     # -- start ------------------------------------------------------------------------------
@@ -133,8 +141,11 @@ class CacheDir:
         view = memoryview(data).cast("B")
         size = view.nbytes
         if size > self.max_bytes:
-            log.warning("cache directory: %d bytes not stored: above the budget of %d (cache_max_bytes)",
-                        size, self.max_bytes)
+            log.warning(
+                "cache directory: %d bytes not stored: above the budget of %d (cache_max_bytes)",
+                size,
+                self.max_bytes,
+            )
             return
         tmp = self.path / f"{_TEMP_PREFIX}{os.getpid()}.{threading.get_ident()}"
         try:

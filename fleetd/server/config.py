@@ -89,7 +89,9 @@ class ServerConfig:
     # The cache directory's byte budget: a size, or a share of free space ("0.5x", the default).
     cache_max_bytes: int | str | None = None
     threads: int | None = None
-    dequant_cache: str | None = None  # numpy device's f32 weight cache: "0.5x" of buffer bytes (default), "2G", "0"
+    dequant_cache: str | None = (
+        None  # numpy device's f32 weight cache: "0.5x" of buffer bytes (default), "2G", "0"
+    )
     control_port: int | None = DEFAULT_CONTROL_PORT
     p2p: bool = True
     # Hosts / CIDRs a COPY_TENSOR_TO may push to. None = loopback plus the daemon's own /24.

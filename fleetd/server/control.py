@@ -79,18 +79,20 @@ def status_doc(state: ServerState) -> dict:
     sessions = []
     for s in sorted(state.live_sessions(), key=lambda s: s.id):
         rx, tx = _bytes_moved(s.counters)
-        sessions.append({
-            "id": s.id,
-            "peer": s.peer,
-            "started": s.started,
-            "age_seconds": round(now - s.started, 3),
-            "commands": sum(s.counters.count.values()),
-            "request_bytes": rx,
-            "response_bytes": tx,
-            # buffers this session holds, and the model layers whose weights it wrote there
-            "allocated_bytes": state.registry.owned_bytes(s.id),
-            "layers": sorted(s.layers),
-        })
+        sessions.append(
+            {
+                "id": s.id,
+                "peer": s.peer,
+                "started": s.started,
+                "age_seconds": round(now - s.started, 3),
+                "commands": sum(s.counters.count.values()),
+                "request_bytes": rx,
+                "response_bytes": tx,
+                # buffers this session holds, and the model layers whose weights it wrote there
+                "allocated_bytes": state.registry.owned_bytes(s.id),
+                "layers": sorted(s.layers),
+            }
+        )
     host, port = state.address[:2]
     return {
         "version": __version__,
@@ -98,8 +100,16 @@ def status_doc(state: ServerState) -> dict:
         "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
         "rpc": {"host": host, "port": port},
         "devices": [
-            {"index": i, "name": d.name, "kind": d.kind, "free": free, "total": total,
-             "library": d.library, "fallback": d.fallback, "workers": d.worker_stats()}
+            {
+                "index": i,
+                "name": d.name,
+                "kind": d.kind,
+                "free": free,
+                "total": total,
+                "library": d.library,
+                "fallback": d.fallback,
+                "workers": d.worker_stats(),
+            }
             for i, d in enumerate(state.devices)
             for free, total in [d.memory()]
         ],
@@ -132,9 +142,12 @@ def p2p_doc(state: ServerState) -> dict:
     # "peer_allow": where COPY_TENSOR_TO may push; "peer_allow_complete" is false for the
     # default policy on a wildcard bind, which also allows the subnet a client came in on.
     policy = state.peer_policy
-    return {"enabled": bool(state.p2p_enabled), "served": True,
-            "peer_allow": [str(n) for n in policy.networks],
-            "peer_allow_complete": not (policy.default and state.config.host in ("0.0.0.0", "::", ""))}
+    return {
+        "enabled": bool(state.p2p_enabled),
+        "served": True,
+        "peer_allow": [str(n) for n in policy.networks],
+        "peer_allow_complete": not (policy.default and state.config.host in ("0.0.0.0", "::", "")),
+    }
 
 
 # -- /metrics ----------------------------------------------------------------------------------
@@ -175,23 +188,32 @@ class FleetdCollector:
             "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer["copies_ok"]
         )
         yield CounterMetricFamily(
-            "fleetd_peer_pushed_bytes", "bytes pushed to peers by COPY_TENSOR_TO, landed or not",
+            "fleetd_peer_pushed_bytes",
+            "bytes pushed to peers by COPY_TENSOR_TO, landed or not",
             value=peer["bytes_pushed"],
         )
         yield CounterMetricFamily(
-            "fleetd_peer_confirmed_bytes", "bytes pushed to peers whose PEER_BARRIER answered 1",
+            "fleetd_peer_confirmed_bytes",
+            "bytes pushed to peers whose PEER_BARRIER answered 1",
             value=peer["bytes_confirmed"],
         )
-        yield CounterMetricFamily("fleetd_peer_links_opened", "connections opened to peers", value=peer["links_opened"])
+        yield CounterMetricFamily(
+            "fleetd_peer_links_opened", "connections opened to peers", value=peer["links_opened"]
+        )
         fam = CounterMetricFamily(
-            "fleetd_peer_copy_fallbacks", "COPY_TENSOR_TO answered 0 (the client falls back), by reason",
+            "fleetd_peer_copy_fallbacks",
+            "COPY_TENSOR_TO answered 0 (the client falls back), by reason",
             labels=["reason"],
         )
         for reason, n in peer["fallbacks"].items():
             fam.add_metric([reason], n)
         yield fam
-        yield GaugeMetricFamily("fleetd_sessions", "RPC connections open now", value=len(state.live_sessions()))
-        yield GaugeMetricFamily("fleetd_p2p_enabled", "1 when peer copy is switched on", value=int(state.p2p_enabled))
+        yield GaugeMetricFamily(
+            "fleetd_sessions", "RPC connections open now", value=len(state.live_sessions())
+        )
+        yield GaugeMetricFamily(
+            "fleetd_p2p_enabled", "1 when peer copy is switched on", value=int(state.p2p_enabled)
+        )
         yield GaugeMetricFamily(
             "fleetd_uptime_seconds", "seconds since the daemon started", value=time.time() - state.started
         )
@@ -266,11 +288,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._check_origin()
             routes = ROUTES.get(path)
             if routes is None:
-                raise HttpError(HTTPStatus.NOT_FOUND, f"{method} {path}: no such resource (have: {', '.join(ROUTES)})")
+                raise HttpError(
+                    HTTPStatus.NOT_FOUND, f"{method} {path}: no such resource (have: {', '.join(ROUTES)})"
+                )
             if method not in routes:
                 allow = ", ".join(routes)
                 raise HttpError(
-                    HTTPStatus.METHOD_NOT_ALLOWED, f"{method} {path}: method not allowed (allowed: {allow})",
+                    HTTPStatus.METHOD_NOT_ALLOWED,
+                    f"{method} {path}: method not allowed (allowed: {allow})",
                     {"Allow": allow},
                 )
             if path == "/metrics":
@@ -282,33 +307,50 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(exc.status, {"error": str(exc)}, exc.headers)
         except (TimeoutError, ConnectionError) as exc:  # the client's doing: one line
             self.close_connection = True
-            log.info("control %s: %s %s: client gone or too slow: %s", self.address_string(), method,
-                     client_text(path), exc)
+            log.info(
+                "control %s: %s %s: client gone or too slow: %s",
+                self.address_string(),
+                method,
+                client_text(path),
+                exc,
+            )
         except Exception:
             log.exception("control: %s %s failed", method, client_text(path))
-            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{method} {path}: internal error, see the daemon log"})
+            self._send_json(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                {"error": f"{method} {path}: internal error, see the daemon log"},
+            )
 
     def _check_origin(self) -> None:
         if self.headers.get("Origin") is not None:
             raise HttpError(HTTPStatus.FORBIDDEN, "control API: cross-origin requests refused")
         hosts = self.headers.get_all("Host") or []
         if len(hosts) > 1 or (hosts and not _LOOPBACK_HOST.fullmatch(hosts[0])):
-            raise HttpError(HTTPStatus.FORBIDDEN,
-                            f"control API: Host {client_text(', '.join(hosts))!r} is not one loopback name[:port]")
+            raise HttpError(
+                HTTPStatus.FORBIDDEN,
+                f"control API: Host {client_text(', '.join(hosts))!r} is not one loopback name[:port]",
+            )
 
     def read_body(self) -> bytes:
         raw = self.headers.get("Content-Length")
         if raw is None:
             if self.headers.get("Transfer-Encoding"):
-                raise HttpError(HTTPStatus.LENGTH_REQUIRED, "control API: chunked bodies not accepted, send Content-Length")
+                raise HttpError(
+                    HTTPStatus.LENGTH_REQUIRED,
+                    "control API: chunked bodies not accepted, send Content-Length",
+                )
             return b""
         if not _DIGITS.fullmatch(raw.strip()):
-            raise HttpError(HTTPStatus.BAD_REQUEST,
-                            f"control API: Content-Length {client_text(raw)!r} is not a number")
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"control API: Content-Length {client_text(raw)!r} is not a number"
+            )
         n = int(raw)
         if n > MAX_BODY:
             self.close_connection = True  # the body stays unread
-            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"control API: body of {n} bytes over the {MAX_BODY}-byte limit")
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"control API: body of {n} bytes over the {MAX_BODY}-byte limit",
+            )
         body = self.rfile.read(n)
         if len(body) != n:
             self.close_connection = True
@@ -320,14 +362,20 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             return json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body is not JSON: {exc}") from exc
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body is not JSON: {exc}"
+            ) from exc
         except RecursionError:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body nested too deeply") from None
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"{self.command} {self.path}: body nested too deeply"
+            ) from None
 
     def _send_json(self, status: HTTPStatus, doc: dict, headers: dict[str, str] | None = None) -> None:
         self._send(status, (json.dumps(doc) + "\n").encode(), "application/json", headers)
 
-    def _send(self, status: HTTPStatus, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: HTTPStatus, body: bytes, ctype: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -388,12 +436,16 @@ class ControlAPI:
             self._httpd = _HTTPServer((self.host, self.requested_port), handler)
         except OSError as exc:
             raise OSError(
-                exc.errno, f"control API {self.host}:{self.requested_port}: {exc.strerror} "
-                "(another fleetd on this host? give each its own --control-port; 0 disables it)"
+                exc.errno,
+                f"control API {self.host}:{self.requested_port}: {exc.strerror} "
+                "(another fleetd on this host? give each its own --control-port; 0 disables it)",
             ) from exc
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="fleetd-control", daemon=True
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="fleetd-control",
+            daemon=True,
         )
         self._thread.start()
         log.info("control API on http://%s:%d", self.host, self.port)

@@ -13,8 +13,8 @@ import time
 
 from fleetd import __version__
 from fleetd.errors import TransportError
-from fleetd.server.config import ServerConfig
 from fleetd.server import privileges
+from fleetd.server.config import ServerConfig
 from fleetd.server.control import ControlAPI
 from fleetd.server.peer_policy import LOOPBACK, PeerCounters, listen_network, parse_allow
 from fleetd.server.session import Session
@@ -113,8 +113,9 @@ class Server:
             sock.bind((self.config.host, self.config.port))
         except OSError as exc:
             sock.close()
-            raise TransportError(f"cannot listen on {self.config.host}:{self.config.port} for RPC: "
-                                 f"{exc.strerror or exc}") from exc
+            raise TransportError(
+                f"cannot listen on {self.config.host}:{self.config.port} for RPC: {exc.strerror or exc}"
+            ) from exc
         self._listener = sock
         self.state.address = sock.getsockname()
         try:  # bound, nothing served yet: the moment to stop being root
@@ -140,8 +141,11 @@ class Server:
         self._accept_thread.start()
         log.info(
             "fleetd %s serving RPC %d.%d.%d on %s:%d, devices: %s, cache: %s",
-            __version__, *PROTOCOL_VERSION, *self.address,
-            ", ".join(d.describe() for d in self.state.devices), self.state.cache_dir or "n/a",
+            __version__,
+            *PROTOCOL_VERSION,
+            *self.address,
+            ", ".join(d.describe() for d in self.state.devices),
+            self.state.cache_dir or "n/a",
         )
         return self.address
 
@@ -227,14 +231,22 @@ class Server:
             sock.close()
             return
         if sessions.count() >= self.state.limits.max_connections:
-            self._log_refused(logging.WARNING, "refused RPC connection from %s: %d connections open, "
-                              "the limit", peer[0], self.state.limits.max_connections)
+            self._log_refused(
+                logging.WARNING,
+                "refused RPC connection from %s: %d connections open, the limit",
+                peer[0],
+                self.state.limits.max_connections,
+            )
             sock.close()
             return
         per_address = self.state.limits.max_connections_per_address
         if sessions.count_from(peer[0]) >= per_address:
-            self._log_refused(logging.WARNING, "refused RPC connection from %s: %d connections open "
-                              "from that address, the limit", peer[0], per_address)
+            self._log_refused(
+                logging.WARNING,
+                "refused RPC connection from %s: %d connections open from that address, the limit",
+                peer[0],
+                per_address,
+            )
             sock.close()
             return
         try:

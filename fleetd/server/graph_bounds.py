@@ -30,8 +30,9 @@ def check_graph(ev: GraphCompute, max_tensors: int, view_expansion: float, view_
     or when one of its tensors' logical bytes exceed `view_expansion` x its extent + `view_slack`."""
     n_tensors = len(ev.tensors)
     if len(ev.nodes) > max_tensors or n_tensors > max_tensors:
-        raise RemoteProtocolError(f"GRAPH_COMPUTE: {len(ev.nodes)} nodes / {n_tensors} tensors, "
-                                  f"limit {max_tensors}")
+        raise RemoteProtocolError(
+            f"GRAPH_COMPUTE: {len(ev.nodes)} nodes / {n_tensors} tensors, limit {max_tensors}"
+        )
     if not n_tensors:
         return
     rec = ev.tensors
@@ -41,8 +42,9 @@ def check_graph(ev: GraphCompute, max_tensors: int, view_expansion: float, view_
     per_element = _ELEMENT_BYTES[types]
     logical = ne.prod(axis=1) * per_element  # floats: 2^128 is fine, no overflow
     # ggml_nbytes, in floats: the first element's bytes plus the span of every further index.
-    extent = np.maximum(ne[:, 0] * nb[:, 0] / _BLOCK[types], per_element) \
-        + ((np.maximum(ne[:, 1:], 1) - 1) * nb[:, 1:]).sum(axis=1)
+    extent = np.maximum(ne[:, 0] * nb[:, 0] / _BLOCK[types], per_element) + (
+        (np.maximum(ne[:, 1:], 1) - 1) * nb[:, 1:]
+    ).sum(axis=1)
     too_big = logical > view_expansion * extent + view_slack
     if too_big.any():
         i = int(np.flatnonzero(too_big)[0])

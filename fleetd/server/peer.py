@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleetd.peer")
 
+
 class PeerFailure(Exception):
     """A recoverable peer-copy failure: the answer is 0 and `reason` is counted."""
 
@@ -130,8 +131,11 @@ class PeerLink:
         try:
             self.channel.hello()
         except ReadTimeout as exc:
-            raise PeerFailure("timeout", f"HELLO not answered within {self.timeouts.hello}s "
-                              "(a stock server busy with another client?)") from exc
+            raise PeerFailure(
+                "timeout",
+                f"HELLO not answered within {self.timeouts.hello}s "
+                "(a stock server busy with another client?)",
+            ) from exc
         except RemoteProtocolError as exc:
             raise PeerFailure("refused", f"HELLO: {exc}") from exc
         except TransportError as exc:
@@ -211,8 +215,9 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise RemoteProtocolError(f"COPY_TENSOR_TO: {exc}") from None
 
 
-def _link_for(state: ServerState, links: PeerLinks, endpoint: str, host: str, port: int,
-              local_addr: str | None) -> PeerLink:
+def _link_for(
+    state: ServerState, links: PeerLinks, endpoint: str, host: str, port: int, local_addr: str | None
+) -> PeerLink:
     addr = resolve(host, port)
     if not state.peer_policy.allows(addr[0], local_addr):
         raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
@@ -226,8 +231,9 @@ def _link_for(state: ServerState, links: PeerLinks, endpoint: str, host: str, po
     return link
 
 
-def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
-               local_addr: str | None = None, who: str = "copy") -> int:
+def serve_copy(
+    state: ServerState, links: PeerLinks, ev: CopyTensorTo, local_addr: str | None = None, who: str = "copy"
+) -> int:
     """Handle one COPY_TENSOR_TO; returns 1 when the write landed, 0 on a recoverable failure.
 
     `links`: the client session's cached links; `local_addr`: the address the client reached
@@ -251,13 +257,22 @@ def serve_copy(state: ServerState, links: PeerLinks, ev: CopyTensorTo,
             raise
     except PeerFailure as exc:
         state.peer_stats.fallback(exc.reason)
-        log.info("%s: COPY_TENSOR_TO %s -> 0 (%s): %s", who, client_text(ev.endpoint), exc.reason,
-                 client_text(str(exc), 200))
+        log.info(
+            "%s: COPY_TENSOR_TO %s -> 0 (%s): %s",
+            who,
+            client_text(ev.endpoint),
+            exc.reason,
+            client_text(str(exc), 200),
+        )
         return 0
     except FleetdError as exc:  # anything else on the peer side is still the peer's, not ours
         state.peer_stats.fallback("unreachable")
-        log.info("%s: COPY_TENSOR_TO %s -> 0 (unreachable): %s", who, client_text(ev.endpoint),
-                 client_text(str(exc), 200))
+        log.info(
+            "%s: COPY_TENSOR_TO %s -> 0 (unreachable): %s",
+            who,
+            client_text(ev.endpoint),
+            client_text(str(exc), 200),
+        )
         return 0
     state.peer_stats.ok(ev.size)
     return 1

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 # Closed set of fallback reasons (Prometheus label values, /v1/stats keys).
 FALLBACK_REASONS = (
-    "disabled",        # P2P switched off on this (source) daemon
-    "not_allowed",     # destination outside --peer-allow
-    "unreachable",     # resolve or connect failed
-    "refused",         # destination answered HELLO without Feature.PEER_COPY, or too old/new,
-                       # or (a fleetd) answered PEER_BARRIER 0 because its P2P is off now
+    "disabled",  # P2P switched off on this (source) daemon
+    "not_allowed",  # destination outside --peer-allow
+    "unreachable",  # resolve or connect failed
+    "refused",  # destination answered HELLO without Feature.PEER_COPY, or too old/new,
+    # or (a fleetd) answered PEER_BARRIER 0 because its P2P is off now
     "write_rejected",  # destination closed the link on our SET_TENSOR (e.g. its bounds check)
-    "timeout",         # connect, HELLO, push or barrier did not finish in time
+    "timeout",  # connect, HELLO, push or barrier did not finish in time
 )
 
 
@@ -41,8 +41,8 @@ class PeerCounters:
 
     def _zero(self) -> None:
         self.copies_ok = 0
-        self.bytes_pushed = 0      # SET_TENSOR data written to destinations, landed or not
-        self.bytes_confirmed = 0   # data whose PEER_BARRIER answered 1
+        self.bytes_pushed = 0  # SET_TENSOR data written to destinations, landed or not
+        self.bytes_confirmed = 0  # data whose PEER_BARRIER answered 1
         self.links_opened = 0
         self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
 

@@ -46,8 +46,10 @@ def service_user(name: str | None) -> pwd.struct_passwd | None:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
-        raise PrivilegeError(f"user {name}: no such user; refusing to run as root "
-                             f"(create it: useradd --system --shell /usr/sbin/nologin {name})") from None
+        raise PrivilegeError(
+            f"user {name}: no such user; refusing to run as root "
+            f"(create it: useradd --system --shell /usr/sbin/nologin {name})"
+        ) from None
     if entry.pw_uid == 0:
         raise PrivilegeError(f"user {name}: has uid 0; name an unprivileged user")
     return entry
@@ -77,10 +79,14 @@ def drop(entry: pwd.struct_passwd) -> None:
         os.setgid(entry.pw_gid)
         os.setuid(entry.pw_uid)
     except OSError as exc:
-        raise PrivilegeError(f"user {entry.pw_name}: switching to uid {entry.pw_uid} gid {entry.pw_gid} "
-                             f"failed: {exc.strerror or exc}") from exc
+        raise PrivilegeError(
+            f"user {entry.pw_name}: switching to uid {entry.pw_uid} gid {entry.pw_gid} "
+            f"failed: {exc.strerror or exc}"
+        ) from exc
     if os.getuid() != entry.pw_uid or os.geteuid() != entry.pw_uid or os.getegid() != entry.pw_gid:
-        raise PrivilegeError(f"user {entry.pw_name}: still uid {os.geteuid()} gid {os.getegid()} after switching")
+        raise PrivilegeError(
+            f"user {entry.pw_name}: still uid {os.geteuid()} gid {os.getegid()} after switching"
+        )
     os.environ["HOME"] = entry.pw_dir
     os.environ["USER"] = os.environ["LOGNAME"] = entry.pw_name
     log.info("running as %s (uid %d, gid %d)", entry.pw_name, entry.pw_uid, entry.pw_gid)
@@ -91,5 +97,7 @@ def check_writable(entry: pwd.struct_passwd, path) -> None:
     every store with a warning. One line naming the owner instead."""
     if path is not None and not os.access(path, os.W_OK | os.X_OK):
         st = os.stat(path)
-        raise PrivilegeError(f"user {entry.pw_name}: cannot write the cache directory {path} "
-                             f"(owner uid {st.st_uid}, mode {st.st_mode & 0o7777:o}): chown it to {entry.pw_name}")
+        raise PrivilegeError(
+            f"user {entry.pw_name}: cannot write the cache directory {path} "
+            f"(owner uid {st.st_uid}, mode {st.st_mode & 0o7777:o}): chown it to {entry.pw_name}"
+        )

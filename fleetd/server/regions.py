@@ -31,11 +31,7 @@ def region(registry: BufferRegistry, t: RpcTensor, offset: int, size: int, what:
     p1 = buf.base + buf.size
     at = t.data + offset
     if at < buf.base or at >= p1 or size > p1 - at:
-        raise RemoteProtocolError(
-            f"{what}: region {at:#x}+{size} outside buffer [{buf.base:#x}, {p1:#x})"
-        )
+        raise RemoteProtocolError(f"{what}: region {at:#x}+{size} outside buffer [{buf.base:#x}, {p1:#x})")
     if offset + size > t.nbytes:
-        raise RemoteProtocolError(
-            f"{what}: offset {offset} + size {size} beyond tensor of {t.nbytes} bytes"
-        )
+        raise RemoteProtocolError(f"{what}: offset {offset} + size {size} beyond tensor of {t.nbytes} bytes")
     return buf, start + offset

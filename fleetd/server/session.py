@@ -121,7 +121,9 @@ class Session:
         self._request_waited = 0.0
         self._request_got = 0
         self._charged = 0  # bytes charged to the daemon's receive budget
-        self.peer_links = PeerLinks(state.limits.max_peer_links)  # this session's links to COPY_TENSOR_TO destinations
+        self.peer_links = PeerLinks(
+            state.limits.max_peer_links
+        )  # this session's links to COPY_TENSOR_TO destinations
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._local_addr: str | None | object = _UNKNOWN
@@ -138,8 +140,12 @@ class Session:
         except SessionTimeout as exc:
             log.info("session %d %s: closed: %s", self.id, self.peer, str(exc))
         except BlockingIOError:  # SO_SNDTIMEO: the client stopped reading our response
-            log.info("session %d %s: closed: client took no response bytes for %gs",
-                     self.id, self.peer, self.limits.request_timeout)
+            log.info(
+                "session %d %s: closed: client took no response bytes for %gs",
+                self.id,
+                self.peer,
+                self.limits.request_timeout,
+            )
         except ComputeError as exc:
             log.warning("session %d %s: graph failed, closed: %s", self.id, self.peer, str(exc))
         except (ConnectionError, TimeoutError) as exc:
@@ -163,7 +169,9 @@ class Session:
             event = conn.next_event()
             if event is NEED_DATA:
                 if conn.buffered or not self._greeted:
-                    n = self.recv_in_request(self._scratch_view[:RECV_CHUNK if conn.buffered else FIRST_READ])
+                    n = self.recv_in_request(
+                        self._scratch_view[: RECV_CHUNK if conn.buffered else FIRST_READ]
+                    )
                 else:  # between requests: the hot path, one recv and nothing else
                     if self._charged:
                         conn.receive_data(b"")  # drop the consumed request before we wait
@@ -193,8 +201,10 @@ class Session:
         limits = self.limits
         waited = self._request_waited
         if waited > limits.request_timeout and self._request_got < limits.min_request_rate * waited:
-            raise SessionTimeout(f"slow sender: {self._request_got} bytes of a request in "
-                                 f"{waited:.0f}s of waiting (minimum {limits.min_request_rate} bytes/s)")
+            raise SessionTimeout(
+                f"slow sender: {self._request_got} bytes of a request in "
+                f"{waited:.0f}s of waiting (minimum {limits.min_request_rate} bytes/s)"
+            )
         if self._greeted:
             timeout = limits.request_timeout
         else:
@@ -246,7 +256,8 @@ class Session:
             if not self.state.receive_budget.charge(self._charged, want):
                 raise RemoteProtocolError(
                     f"all connections together hold {self.state.receive_budget.held} bytes of "
-                    f"unfinished requests, limit {self.state.receive_budget.limit}: this one is cut")
+                    f"unfinished requests, limit {self.state.receive_budget.limit}: this one is cut"
+                )
             self._charged = want
 
     def greet(self) -> int:
@@ -330,12 +341,20 @@ def on_device_count(s: Session, ev: DeviceCount) -> int:
 
 def on_alloc_buffer(s: Session, ev: AllocBuffer) -> int:
     dev = s.device(ev.device, "ALLOC_BUFFER")
-    buf = s.state.registry.alloc(ev.device, dev, ev.size, s.id, limit=s.state.max_memory,
-                                 owner_limit=s.state.max_session_memory)
+    buf = s.state.registry.alloc(
+        ev.device, dev, ev.size, s.id, limit=s.state.max_memory, owner_limit=s.state.max_session_memory
+    )
     if buf is None:
-        log.warning("session %d: ALLOC_BUFFER of %d bytes failed on %s (%d of %d bytes allocated "
-                    "by this daemon, %d by this session)", s.id, ev.size, dev.name,
-                    s.state.registry.allocated, s.state.max_memory, s.state.registry.allocated_by(s.id))
+        log.warning(
+            "session %d: ALLOC_BUFFER of %d bytes failed on %s (%d of %d bytes allocated "
+            "by this daemon, %d by this session)",
+            s.id,
+            ev.size,
+            dev.name,
+            s.state.registry.allocated,
+            s.state.max_memory,
+            s.state.registry.allocated_by(s.id),
+        )
         return s.respond(AllocBufferReply(0, 0))
     return s.respond(AllocBufferReply(buf.handle, buf.size))
 
@@ -353,8 +372,14 @@ def on_get_device_memory(s: Session, ev: GetDeviceMemory) -> int:
     # What ALLOC_BUFFER would really grant: the device, the daemon's limit, this session's.
     # The total stays the device's, as the stock server reports it.
     registry = s.state.registry
-    free = max(0, min(free, s.state.max_memory - registry.allocated,
-                      s.state.max_session_memory - registry.allocated_by(s.id)))
+    free = max(
+        0,
+        min(
+            free,
+            s.state.max_memory - registry.allocated,
+            s.state.max_session_memory - registry.allocated_by(s.id),
+        ),
+    )
     return s.respond(GetDeviceMemoryReply(free, total))
 
 
@@ -478,15 +503,18 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
     dev = s.device(ev.device, "GRAPH_RECOMPUTE")
     graph = s.graphs.get(ev.device)
     if graph is None:
-        raise RemoteProtocolError(f"GRAPH_RECOMPUTE: no stored graph for device {ev.device} "
-                                  "(none computed, or a buffer it reaches was freed)")
+        raise RemoteProtocolError(
+            f"GRAPH_RECOMPUTE: no stored graph for device {ev.device} "
+            "(none computed, or a buffer it reaches was freed)"
+        )
     registry = s.state.registry
     if graph.frees != registry.frees:  # something was freed since the last check
         frees = registry.frees
         if any(b.freed for b in graph.buffers):
             s.graphs.pop(ev.device, None)
-            raise RemoteProtocolError("GRAPH_RECOMPUTE: the stored graph reaches a buffer freed "
-                                      "since it was computed")
+            raise RemoteProtocolError(
+                "GRAPH_RECOMPUTE: the stored graph reaches a buffer freed since it was computed"
+            )
         graph.frees = frees
     _run(s, graph.plan, dev)
     return 0

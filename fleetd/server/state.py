@@ -104,7 +104,9 @@ class ReceiveBudget:
 class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.devices: list[Device] = [make_device(d, config.dequant_cache, config.threads) for d in config.devices]
+        self.devices: list[Device] = [
+            make_device(d, config.dequant_cache, config.threads) for d in config.devices
+        ]
         self.registry = BufferRegistry()
         # Held by the numpy device's compute and by COPY_TENSOR's copy inside the daemon (the
         # ggml device computes in workers, side by side); never during I/O
@@ -112,8 +114,9 @@ class ServerState:
         self.exec_lock = threading.Lock()
         self.stats = StatsBook()  # command counters of closed sessions
         self.sessions = SessionTable()
-        self.cache: CacheDir | None = (CacheDir(Path(config.cache_dir), config.cache_max_bytes)
-                                       if config.cache_dir else None)
+        self.cache: CacheDir | None = (
+            CacheDir(Path(config.cache_dir), config.cache_max_bytes) if config.cache_dir else None
+        )
         self.cache_dir: Path | None = self.cache.path if self.cache is not None else None
         self.p2p_enabled = config.p2p
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
@@ -137,8 +140,12 @@ class ServerState:
         """Start the devices' compute workers (the ggml device's fork server): called by the
         daemon once it has dropped root, so not even the fork server keeps root's rights."""
         for dev in self.devices:
-            dev.start_workers(self.config.worker_user, self.limits.max_workers,
-                              self.limits.worker_idle_timeout, self.config.pin_workers)
+            dev.start_workers(
+                self.config.worker_user,
+                self.limits.max_workers,
+                self.limits.worker_idle_timeout,
+                self.config.pin_workers,
+            )
 
     def close(self) -> None:
         """The daemon stops: devices let their workers and fork servers go."""

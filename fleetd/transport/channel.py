@@ -14,7 +14,6 @@ fleetctl's HELLO through SSH (fleetd/fleet/node.py) all sit on it.
 from __future__ import annotations
 
 import contextlib
-import socket
 
 from fleetd.errors import PeerClosed, ReadTimeout, TransportError
 from fleetd.transport.stream import Stream
@@ -33,7 +32,7 @@ def mapped_errors(what: str):
     """The builtin errors of a stream as fleetd's, named by `what`."""
     try:
         yield
-    except socket.timeout as exc:  # TimeoutError
+    except TimeoutError as exc:  # TimeoutError
         raise ReadTimeout(f"{what}: timed out ({exc})" if str(exc) else f"{what}: timed out") from exc
     except (ConnectionError, EOFError) as exc:
         raise PeerClosed(f"{what}: {exc}") from exc

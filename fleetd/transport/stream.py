@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from fleetd.errors import ConnectTimeout, TransportError
 
@@ -84,14 +85,15 @@ class TcpStream:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @classmethod
-    def connect(cls, addr: tuple[str, int], connect_timeout: float | None, name: str | None = None
-                ) -> TcpStream:
+    def connect(
+        cls, addr: tuple[str, int], connect_timeout: float | None, name: str | None = None
+    ) -> TcpStream:
         """Connect to (host, port) within `connect_timeout`: ConnectTimeout, or TransportError
         with the system's reason (refused, unreachable, unknown host)."""
         name = name or f"{addr[0]}:{addr[1]}"
         try:
             sock = socket.create_connection(addr, timeout=connect_timeout)
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise ConnectTimeout(f"connect {name}: timed out after {connect_timeout:g}s") from exc
         except OSError as exc:
             raise TransportError(f"connect {name}: {exc.strerror or exc}") from exc

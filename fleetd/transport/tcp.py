@@ -14,7 +14,7 @@ class Timeout:
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """"host:port" split at the first ':' as the stock client does (no IPv6 literals)."""
+    """ "host:port" split at the first ':' as the stock client does (no IPv6 literals)."""
     host, sep, port = endpoint.partition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"endpoint {endpoint!r}: expected host:port")

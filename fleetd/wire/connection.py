@@ -105,8 +105,10 @@ class ServerConnection:
             # A streamed body: only the header is buffered and decoded; the data is left in place.
             decoded = spec.min_size if spec.streamed_body else size
             if self.max_request is not None and decoded > self.max_request:
-                raise RemoteProtocolError(f"{cmd_name(cmd)}: request of {size} bytes above this "
-                                          f"daemon's limit of {self.max_request} per connection")
+                raise RemoteProtocolError(
+                    f"{cmd_name(cmd)}: request of {size} bytes above this "
+                    f"daemon's limit of {self.max_request} per connection"
+                )
             if avail < 9 + decoded:
                 return NEED_DATA
             payload = buf.view(9, decoded)
@@ -152,8 +154,10 @@ class ServerConnection:
             return reply.frame()
         except struct.error as exc:
             self._gate.fail()
-            raise RemoteProtocolError(f"{type(reply).__name__}: a value computed from the request "
-                                      f"does not fit the response: {reply}") from exc
+            raise RemoteProtocolError(
+                f"{type(reply).__name__}: a value computed from the request "
+                f"does not fit the response: {reply}"
+            ) from exc
 
     def fail(self) -> None:
         self._gate.fail()
@@ -229,8 +233,9 @@ class ClientConnection:
             if into is not None:
                 view = memoryview(into).cast("B")
                 if not spec.response.streamed or len(view) != request.size:  # type: ignore[attr-defined]  # streamed: a GetTensor
-                    raise LocalProtocolError(f"{request.cmd.name}: `into` of {len(view)} bytes "
-                                             f"does not fit this request")
+                    raise LocalProtocolError(
+                        f"{request.cmd.name}: `into` of {len(view)} bytes does not fit this request"
+                    )
                 into = (into, view)
             self._awaiting.append((request, into))
         elif into is not None:
@@ -317,4 +322,3 @@ class ClientConnection:
         if self._body is None or n > len(self._body) - self._body_got:
             raise LocalProtocolError(f"body_received({n}) with no streamed reply that long")
         self._body_got += n
-

@@ -43,9 +43,11 @@ def _fixed(fmt: str):
         get = operator.attrgetter(*names)
         cls.layout = layout
         if len(names) == 1:
+
             def frame(self) -> bytes:
                 return size + layout.pack(get(self))
         else:
+
             def frame(self) -> bytes:
                 return size + layout.pack(*get(self))
 

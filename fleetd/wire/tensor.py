@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fleetd.errors import RemoteProtocolError
-from fleetd.wire.text import client_text
 from fleetd.wire.ggml import GGML_MAX_SRC, GGML_TYPE_COUNT, TYPE_TRAITS, nbytes, type_name
+from fleetd.wire.text import client_text
 
 # | id u64 | type u32 | buffer u64 | ne u32[4] | nb u32[4] | op u32 | op_params i32[16] | flags i32 |
 # | src u64[10] | view_src u64 | view_offs u64 | data u64 | name char[64] | use_count i32 |
@@ -19,9 +19,19 @@ assert RPC_TENSOR.size == 296
 # The same layout as a numpy structured dtype, to parse a graph's tensor list in one call.
 RPC_TENSOR_DTYPE = np.dtype(
     [
-        ("id", "<u8"), ("type", "<u4"), ("buffer", "<u8"), ("ne", "<u4", 4), ("nb", "<u4", 4),
-        ("op", "<u4"), ("op_params", "<i4", 16), ("flags", "<i4"), ("src", "<u8", 10),
-        ("view_src", "<u8"), ("view_offs", "<u8"), ("data", "<u8"), ("name", "S64"),
+        ("id", "<u8"),
+        ("type", "<u4"),
+        ("buffer", "<u8"),
+        ("ne", "<u4", 4),
+        ("nb", "<u4", 4),
+        ("op", "<u4"),
+        ("op_params", "<i4", 16),
+        ("flags", "<i4"),
+        ("src", "<u8", 10),
+        ("view_src", "<u8"),
+        ("view_offs", "<u8"),
+        ("data", "<u8"),
+        ("name", "S64"),
         ("use_count", "<i4"),
     ]
 )
@@ -50,8 +60,19 @@ class RpcTensor:
 
     def pack(self) -> bytes:
         return RPC_TENSOR.pack(
-            self.id, self.type, self.buffer, *self.ne, *self.nb, self.op, *self.op_params,
-            self.flags, *self.src, self.view_src, self.view_offs, self.data, self.name[:63],
+            self.id,
+            self.type,
+            self.buffer,
+            *self.ne,
+            *self.nb,
+            self.op,
+            *self.op_params,
+            self.flags,
+            *self.src,
+            self.view_src,
+            self.view_offs,
+            self.data,
+            self.name[:63],
             self.use_count,
         )
 
@@ -59,9 +80,20 @@ class RpcTensor:
     def unpack_from(cls, buf, offset: int = 0) -> RpcTensor:
         v = RPC_TENSOR.unpack_from(buf, offset)
         return cls(
-            id=v[0], type=v[1], buffer=v[2], ne=v[3:7], nb=v[7:11], op=v[11],
-            op_params=v[12:28], flags=v[28], src=v[29:39], view_src=v[39], view_offs=v[40],
-            data=v[41], name=v[42].split(b"\0", 1)[0], use_count=v[43],
+            id=v[0],
+            type=v[1],
+            buffer=v[2],
+            ne=v[3:7],
+            nb=v[7:11],
+            op=v[11],
+            op_params=v[12:28],
+            flags=v[28],
+            src=v[29:39],
+            view_src=v[39],
+            view_offs=v[40],
+            data=v[41],
+            name=v[42].split(b"\0", 1)[0],
+            use_count=v[43],
         )
 
     @property

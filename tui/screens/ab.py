@@ -46,8 +46,12 @@ class AbSettings:
 
 
 # (input id, label, smallest value accepted, workload it belongs to)
-FIELDS = (("rows", "rows", 1, "synthetic"), ("n_embd", "n_embd", 1, "synthetic"),
-          ("steps", "steps", 2, "synthetic"), ("rounds", "rounds", 1, "model"))
+FIELDS = (
+    ("rows", "rows", 1, "synthetic"),
+    ("n_embd", "n_embd", 1, "synthetic"),
+    ("steps", "steps", 2, "synthetic"),
+    ("rounds", "rounds", 1, "model"),
+)
 WORKLOADS = (("synthetic layer split", "synthetic"), ("model (llama tools)", "model"))
 BAR_WIDTH = 30
 
@@ -69,9 +73,17 @@ class AbRun:
     unit: str = ""
 
     def as_dict(self) -> dict:
-        return {"workload": self.workload, "settings": self.settings, "started": self.started,
-                "seconds": self.seconds, "ok": self.ok, "verdict": self.verdict, "speedup": self.speedup,
-                "warning": self.warning, "result": self.doc}
+        return {
+            "workload": self.workload,
+            "settings": self.settings,
+            "started": self.started,
+            "seconds": self.seconds,
+            "ok": self.ok,
+            "verdict": self.verdict,
+            "speedup": self.speedup,
+            "warning": self.warning,
+            "result": self.doc,
+        }
 
 
 def fallback_reasons(before: dict, after: dict) -> dict[str, int]:
@@ -88,10 +100,14 @@ def fallback_reasons(before: dict, after: dict) -> dict[str, int]:
     return out
 
 
-def synthetic_run(doc: dict, settings: dict, started: float, seconds: float, reasons: dict[str, int]) -> AbRun:
+def synthetic_run(
+    doc: dict, settings: dict, started: float, seconds: float, reasons: dict[str, int]
+) -> AbRun:
     runs = doc["runs"]
-    per_arm = {arm: [1 / r["seconds_per_step"] for r in runs if r["arm"] == arm and r["seconds_per_step"] > 0]
-               for arm in ("hub", "direct")}
+    per_arm = {
+        arm: [1 / r["seconds_per_step"] for r in runs if r["arm"] == arm and r["seconds_per_step"] > 0]
+        for arm in ("hub", "direct")
+    }
     speedup = ""
     if per_arm["hub"] and per_arm["direct"]:
         ratios = [d / h for d in per_arm["direct"] for h in per_arm["hub"]]
@@ -100,11 +116,26 @@ def synthetic_run(doc: dict, settings: dict, started: float, seconds: float, rea
     warning = _warning(direct.get("node_peer_copies", 0), direct.get("node_fallbacks", 0), reasons)
     same = doc["outputs_identical"]
     verdict = ("outputs identical" if same else "outputs DIFFERENT") + (
-        f"; direct vs hub steps/s {speedup}" if speedup else "")
-    chart = [(f"run {i + 1}", r["arm"], 1 / r["seconds_per_step"]) for i, r in enumerate(runs)
-             if r["seconds_per_step"] > 0]
-    return AbRun("synthetic", settings, started, seconds, doc, same and not warning, verdict, speedup,
-                 warning, chart, "steps/s")
+        f"; direct vs hub steps/s {speedup}" if speedup else ""
+    )
+    chart = [
+        (f"run {i + 1}", r["arm"], 1 / r["seconds_per_step"])
+        for i, r in enumerate(runs)
+        if r["seconds_per_step"] > 0
+    ]
+    return AbRun(
+        "synthetic",
+        settings,
+        started,
+        seconds,
+        doc,
+        same and not warning,
+        verdict,
+        speedup,
+        warning,
+        chart,
+        "steps/s",
+    )
 
 
 def model_run(result, settings: dict, started: float, seconds: float, reasons: dict[str, int]) -> AbRun:
@@ -122,20 +153,36 @@ def model_run(result, settings: dict, started: float, seconds: float, reasons: d
     counted = dict(direct.fallbacks) if direct is not None and direct.fallbacks else reasons
     warning = _warning(copies, sum(counted.values()), counted)
     if not warning and not getattr(result, "direct_ran", True):
-        warning = "the direct arm never ran: " + "; ".join(getattr(result, "why_not_direct", []) or ["no copies"])
+        warning = "the direct arm never ran: " + "; ".join(
+            getattr(result, "why_not_direct", []) or ["no copies"]
+        )
     chart = []
     for rd in doc.get("rounds", []):
         for cell in rd.get("cells", []):
             if metric in cell:
                 chart.append((f"round {rd.get('round', '?')}", cell.get("arm", "?"), float(cell[metric])))
-    return AbRun("model", settings, started, seconds, doc, bool(result.ok) and not warning, result.verdict,
-                 speedup, warning, chart, "decode tok/s")
+    return AbRun(
+        "model",
+        settings,
+        started,
+        seconds,
+        doc,
+        bool(result.ok) and not warning,
+        result.verdict,
+        speedup,
+        warning,
+        chart,
+        "decode tok/s",
+    )
 
 
 def _warning(copies: int, fallbacks: int, reasons: dict[str, int]) -> str:
     why = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items())) or "no reason counted"
     if copies == 0:
-        return f"the direct arm never copied peer to peer (fallbacks: {why}): P2P off, allow-list or a down node?"
+        return (
+            f"the direct arm never copied peer to peer (fallbacks: {why}): P2P off, allow-list "
+            "or a down node?"
+        )
     if fallbacks:
         return f"the direct arm fell back {fallbacks} time(s): {why}"
     return ""
@@ -184,11 +231,13 @@ class AbScreen(Screen):
             with Horizontal(classes="ab-line"):
                 for field_id, label, _, _ in FIELDS:
                     yield Label(label)
-                    yield Input(str(getattr(self.settings, field_id)), type="integer", id=field_id,
-                                compact=True)
+                    yield Input(
+                        str(getattr(self.settings, field_id)), type="integer", id=field_id, compact=True
+                    )
                 yield Button("Run A/B", id="ab-run", variant="primary", compact=True)
-        yield Static(Text(f"hub vs direct over {len(self.fleet)} node(s): Enter or Run", style="dim"),
-                     id="ab-state")
+        yield Static(
+            Text(f"hub vs direct over {len(self.fleet)} node(s): Enter or Run", style="dim"), id="ab-state"
+        )
         with VerticalScroll(id="ab-body"):
             yield Static(id="ab-verdict")
             with Vertical(id="ab-results"):
@@ -252,8 +301,10 @@ class AbScreen(Screen):
         for part in ("#ab-verdict", "#ab-results"):
             self.query_one(part).add_class("old")
         if form["workload"] == "synthetic":
-            what = (f"running hub, direct, direct, hub: {form['rows']} x {form['n_embd']} f32, "
-                    f"{form['steps']} steps per run…")
+            what = (
+                f"running hub, direct, direct, hub: {form['rows']} x {form['n_embd']} f32, "
+                f"{form['steps']} steps per run…"
+            )
         else:
             what = f"running {form['model']} hub vs direct, {form['rounds']} round(s)…"
         state.update(Text(what, style="italic"))
@@ -271,7 +322,9 @@ class AbScreen(Screen):
         try:
             before = {n.name: v for n, v in self.fleet.map(lambda n: n.stats()).items()}
             if form["workload"] == "synthetic":
-                doc = compare(self.fleet, None, form["rows"], form["n_embd"], form["steps"], self.settings.local_last)
+                doc = compare(
+                    self.fleet, None, form["rows"], form["n_embd"], form["steps"], self.settings.local_last
+                )
             else:
                 from fleetd.fleet.model_ab import run_model_ab  # another part of the fleet library
 
@@ -309,16 +362,22 @@ class AbScreen(Screen):
         if run.warning:
             verdict.append(Text(f"warning: {run.warning}", style="bold yellow"))
         self.query_one("#ab-verdict", Static).update(Group(*verdict))
-        self.query_one("#ab-table", Static).update(ab_table(run.doc) if run.workload == "synthetic"
-                                                   else self._model_table(run))
+        self.query_one("#ab-table", Static).update(
+            ab_table(run.doc) if run.workload == "synthetic" else self._model_table(run)
+        )
         self.query_one("#ab-chart", Static).update(chart_table(run))
         same = run.doc.get("outputs_identical", run.doc.get("ok"))
         self.query_one("#ab-history", DataTable).add_row(
-            str(len(self.history)), time.strftime("%H:%M:%SZ", time.gmtime(run.started)), run.workload,
-            f"{run.seconds:.1f}s", Text("identical", style="green") if same else Text("DIFFERENT", style="bold red"),
+            str(len(self.history)),
+            time.strftime("%H:%M:%SZ", time.gmtime(run.started)),
+            run.workload,
+            f"{run.seconds:.1f}s",
+            Text("identical", style="green") if same else Text("DIFFERENT", style="bold red"),
             run.speedup or "-",
-            Text("copied", style="green") if not run.warning else Text(
-                "never copied" if "never" in run.warning else "fell back", style="yellow"))
+            Text("copied", style="green")
+            if not run.warning
+            else Text("never copied" if "never" in run.warning else "fell back", style="yellow"),
+        )
 
     @staticmethod
     def _model_table(run: AbRun) -> Table:

@@ -129,8 +129,12 @@ class DashboardScreen(Screen):
     def poll(self, key: str) -> None:
         self._poll_started[key] = self.clock()
         self._polls[key] = self.run_worker(
-            partial(self._poll_node, key, self.nodes[key]), name=f"poll {self.nodes[key].name}",
-            group=f"poll:{key}", exclusive=True, thread=True)
+            partial(self._poll_node, key, self.nodes[key]),
+            name=f"poll {self.nodes[key].name}",
+            group=f"poll:{key}",
+            exclusive=True,
+            thread=True,
+        )
 
     def _poll_node(self, key: str, node: Node) -> None:
         """Thread: ask the node; any failure, an answer of another shape too, is the node's
@@ -146,8 +150,14 @@ class DashboardScreen(Screen):
         if not worker.is_cancelled:
             self.app.call_from_thread(self.polled, key, status, stats, at, at - started)
 
-    def polled(self, key: str, status: NodeStatus | BaseException, stats: NodeStats | None, at: float,
-               latency: float | None = None) -> None:
+    def polled(
+        self,
+        key: str,
+        status: NodeStatus | BaseException,
+        stats: NodeStats | None,
+        at: float,
+        latency: float | None = None,
+    ) -> None:
         """One node's answer (or failure) arrived at `at`: keep it, its rates and history, show it."""
         before = self.samples.get(key)
         rates = None
@@ -199,21 +209,32 @@ class DashboardScreen(Screen):
         history = self.histories[key].series("commands_per_s")[-SPARK_WIDTH:]
         answered = self.answered_age(key, now)
         hanging = self.hanging_poll_age(key, now)
-        return replace(row, status=sample.status, stats=sample.stats, rates=sample.rates,
-                       history=tuple(history),
-                       seen_seconds=None if answered is None else round(answered, 1),
-                       never_answered=answered is None,
-                       fresh_seconds=1.5 * self.interval,
-                       latency_seconds=hanging if hanging is not None else sample.latency,
-                       poll_hanging=hanging is not None, stale=self.is_stale(key, now))
+        return replace(
+            row,
+            status=sample.status,
+            stats=sample.stats,
+            rates=sample.rates,
+            history=tuple(history),
+            seen_seconds=None if answered is None else round(answered, 1),
+            never_answered=answered is None,
+            fresh_seconds=1.5 * self.interval,
+            latency_seconds=hanging if hanging is not None else sample.latency,
+            poll_hanging=hanging is not None,
+            stale=self.is_stale(key, now),
+        )
 
     def _show_row(self, key: str) -> None:
         self.query_one(NodeTable).show(key, self._row(key))
 
     def _show(self, key: str) -> None:
         self._show_row(key)
-        down = down_text({self.nodes[k].name: s.status for k, s in self.samples.items()
-                          if isinstance(s.status, BaseException)})
+        down = down_text(
+            {
+                self.nodes[k].name: s.status
+                for k, s in self.samples.items()
+                if isinstance(s.status, BaseException)
+            }
+        )
         plain = down.plain if down is not None else ""
         if plain != self._down_shown:  # a new line under the table is a layout pass: only on change
             self._down_shown = plain
@@ -232,14 +253,19 @@ class DashboardScreen(Screen):
         status = sample.status if sample is not None else None
         p2p = status.p2p if isinstance(status, NodeStatus) else None
         toggle.node_key, toggle.node_name = key, name
-        for widget, title in ((counters, f"{name}: commands since the last reset"),
-                              (history, f"{name}: the last minutes")):
+        for widget, title in (
+            (counters, f"{name}: commands since the last reset"),
+            (history, f"{name}: the last minutes"),
+        ):
             if widget.border_title != title:  # setting it, even to the same, repaints
                 widget.border_title = title
         toggle.enabled = p2p.enabled if p2p is not None and p2p.served else None
         toggle.pending = key in self.p2p_pending
-        counters.sample = (CounterSample(name, sample.stats, sample.rates)
-                           if sample is not None else CounterSample(name, None))
+        counters.sample = (
+            CounterSample(name, sample.stats, sample.rates)
+            if sample is not None
+            else CounterSample(name, None)
+        )
         history.history = self.histories[key]
 
     @on(DataTable.RowHighlighted, "#nodes")
@@ -308,8 +334,10 @@ class DashboardScreen(Screen):
             return
         enabled = not all(self.samples[k].status.p2p.enabled for k in ready)
         names = ", ".join(self.nodes[k].name for k in ready)
-        self.notify(f"P2P {'on' if enabled else 'off'} on {names}"
-                    + ("\nskipped: " + "; ".join(skipped) if skipped else ""))
+        self.notify(
+            f"P2P {'on' if enabled else 'off'} on {names}"
+            + ("\nskipped: " + "; ".join(skipped) if skipped else "")
+        )
         for key in ready:
             self._switch(key, enabled)
 
@@ -317,8 +345,13 @@ class DashboardScreen(Screen):
         self.p2p_pending.add(key)
         self._show(key)
         node = self.nodes[key]
-        self.run_worker(partial(self._switch_p2p, key, node, enabled),
-                        name=f"p2p {node.name}", group=f"p2p:{key}", exclusive=True, thread=True)
+        self.run_worker(
+            partial(self._switch_p2p, key, node, enabled),
+            name=f"p2p {node.name}",
+            group=f"p2p:{key}",
+            exclusive=True,
+            thread=True,
+        )
 
     def _switch_p2p(self, key: str, node: Node, enabled: bool) -> None:
         worker = get_current_worker()

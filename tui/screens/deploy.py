@@ -41,8 +41,9 @@ class DeployScreen(Screen):
         ("L", "lifecycle('logs')", "Logs"),
     ]
 
-    def __init__(self, fleet: Fleet, selected: Node | None = None,
-                 build_fn: Callable[[], Build] = build) -> None:
+    def __init__(
+        self, fleet: Fleet, selected: Node | None = None, build_fn: Callable[[], Build] = build
+    ) -> None:
         super().__init__()
         self.fleet = fleet
         self.selected = selected
@@ -76,11 +77,19 @@ class DeployScreen(Screen):
 
     def _show_target(self) -> None:
         names = ", ".join(n.name for n in self.targets)
-        other = "" if self.selected is None else ("   t: only " + self.selected.name if self.all_nodes
-                                                   else "   t: all nodes")
-        self.query_one("#deploy-target", Static).update(Text.assemble(
-            "target: ", (names, "bold"), (other, "dim"),
-            ("\nD deploy · n dry run · R restart · S stop · L logs (each asks first)", "dim")))
+        other = (
+            ""
+            if self.selected is None
+            else ("   t: only " + self.selected.name if self.all_nodes else "   t: all nodes")
+        )
+        self.query_one("#deploy-target", Static).update(
+            Text.assemble(
+                "target: ",
+                (names, "bold"),
+                (other, "dim"),
+                ("\nD deploy · n dry run · R restart · S stop · L logs (each asks first)", "dim"),
+            )
+        )
 
     def action_toggle_target(self) -> None:
         if self.selected is not None and not self.busy:
@@ -104,10 +113,14 @@ class DeployScreen(Screen):
     def action_deploy(self, dry_run: bool) -> None:
         names = ", ".join(n.name for n in self.targets)
         if dry_run:
-            self._ask(f"Plan a deploy (dry run, nothing changes) on {names}?", lambda: self._start_deploy(True))
+            self._ask(
+                f"Plan a deploy (dry run, nothing changes) on {names}?", lambda: self._start_deploy(True)
+            )
         else:
-            self._ask(f"Deploy fleetd to {names}? Nodes whose build differs restart.",
-                      lambda: self._start_deploy(False))
+            self._ask(
+                f"Deploy fleetd to {names}? Nodes whose build differs restart.",
+                lambda: self._start_deploy(False),
+            )
 
     def _start_deploy(self, dry_run: bool) -> None:
         self.busy, self.outcomes = True, None
@@ -140,8 +153,10 @@ class DeployScreen(Screen):
             result = fleet.map(deployer.plan if dry_run else deployer.deploy)
         finally:
             clean_build(b)
-        outcomes = [v if isinstance(v, NodeOutcome) else NodeOutcome(n.name, "failed", detail=reason(v))
-                    for n, v in result.items()]
+        outcomes = [
+            v if isinstance(v, NodeOutcome) else NodeOutcome(n.name, "failed", detail=reason(v))
+            for n, v in result.items()
+        ]
         say(self._deployed, outcomes)
 
     def _step(self, node: Node, step: str) -> None:
@@ -161,8 +176,12 @@ class DeployScreen(Screen):
             i = self._index(by_name[o.node])
             self.query_one(f"#bar-{i}", ProgressBar).update(progress=len(STEPS))
             self.query_one(f"#step-{i}", Label).update(o.status)
-            self._log(Text(f"{o.node}: {o.status}" + (f": {o.detail}" if o.detail else ""),
-                           style="red" if o.status in ("failed", "rolled-back") else ""))
+            self._log(
+                Text(
+                    f"{o.node}: {o.status}" + (f": {o.detail}" if o.detail else ""),
+                    style="red" if o.status in ("failed", "rolled-back") else "",
+                )
+            )
             for w in o.warnings:
                 self._log(Text(f"{o.node}: warning: {w}", style="yellow"))
         self.query_one("#deploy-summary", Static).update(outcome_table(outcomes))
@@ -184,7 +203,9 @@ class DeployScreen(Screen):
         deployer = Deployer(fleet, None)
         fn = getattr(deployer, action)
         result = fleet.map((lambda n: fn(n, LOG_TAIL)) if action == "logs" else fn)
-        rows = {n.name: (v if not isinstance(v, Exception) else {"error": reason(v)}) for n, v in result.items()}
+        rows = {
+            n.name: (v if not isinstance(v, Exception) else {"error": reason(v)}) for n, v in result.items()
+        }
         if not worker.is_cancelled:
             self.app.call_from_thread(self._lifecycle_done, action, rows)
 

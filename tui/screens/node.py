@@ -25,13 +25,19 @@ from textual.worker import get_current_worker
 from fleetd.fleet.control_docs import NodeStatus
 from fleetd.fleet.deploy import Deployer
 from fleetd.fleet.node import Fleet, Node
-from fleetd.fleet.render import (command_table, devices_table, fallbacks_table, fmt_duration, p2p_text,
-                                 reason, sessions_table)
+from fleetd.fleet.render import (
+    command_table,
+    devices_table,
+    fallbacks_table,
+    fmt_duration,
+    p2p_text,
+    reason,
+    sessions_table,
+)
 from tui.history import History
 from tui.widgets import HistoryPanel
 from tui.widgets.counters import per_command
 from tui.widgets.node_table import fmt_age
-
 
 
 class NodeSource(Protocol):
@@ -49,6 +55,7 @@ class NodeSource(Protocol):
     def answered_age(self, key: str) -> float | None: ...
 
     def hanging_poll_age(self, key: str) -> float | None: ...
+
 
 LOG_LINES = 20
 NARROW_NODE_SCREEN = 110  # columns below which peer copies and devices stack
@@ -101,8 +108,9 @@ class NodeScreen(Screen):
         self.query_one("#node-history", HistoryPanel).history = self.dashboard.histories[self.key]
         commands = self.query_one("#node-commands", Static)
         if sample is None:
-            self.query_one("#node-summary", Static).update(Text.assemble((self.node.name, "bold"), "  ", where,
-                                                                         ("\nnot answered yet", "dim")))
+            self.query_one("#node-summary", Static).update(
+                Text.assemble((self.node.name, "bold"), "  ", where, ("\nnot answered yet", "dim"))
+            )
             commands.update("")
             return
         answered = self.dashboard.answered_age(self.key)
@@ -115,27 +123,36 @@ class NodeScreen(Screen):
         if hanging is not None:
             poll = f"a poll has been waiting {fmt_duration(hanging)}"
         else:
-            poll = f"poll took {sample.latency * 1000:.0f} ms" if sample.latency is not None else "poll took ?"
+            poll = (
+                f"poll took {sample.latency * 1000:.0f} ms" if sample.latency is not None else "poll took ?"
+            )
         stale = self.dashboard.is_stale(self.key)
         seen = Text(f"{when}, {poll}", style="bold yellow" if stale or hanging is not None else "dim")
         st = sample.status
         if isinstance(st, BaseException):
             state = Text(f"down: {reason(st)}", style="bold red")
         else:
-            state = Text.assemble(("stale" if stale else "up", "bold yellow" if stale else "bold green"),
-                                  f"  fleetd {st.version}  protocol {st.protocol}  up {fmt_duration(st.uptime_seconds)}"
-                                  "  P2P ", p2p_text(st.p2p))
+            state = Text.assemble(
+                ("stale" if stale else "up", "bold yellow" if stale else "bold green"),
+                f"  fleetd {st.version}  protocol {st.protocol}  up {fmt_duration(st.uptime_seconds)}  P2P ",
+                p2p_text(st.p2p),
+            )
         self.query_one("#node-summary", Static).update(
-            Text.assemble((self.node.name, "bold"), "  ", where, "\n", state, "\n", seen))
-        commands.update(command_table(sample.stats, per_command(sample.rates)) if sample.stats is not None
-                        else Text("no counters", style="dim"))
+            Text.assemble((self.node.name, "bold"), "  ", where, "\n", state, "\n", seen)
+        )
+        commands.update(
+            command_table(sample.stats, per_command(sample.rates))
+            if sample.stats is not None
+            else Text("no counters", style="dim")
+        )
         peer = self.query_one("#node-peer", Static)
         peer.update(fallbacks_table(sample.stats) if sample.stats is not None else "")
         if isinstance(st, NodeStatus):
             self.query_one("#node-devices", Static).update(devices_table(st))
             sessions = sessions_table({self.node.name: st})
             self.query_one("#node-sessions", Static).update(
-                sessions if sessions is not None else Text("no open RPC sessions", style="dim"))
+                sessions if sessions is not None else Text("no open RPC sessions", style="dim")
+            )
 
     # -- the log, over SSH -------------------------------------------------------------------
 

@@ -54,8 +54,10 @@ class Counters(Static):
                 return  # an idle node: the same numbers, no redraw
             # The same commands in the same rows: the height is the same, no layout pass.
             shape = (sample.node, tuple(sample.stats.total.used()), rates is not None)
-            self.update(Group(command_table(sample.stats, rates), activity_table({sample.node: sample.stats})),
-                        layout=shape != self._shape)
+            self.update(
+                Group(command_table(sample.stats, rates), activity_table({sample.node: sample.stats})),
+                layout=shape != self._shape,
+            )
             self._shape, self._shown = shape, shown
             return
         self._shape = self._shown = None

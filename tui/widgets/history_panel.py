@@ -38,8 +38,11 @@ class HistoryPanel(Static):
     def watch_history(self, history: History | None) -> None:
         width = self.content_size.width
         tail = spark_width(width)
-        shown = (id(history), width, None if history is None else
-                 tuple(tuple(history.series(series)[-tail:]) for series, *_ in LINES))
+        shown = (
+            id(history),
+            width,
+            None if history is None else tuple(tuple(history.series(series)[-tail:]) for series, *_ in LINES),
+        )
         if shown == self._shown:
             return
         # Four lines once there is a history: a layout pass only when that changes.
@@ -63,6 +66,10 @@ class HistoryPanel(Static):
         t.add_column(justify="right", width=PEAK_WIDTH, no_wrap=True)
         for series, label, fmt, colour in LINES:
             values = history.series(series)
-            t.add_row(label, spark_text(values, spark, colour), fmt(values[-1]),
-                      Text(f"max {fmt(max(values))}", style="dim"))
+            t.add_row(
+                label,
+                spark_text(values, spark, colour),
+                fmt(values[-1]),
+                Text(f"max {fmt(max(values))}", style="dim"),
+            )
         return t

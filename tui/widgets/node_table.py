@@ -8,9 +8,8 @@ on a wider terminal.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rich.cells import cell_len
 from rich.text import Text
@@ -34,13 +33,22 @@ class Column:
 
 
 COLUMNS = (
-    Column("node", "Node", 1, 12), Column("host", "Host", 8, 16), Column("state", "State", 1, 5),
-    Column("version", "Version", 7, 8), Column("rpc", "RPC", 7, 6), Column("p2p", "P2P", 1, 3),
-    Column("sessions", "Sess", 5, 4), Column("uptime", "Uptime", 7, 7),
-    Column("commands", "Commands", 4, 9), Column("commands_per_s", "Cmd/s", 2, 8),
-    Column("bytes_per_s", "Bytes/s", 2, 11), Column("history", "History", 3, SPARK_WIDTH),
-    Column("copies", "Copies", 6, 7), Column("fallbacks", "Fallb.", 6, 6),
-    Column("seen", "Seen", 2, 5), Column("latency", "Poll", 3, 5),
+    Column("node", "Node", 1, 12),
+    Column("host", "Host", 8, 16),
+    Column("state", "State", 1, 5),
+    Column("version", "Version", 7, 8),
+    Column("rpc", "RPC", 7, 6),
+    Column("p2p", "P2P", 1, 3),
+    Column("sessions", "Sess", 5, 4),
+    Column("uptime", "Uptime", 7, 7),
+    Column("commands", "Commands", 4, 9),
+    Column("commands_per_s", "Cmd/s", 2, 8),
+    Column("bytes_per_s", "Bytes/s", 2, 11),
+    Column("history", "History", 3, SPARK_WIDTH),
+    Column("copies", "Copies", 6, 7),
+    Column("fallbacks", "Fallb.", 6, 6),
+    Column("seen", "Seen", 2, 5),
+    Column("latency", "Poll", 3, 5),
 )
 CELL_PADDING = 2  # DataTable's one space each side
 
@@ -107,9 +115,12 @@ def fmt_latency(seconds: float | None) -> str:
 
 def row_cells(row: NodeRow) -> dict[str, object]:
     cells: dict[str, object] = {c.key: "" for c in COLUMNS}
-    cells.update(node=row.name, host=row.host,
-                 seen="never" if row.never_answered else fmt_age(row.seen_seconds, row.fresh_seconds),
-                 latency=fmt_latency(row.latency_seconds))
+    cells.update(
+        node=row.name,
+        host=row.host,
+        seen="never" if row.never_answered else fmt_age(row.seen_seconds, row.fresh_seconds),
+        latency=fmt_latency(row.latency_seconds),
+    )
     if row.poll_hanging:  # its age so far, growing: not the last good poll's
         cells["latency"] = Text(f">{fmt_latency(row.latency_seconds)}", style="bold yellow")
     if row.stale:
@@ -123,17 +134,23 @@ def row_cells(row: NodeRow) -> dict[str, object]:
     st = row.status
     cells.update(
         state=Text("stale", style="bold yellow") if row.stale else Text("up", style="bold green"),
-        version=st.version, rpc=f":{st.rpc_port}",
+        version=st.version,
+        rpc=f":{st.rpc_port}",
         p2p=Text("…", style="italic") if row.p2p_pending else p2p_text(st.p2p),
-        sessions=str(len(st.sessions)), uptime=fmt_uptime(st.uptime_seconds),
+        sessions=str(len(st.sessions)),
+        uptime=fmt_uptime(st.uptime_seconds),
     )
     if row.stats is not None:
-        cells.update(commands=fmt_count(row.stats.total.command_count),
-                     copies=fmt_count(row.stats.peer.copies_ok),
-                     fallbacks=fmt_count(row.stats.peer.fallback_count))
+        cells.update(
+            commands=fmt_count(row.stats.total.command_count),
+            copies=fmt_count(row.stats.peer.copies_ok),
+            fallbacks=fmt_count(row.stats.peer.fallback_count),
+        )
     if row.rates is not None:
-        cells.update(commands_per_s=fmt_count(row.rates.commands_per_s, 1),
-                     bytes_per_s=f"{fmt_bytes(row.rates.bytes_per_s)}/s")
+        cells.update(
+            commands_per_s=fmt_count(row.rates.commands_per_s, 1),
+            bytes_per_s=f"{fmt_bytes(row.rates.bytes_per_s)}/s",
+        )
     if row.history:
         cells["history"] = spark_text(row.history, SPARK_WIDTH)
     return cells

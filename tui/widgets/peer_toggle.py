@@ -46,8 +46,9 @@ class PeerToggle(Widget):
             state = Text("n/a", style="dim")
         else:
             state = Text("on", style="bold green") if self.enabled else Text("off", style="bold yellow")
-        return Text.assemble("P2P ", (self.node_name, "bold"), ": ", state, " ",
-                             ("  p: switch it · P: every node", "dim"))
+        return Text.assemble(
+            "P2P ", (self.node_name, "bold"), ": ", state, " ", ("  p: switch it · P: every node", "dim")
+        )
 
     def toggle(self) -> bool:
         """Ask to flip the switch; False (and a bell) when there is nothing to flip yet."""

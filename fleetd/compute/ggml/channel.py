@@ -1,7 +1,8 @@
 """Framing between the daemon and a compute worker over one AF_UNIX stream socket.
 
 A message is `| kind u32 | n_fds u32 | length u64 | payload |`; file descriptors (buffer
-memfds) travel as SCM_RIGHTS on the header's sendmsg (past MAX_FDS, on one byte each after it). The daemon sends pickled dicts (the worker trusts its
+memfds) travel as SCM_RIGHTS on the header's sendmsg (past MAX_FDS, on one byte each after it).
+The daemon sends pickled dicts (the worker trusts its
 daemon); the worker answers with a kind and a short UTF-8 text, which the daemon parses
 without unpickling anything (it trusts no worker).
 """
@@ -41,7 +42,7 @@ def send_message(sock: socket.socket, kind: int, payload: bytes, fds=()) -> None
         return
     for start in range(0, len(fds), MAX_FDS):
         data = header if start == 0 else b"\0"
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[start:start + MAX_FDS]))]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[start : start + MAX_FDS]))]
         sent = sock.sendmsg([data], rights)
         if sent < len(data):
             sock.sendall(data[sent:])
@@ -59,8 +60,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def recv_message(sock: socket.socket, max_payload: int | None = None, max_fds: int = 0
-                 ) -> tuple[int, bytes, list[int]]:
+def recv_message(
+    sock: socket.socket, max_payload: int | None = None, max_fds: int = 0
+) -> tuple[int, bytes, list[int]]:
     """One message and the descriptors sent with it (at most `max_fds`, else ValueError)."""
     head, fds = _recv_with_fds(sock, HEADER.size, MAX_FDS if max_fds else 0)
     kind, n_fds, length = HEADER.unpack(head)

@@ -33,7 +33,6 @@ from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GraphCompute, RpcTensor
 from fleetd.wire.ggml import GGML_OP_COUNT
 
 
-
 def default_threads() -> int:
     """`fleetd -t N` sets OMP_NUM_THREADS; without it, the stock server's default."""
     n = os.environ.get("OMP_NUM_THREADS", "")
@@ -88,8 +87,9 @@ class GgmlCpuDevice:
         self.workers: WorkerPool | None = None
         self._start_lock = threading.Lock()
 
-    def start_workers(self, user: str | None, max_workers: int, idle_timeout: float,
-                      pin: bool = True) -> WorkerPool:
+    def start_workers(
+        self, user: str | None, max_workers: int, idle_timeout: float, pin: bool = True
+    ) -> WorkerPool:
         """Start the fork server: graphs compute in contained workers from now on."""
         self.workers = workers = WorkerPool(self.threads, user, max_workers, idle_timeout, pin)
         workers.start()
@@ -205,15 +205,18 @@ class GgmlCpuDevice:
             return
         lo, hi = t.data, t.data + t.nbytes
         if (j := _writer_between(log, 0, t.buffer, lo, hi)) is not None:
-            raise Refused(f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
-                          f"{nodes[consumer].describe()} reads past its end")
+            raise Refused(
+                f"GRAPH_COMPUTE: {nodes[j].describe()} writes {t.describe()}, which "
+                f"{nodes[consumer].describe()} reads past its end"
+            )
         buf = buffers[t.id]
         handle, off = (buf.handle, lo - buf.base) if buf is not None else (0, 0)
         plan.padded.append((t.id, handle, off, t.nbytes if buf is not None else 0, use.nbytes))
         plan.private.add(t.id)
 
-    def _plan_index_check(self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, log,
-                          first_at, checks):
+    def _plan_index_check(
+        self, plan, consumer: int, use: IndexUse, tensors, buffers, nodes, log, first_at, checks
+    ):
         """Row ids are checked on the private copy the kernel reads, unless they are the very
         tensor an ARGSORT/TOP_K before the consumer wrote whole (rules.made_by) and nothing
         rewrote since; either way no node before the consumer may write them after that."""
@@ -240,8 +243,16 @@ class GgmlCpuDevice:
             elif idx.nbytes:
                 buf = buffers[idx.id]
                 check = checks[idx.id] = IndexCheck(
-                    idx.id, buf.handle, idx.data - buf.base, idx.nbytes, idx.type,
-                    tuple(idx.ne), tuple(idx.nb), use.bound, idx.describe())
+                    idx.id,
+                    buf.handle,
+                    idx.data - buf.base,
+                    idx.nbytes,
+                    idx.type,
+                    tuple(idx.ne),
+                    tuple(idx.nb),
+                    use.bound,
+                    idx.describe(),
+                )
                 plan.index_checks.append(check)
                 plan.private.add(idx.id)
         if (j := _writer_between(log, after, idx.buffer, lo, hi)) is not None:
@@ -276,10 +287,14 @@ def _finish(device: GgmlCpuDevice, draft: _Draft, graph: GraphCompute, tensors, 
         if t.flags & ggml.GGML_TENSOR_FLAG_COMPUTE and t.op not in METADATA_OPS and buffers[nid]:
             written[buffers[nid].handle] = buffers[nid]
     spec = GraphSpec(
-        order=np.fromiter(order, np.uint64, len(order)), wire=wire, nodes=list(graph.nodes),
+        order=np.fromiter(order, np.uint64, len(order)),
+        wire=wire,
+        nodes=list(graph.nodes),
         handles=list(mapped),
-        index_checks=[(c.tensor, c.handle, c.offset, c.nbytes, c.type, c.ne, c.nb, c.bound, c.what)
-                      for c in draft.index_checks],
+        index_checks=[
+            (c.tensor, c.handle, c.offset, c.nbytes, c.type, c.ne, c.nb, c.bound, c.what)
+            for c in draft.index_checks
+        ],
         padded=draft.padded,
     )
     return GgmlPlan(device, spec, mapped, list(written.values()))
@@ -331,4 +346,3 @@ def _type_caps(lib: ggml.GgmlLibrary) -> TypeCaps:
 def load_device(threads: int | None = None) -> GgmlCpuDevice:
     """The ggml device; OSError when the libraries are missing or do not load on this machine."""
     return GgmlCpuDevice(ggml.load(), threads)
-

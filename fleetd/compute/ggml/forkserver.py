@@ -54,9 +54,11 @@ def main(argv: list[str]) -> int:
     os.dup2(null, 1)
     os.close(null)
     from fleetd.compute import sandbox
-    from fleetd.compute.ggml import channel
+    from fleetd.compute.ggml import (
+        channel,
+        worker,  # noqa: F401 (imported once, before any fork)
+    )
     from fleetd.compute.ggml import lib as ggml
-    from fleetd.compute.ggml import worker  # noqa: F401 (imported once, before any fork)
 
     ctl = socket.socket(fileno=ctl_fd)
     events = socket.socket(fileno=events_fd)
@@ -92,8 +94,9 @@ def main(argv: list[str]) -> int:
                             events.close()
                             for pidfd in children:
                                 os.close(pidfd)
-                            _child(socket.socket(fileno=fds[0]), fds[0], lib, identity,
-                                   seccomp_lib, threads, me)
+                            _child(
+                                socket.socket(fileno=fds[0]), fds[0], lib, identity, seccomp_lib, threads, me
+                            )
                             code = 0
                         finally:
                             os._exit(code)

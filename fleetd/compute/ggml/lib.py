@@ -16,8 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
-from ctypes import (POINTER, Array, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t,
-                    c_void_p)
+from ctypes import POINTER, Array, c_bool, c_char, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -60,29 +59,52 @@ GgmlTensor._fields_ = [
     ("padding", c_char * 8),
 ]
 
+
 class GgmlTypeTraits(ctypes.Structure):
     _fields_ = [
-        ("type_name", c_char_p), ("blck_size", c_int64), ("blck_size_interleave", c_int64),
-        ("type_size", c_size_t), ("is_quantized", c_bool), ("to_float", c_void_p),
+        ("type_name", c_char_p),
+        ("blck_size", c_int64),
+        ("blck_size_interleave", c_int64),
+        ("type_size", c_size_t),
+        ("is_quantized", c_bool),
+        ("to_float", c_void_p),
         ("from_float_ref", c_void_p),
     ]
 
 
 class GgmlTypeTraitsCpu(ctypes.Structure):
     _fields_ = [
-        ("from_float", c_void_p), ("vec_dot", c_void_p), ("vec_dot_type", c_int),
+        ("from_float", c_void_p),
+        ("vec_dot", c_void_p),
+        ("vec_dot_type", c_int),
         ("nrows", c_int64),
     ]
 
 
 # The same layout as a numpy dtype, to fill a graph's tensors column by column.
-TENSOR_DTYPE = np.dtype({
-    "names": [f[0] for f in GgmlTensor._fields_],
-    "formats": ["<i4", "<u8", ("<i8", 4), ("<u8", 4), "<i4", ("<i4", 16), "<i4", ("<u8", GGML_MAX_SRC),
-                "<u8", "<u8", "<u8", f"S{GGML_MAX_NAME}", "<u8", "V8"],
-    "offsets": [getattr(GgmlTensor, f[0]).offset for f in GgmlTensor._fields_],
-    "itemsize": ctypes.sizeof(GgmlTensor),
-})
+TENSOR_DTYPE = np.dtype(
+    {
+        "names": [f[0] for f in GgmlTensor._fields_],
+        "formats": [
+            "<i4",
+            "<u8",
+            ("<i8", 4),
+            ("<u8", 4),
+            "<i4",
+            ("<i4", 16),
+            "<i4",
+            ("<u8", GGML_MAX_SRC),
+            "<u8",
+            "<u8",
+            "<u8",
+            f"S{GGML_MAX_NAME}",
+            "<u8",
+            "V8",
+        ],
+        "offsets": [getattr(GgmlTensor, f[0]).offset for f in GgmlTensor._fields_],
+        "itemsize": ctypes.sizeof(GgmlTensor),
+    }
+)
 
 ggml_context_p = c_void_p
 ggml_cgraph_p = c_void_p
@@ -106,9 +128,7 @@ def ctypes_function_for(
     `ctypes_function_for_shared_library`): `@ggml_base_function(name, argtypes, restype)` on a
     typed stub of GgmlLibrary declares the C function the stub stands for."""
 
-    def ctypes_function(
-        name: str, argtypes: _ArgTypes, restype: _ResType
-    ) -> Callable[[_Stub], _Stub]:
+    def ctypes_function(name: str, argtypes: _ArgTypes, restype: _ResType) -> Callable[[_Stub], _Stub]:
         def declare(stub: _Stub) -> _Stub:
             if stub.__name__ != name or name in _DECLARED:  # bound by its own name, once
                 raise TypeError(f"stub {stub.__name__} for {name}: one per function, same name")
@@ -159,17 +179,18 @@ class GgmlLibrary:
     @ggml_base_function("ggml_graph_overhead_custom", [c_size_t, c_bool], c_size_t)
     def ggml_graph_overhead_custom(self, size: int, grads: bool, /) -> int: ...
 
-    @ggml_base_function("ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)],
-                        ggml_tensor_p)
-    def ggml_new_tensor(self, ctx: int, type: int, n_dims: int, ne: Array[c_int64], /
-                        ) -> _Pointer[GgmlTensor]: ...
+    @ggml_base_function("ggml_new_tensor", [ggml_context_p, c_int, c_int, POINTER(c_int64)], ggml_tensor_p)
+    def ggml_new_tensor(
+        self, ctx: int, type: int, n_dims: int, ne: Array[c_int64], /
+    ) -> _Pointer[GgmlTensor]: ...
 
     @ggml_base_function("ggml_new_graph_custom", [ggml_context_p, c_size_t, c_bool], ggml_cgraph_p)
     def ggml_new_graph_custom(self, ctx: int, size: int, grads: bool, /) -> int: ...
 
     @ggml_base_function("ggml_add", [ggml_context_p, ggml_tensor_p, ggml_tensor_p], ggml_tensor_p)
-    def ggml_add(self, ctx: int, a: _Pointer[GgmlTensor], b: _Pointer[GgmlTensor], /
-                 ) -> _Pointer[GgmlTensor]: ...
+    def ggml_add(
+        self, ctx: int, a: _Pointer[GgmlTensor], b: _Pointer[GgmlTensor], /
+    ) -> _Pointer[GgmlTensor]: ...
 
     @ggml_base_function("ggml_graph_add_node", [ggml_cgraph_p, ggml_tensor_p], None)
     def ggml_graph_add_node(self, cgraph: int, tensor: _Pointer[GgmlTensor], /) -> None: ...
@@ -198,8 +219,7 @@ class GgmlLibrary:
     @ggml_base_function("ggml_backend_free", [ggml_backend_t], None)
     def ggml_backend_free(self, backend: int, /) -> None: ...
 
-    @ggml_base_function("ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t],
-                        ggml_backend_buffer_t)
+    @ggml_base_function("ggml_backend_cpu_buffer_from_ptr", [c_void_p, c_size_t], ggml_backend_buffer_t)
     def ggml_backend_cpu_buffer_from_ptr(self, ptr: int, size: int, /) -> int: ...
 
     @ggml_base_function("ggml_backend_buffer_free", [ggml_backend_buffer_t], None)

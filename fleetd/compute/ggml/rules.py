@@ -101,8 +101,13 @@ def rows_disjoint(touch: Touch) -> bool:
 
 def overlaps(a: RpcTensor, b: RpcTensor) -> bool:
     """The extents (ggml_nbytes from data) of two tensors share a byte."""
-    return (a.buffer == b.buffer and a.data < b.data + b.nbytes and b.data < a.data + a.nbytes
-            and a.nbytes > 0 and b.nbytes > 0)
+    return (
+        a.buffer == b.buffer
+        and a.data < b.data + b.nbytes
+        and b.data < a.data + a.nbytes
+        and a.nbytes > 0
+        and b.nbytes > 0
+    )
 
 
 class Refused(UnsupportedOp):
@@ -301,8 +306,13 @@ def unary(node, srcs, caps):
 
 
 # the kernels each GLU op has (the rest: f32, f16)
-GLU_TYPES = {GluOp.SWIGLU_OAI: (F32,), **{op: (F32, F16, BF16) for op in (
-    GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.GEGLU_ERF, GluOp.GEGLU_QUICK)}}
+GLU_TYPES = {
+    GluOp.SWIGLU_OAI: (F32,),
+    **{
+        op: (F32, F16, BF16)
+        for op in (GluOp.REGLU, GluOp.GEGLU, GluOp.SWIGLU, GluOp.GEGLU_ERF, GluOp.GEGLU_QUICK)
+    },
+}
 
 
 @rule(GgmlOp.GLU, flat=(-1, 0, 1))  # row i1 at i1*nb1 of each
@@ -397,11 +407,19 @@ def get_rows(node, srcs, caps):
 def set_rows(node, srcs, caps):
     # ggml_set_rows(a, b, c): the node is a view of a; b f32/f16 rows, c i64/i32 row numbers.
     b, c = src(node, srcs, 0), src(node, srcs, 1)
-    need(node.ne[0] == b.ne[0] and node.ne[2] == b.ne[2] and node.ne[3] == b.ne[3], node, srcs,
-         "src0 does not match the destination")
+    need(
+        node.ne[0] == b.ne[0] and node.ne[2] == b.ne[2] and node.ne[3] == b.ne[3],
+        node,
+        srcs,
+        "src0 does not match the destination",
+    )
     need(b.ne[1] == c.ne[0], node, srcs, "src0.ne1 != number of row ids")
-    need(c.ne[1] > 0 and c.ne[2] > 0 and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0,
-         node, srcs, "row ids do not broadcast")
+    need(
+        c.ne[1] > 0 and c.ne[2] > 0 and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0,
+        node,
+        srcs,
+        "row ids do not broadcast",
+    )
     need(c.ne[3] == 1, node, srcs, "row ids must be 3-d")
     need(b.type in (F32, F16), node, srcs, "src0 must be f32 or f16")
     need(c.type in (I64, I32), node, srcs, "row ids must be i64 or i32")
@@ -420,22 +438,36 @@ def copy(node, srcs, caps):
         need(contiguous(node), node, srcs, "result is not contiguous")
     quant_a, quant_d = a.type not in TYPE_NOT_QUANT, node.type not in TYPE_NOT_QUANT
     if not quant_a and not quant_d:
-        need(a.type == node.type or (a.type in FLOATS and node.type in FLOATS)
-             or (a.type, node.type) in ((F32, I32), (I32, F32)), node, srcs, "conversion not taken")
+        need(
+            a.type == node.type
+            or (a.type in FLOATS and node.type in FLOATS)
+            or (a.type, node.type) in ((F32, I32), (I32, F32)),
+            node,
+            srcs,
+            "conversion not taken",
+        )
     elif a.type == node.type:
         # dup_bytes copies whole blocks (check_node: packed, whole): both contiguous in one
         # memcpy, one shape row by row at each side's strides, a strided result block by block.
         # What is left, a strided src0 of another shape into a contiguous result, copies
         # ne00 * type_size bytes per row: blck_size times a row, past both tensors.
-        need(contiguous(a) or same_shape(a, node) or not contiguous(node), node, srcs,
-             "a strided quantized src0 of another shape into a contiguous result")
+        need(
+            contiguous(a) or same_shape(a, node) or not contiguous(node),
+            node,
+            srcs,
+            "a strided quantized src0 of another shape into a contiguous result",
+        )
     elif quant_d:
         # dup_to_q converts each src0 row into a per-thread f32 scratch in the work buffer,
         # which ggml_graph_plan sizes (ne0 floats a thread) for CPY and DUP only: a CONT that
         # quantizes (never built: ggml_cont keeps src0's type) writes through a NULL or another
         # node's work buffer.
-        need(node.op != GgmlOp.CONT, node, srcs,
-             "CONT into another, quantized type (the plan gives CONT no scratch)")
+        need(
+            node.op != GgmlOp.CONT,
+            node,
+            srcs,
+            "CONT into another, quantized type (the plan gives CONT no scratch)",
+        )
         need(contiguous(node) and rows_packed(a), node, srcs, "quantized copy needs packed rows")
         need(a.type in FLOATS and node.type in caps.from_float, node, srcs, "conversion not taken")
         need(a.ne[0] % TYPE_TRAITS[node.type].blck_size == 0, node, srcs, "rows split a block")
@@ -447,13 +479,20 @@ def copy(node, srcs, caps):
         # result's shape and strides from src1 (ggml_cpy's b, which the result views): CONT or
         # DUP have none (a NULL read).
         target = opt_src(srcs, 1)
-        need(target is not None and tuple(target.ne) == tuple(node.ne)
-             and tuple(target.nb) == tuple(node.nb), node, srcs,
-             "dequantizing copy needs src1 of the result's shape and strides")
+        need(
+            target is not None and tuple(target.ne) == tuple(node.ne) and tuple(target.nb) == tuple(node.nb),
+            node,
+            srcs,
+            "dequantizing copy needs src1 of the result's shape and strides",
+        )
         need(node.type == F32 and a.type in caps.to_float, node, srcs, "conversion not taken")
         need(node.nb[0] == TYPE_TRAITS[F32].type_size, node, srcs, "result rows are not packed")
-        need(node.ne[0] % TYPE_TRAITS[a.type].blck_size == 0 or contiguous(node), node, srcs,
-             "result rows split a block and are not contiguous")
+        need(
+            node.ne[0] % TYPE_TRAITS[a.type].blck_size == 0 or contiguous(node),
+            node,
+            srcs,
+            "result rows split a block and are not contiguous",
+        )
 
 
 TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16, GgmlType.F64})
@@ -467,15 +506,13 @@ def rope(node, srcs, caps):
     n_dims, mode, n_offs = node.op_params[1], node.op_params[2], node.op_params[15]
     need(mode in ROPE_MODES, node, srcs, f"rope mode {mode}")
     need(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, node, srcs, f"n_dims {n_dims}")
-    need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs,
-         f"n_offs {n_offs}")
+    need(0 <= n_offs and n_offs % 2 == 0 and n_offs + n_dims <= a.ne[0], node, srcs, f"n_offs {n_offs}")
     need(pos.type == I32 and pos.ne[1:] == (1, 1, 1), node, srcs, "positions must be i32 vector")
     if mode & ROPE_MROPE:
         need(pos.ne[0] >= 4 * a.ne[2], node, srcs, "four positions per token (4 * src0.ne2)")
         sections = node.op_params[11:15]
         # the cache takes i0/2 modulo their sum: a zero sum divides by zero
-        need(min(sections) >= 0 and 0 < sum(sections) <= a.ne[0], node, srcs,
-             f"sections {list(sections)}")
+        need(min(sections) >= 0 and 0 < sum(sections) <= a.ne[0], node, srcs, f"sections {list(sections)}")
         if mode == ROPE_VISION:
             need(2 * n_dims == a.ne[0] and n_offs == 0, node, srcs, "vision: n_dims = ne0/2, no offset")
     else:
@@ -525,12 +562,20 @@ def flash_attn_ext(node, srcs, caps):
     mask, sinks = opt_src(srcs, 3), opt_src(srcs, 4)
     need(q.type == F32, node, srcs, "q must be f32")
     need(k.ne[0] == q.ne[0], node, srcs, "k.ne0 != q.ne0")
-    need(k.ne[2] > 0 and q.ne[2] % k.ne[2] == 0 and v.ne[2] > 0 and q.ne[2] % v.ne[2] == 0,
-         node, srcs, "heads do not broadcast")
+    need(
+        k.ne[2] > 0 and q.ne[2] % k.ne[2] == 0 and v.ne[2] > 0 and q.ne[2] % v.ne[2] == 0,
+        node,
+        srcs,
+        "heads do not broadcast",
+    )
     need(q.ne[3] == k.ne[3] == v.ne[3], node, srcs, "batch dims differ")
     need(v.ne[1] == k.ne[1], node, srcs, "k and v lengths differ")
-    need(k.type in caps.vec_dot and caps.vec_dot_type[k.type] in caps.from_float, node, srcs,
-         "k type not taken")
+    need(
+        k.type in caps.vec_dot and caps.vec_dot_type[k.type] in caps.from_float,
+        node,
+        srcs,
+        "k type not taken",
+    )
     need(v.type in (F16, F32) or v.type in caps.to_float, node, srcs, "v type not taken")
     if mask is not None:
         need(mask.type == F16 and contiguous(mask), node, srcs, "mask must be contiguous f16")
@@ -543,12 +588,20 @@ def flash_attn_ext(node, srcs, caps):
     need(contiguous(node), node, srcs, "result is not contiguous")
     # the kernel asserts nb0 <= nb1 <= nb2 <= nb3 of the result ("dst cannot be transposed or
     # permuted"), size-1 dims included, which ggml_is_contiguous lets take any stride
-    need(node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3], node, srcs,
-         f"result strides {list(node.nb)} do not ascend (the kernel asserts)")
+    need(
+        node.nb[0] <= node.nb[1] <= node.nb[2] <= node.nb[3],
+        node,
+        srcs,
+        f"result strides {list(node.nb)} do not ascend (the kernel asserts)",
+    )
     # ggml_compute_forward_flash_attn_ext takes GGML_PREC_DEFAULT and GGML_PREC_F32 in
     # op_params[3] (ggml_flash_attn_ext_set_prec) and aborts on anything else
-    need(node.op_params[3] in FLASH_ATTN_PRECS, node, srcs,
-         f"precision {node.op_params[3]} (the kernel aborts: only 0 and 10)")
+    need(
+        node.op_params[3] in FLASH_ATTN_PRECS,
+        node,
+        srcs,
+        f"precision {node.op_params[3]} (the kernel aborts: only 0 and 10)",
+    )
     check_rows_packed(node, srcs, q, k, v)
     # each output row is copied from a DV-float scratch row, nb1 bytes, to flat row r at r*nb1
     row = row_size(node.type, node.ne[0])
@@ -616,8 +669,12 @@ def add_id(node, srcs, caps):
     # ggml_add_id: a [n, n_used, tokens] + b[:, ids] (b [n, n_experts]); ids i32 [n_used, tokens]
     a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
     check_types(node, srcs, {F32}, {F32}, {F32}, {I32})
-    need(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], node, srcs,
-         "src shapes do not match ids")
+    need(
+        a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1],
+        node,
+        srcs,
+        "src shapes do not match ids",
+    )
     need(same_shape(node, a), node, srcs, "result shape differs from src0")
     return [IndexUse(ids, b.ne[1])]
 
@@ -632,8 +689,12 @@ def argsort(node, srcs, caps):
     # std::sort runs in the result row itself (row i on thread i % nth), comparing src0's
     # floats: a row another thread sorts at the same time, or src0 bytes the sort overwrites,
     # change under it and its unguarded insertion sort walks off the row (SIGSEGV).
-    need(rows_disjoint(Touch(node, row_extent(node), node.nb[1])), node, srcs,
-         f"result rows overlap (nb1 {node.nb[1]}): the sort runs in them")
+    need(
+        rows_disjoint(Touch(node, row_extent(node), node.nb[1])),
+        node,
+        srcs,
+        f"result rows overlap (nb1 {node.nb[1]}): the sort runs in them",
+    )
     need(not overlaps(node, a), node, srcs, "the result overlaps src0: the sort runs in it")
 
 
@@ -693,8 +754,14 @@ def cumsum(node, srcs, caps):
 def repeat(node, srcs, caps):
     # ggml_repeat(a, b): a's type in b's shape; copied row by row at both sides' strides
     a = src(node, srcs, 0)
-    need(node.type == a.type and TYPE_TRAITS[a.type].blck_size == 1
-         and TYPE_TRAITS[a.type].type_size in (2, 4), node, srcs, "types not taken (2/4-byte)")
+    need(
+        node.type == a.type
+        and TYPE_TRAITS[a.type].blck_size == 1
+        and TYPE_TRAITS[a.type].type_size in (2, 4),
+        node,
+        srcs,
+        "types not taken (2/4-byte)",
+    )
     need(can_repeat(a, node), node, srcs, "src0 does not repeat into the result")
 
 
@@ -713,8 +780,12 @@ def arange(node, srcs, caps):
     start, stop, step = (np.float32(op_param_f32(node, i)) for i in range(3))
     with np.errstate(all="ignore"):
         steps = np.ceil((stop - start) / step)
-    need(bool(np.isfinite(steps)) and steps == nelements(node), node, srcs,
-         f"result has {nelements(node)} elements, arange makes {steps}")
+    need(
+        bool(np.isfinite(steps)) and steps == nelements(node),
+        node,
+        srcs,
+        f"result has {nelements(node)} elements, arange makes {steps}",
+    )
 
 
 @rule(GgmlOp.SET, GgmlOp.ACC)
@@ -756,7 +827,9 @@ def made_by(index: RpcTensor, producer: RpcTensor) -> bool:
     view inside it on its element grid (ggml_argsort_top_k's view of the first k of each row)."""
     size = TYPE_TRAITS[producer.type].type_size
     return (
-        index_producers(producer.op) and producer.type == index.type and packed(producer)
+        index_producers(producer.op)
+        and producer.type == index.type
+        and packed(producer)
         and producer.buffer == index.buffer
         and producer.data <= index.data
         and index.data + index.nbytes <= producer.data + producer.nbytes
@@ -801,6 +874,10 @@ def check_node(node: RpcTensor, srcs: list, caps: TypeCaps) -> list[IndexUse | P
     for touch in touches(node, srcs, found):
         if touch.extent() > touch.tensor.nbytes:
             how = "its rows" if touch.stride is None else f"flat rows at {touch.stride}-byte steps"
-            raise refuse(node, srcs, f"{touch.tensor.describe()}: the kernel addresses {how} "
-                         f"{touch.extent()} bytes from its start, past its {touch.tensor.nbytes}")
+            raise refuse(
+                node,
+                srcs,
+                f"{touch.tensor.describe()}: the kernel addresses {how} "
+                f"{touch.extent()} bytes from its start, past its {touch.tensor.nbytes}",
+            )
     return [u for u in found if not isinstance(u, Touch)]

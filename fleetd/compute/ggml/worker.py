@@ -89,8 +89,7 @@ class WorkerPlan:
             copy = np.empty(nbytes, np.uint8)
             view = np.ndarray(ne[::-1], INDEX_DTYPES[typ], buffer=copy, strides=nb[::-1])
             # .data: memoryview(a), which numpy's stubs allow only from Python 3.12
-            self.checks.append((maps[handle].bytes_at(off, nbytes).data, copy.data,
-                                view, bound, what))
+            self.checks.append((maps[handle].bytes_at(off, nbytes).data, copy.data, view, bound, what))
             private[tid] = copy.ctypes.data
         for tid, handle, off, nbytes, padded_nbytes in spec.padded:
             copy = np.ones(padded_nbytes // 4, np.float32).view(np.uint8)

@@ -81,9 +81,18 @@ class ForkServer:
         package_root = str(Path(fleetd.__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "fleetd.compute.ggml.forkserver", str(ctl_child.fileno()),
-             str(events_child.fileno()), str(threads), user or ""],
-            pass_fds=(ctl_child.fileno(), events_child.fileno()), stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "fleetd.compute.ggml.forkserver",
+                str(ctl_child.fileno()),
+                str(events_child.fileno()),
+                str(threads),
+                user or "",
+            ],
+            pass_fds=(ctl_child.fileno(), events_child.fileno()),
+            stdin=subprocess.DEVNULL,
             # ggml's backtrace on an abort opens /proc and forks a debugger: under seccomp the
             # fopen fails and it dereferences NULL. The assert's own message is what matters.
             env=dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONPATH=path),
@@ -93,7 +102,7 @@ class ForkServer:
         events_child.close()
         self._ctl, self._events = ctl, events
         self._lock = threading.Lock()
-        self._exits: dict[int, "Worker"] = {}
+        self._exits: dict[int, Worker] = {}
         self._exits_lock = threading.Lock()
         set_recv_timeout(ctl, READY_TIMEOUT)
         try:
@@ -109,7 +118,7 @@ class ForkServer:
         self._reader = threading.Thread(target=self._read_exits, name="fleetd-worker-exits", daemon=True)
         self._reader.start()
 
-    def spawn(self, threads: int) -> "Worker":
+    def spawn(self, threads: int) -> Worker:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with self._lock:
@@ -240,8 +249,12 @@ class Worker:
                 self.mapped[handle] = buf
         if maps or unmap or self.built is not plan:
             spec = plan.spec if self.built is not plan else None
-            kind, payload = MSG_COMPUTE, pickle.dumps(
-                {"key": 0, "spec": spec, "maps": maps, "unmap": unmap, "threads": threads}, protocol=5)
+            kind, payload = (
+                MSG_COMPUTE,
+                pickle.dumps(
+                    {"key": 0, "spec": spec, "maps": maps, "unmap": unmap, "threads": threads}, protocol=5
+                ),
+            )
         else:  # the same graph over the same buffers: a decode step
             kind, payload = MSG_RUN, RUN.pack(threads)
         self.last_used = time.monotonic()
@@ -284,8 +297,9 @@ class Worker:
                         return kind, payload.decode(errors="replace")[:1000]
                     except (OSError, EOFError, ValueError) as exc:
                         self.kill()
-                        raise WorkerDied(f"compute worker {self.pid} died mid-graph: "
-                                         f"{self._why(exc)}") from None
+                        raise WorkerDied(
+                            f"compute worker {self.pid} died mid-graph: {self._why(exc)}"
+                        ) from None
                 if ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
                     self.kill()
                     raise ClientGone("the client hung up while its graph computed: cancelled")
@@ -307,7 +321,7 @@ class CpuPlacer:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[int, ...]] = {}  # worker pid -> its cores
 
-    def place(self, worker: "Worker", share: int) -> None:
+    def place(self, worker: Worker, share: int) -> None:
         """Pin `worker` and the calling (session) thread to `share` cores, if that changed."""
         if not self.enabled or len(self.cores) < 2:
             return
@@ -338,7 +352,7 @@ class CpuPlacer:
         except OSError as exc:  # a cpuset changed under us, or the worker is gone: unpinned
             log.debug("cannot pin worker %d to cores %s: %s", worker.pid, want, exc)
 
-    def forget(self, worker: "Worker") -> None:
+    def forget(self, worker: Worker) -> None:
         with self._lock:
             self._held.pop(worker.pid, None)
 
@@ -350,8 +364,9 @@ class WorkerPool:
     max(1, threads // computing), so two sessions on a node with 4 compute threads get 2 each
     and the cores are not oversubscribed."""
 
-    def __init__(self, threads: int, user: str | None, max_workers: int, idle_timeout: float,
-                 pin: bool = True) -> None:
+    def __init__(
+        self, threads: int, user: str | None, max_workers: int, idle_timeout: float, pin: bool = True
+    ) -> None:
         self.threads, self.user = threads, user
         self.placer = CpuPlacer(pin)
         self.max_workers, self.idle_timeout = max_workers, idle_timeout
@@ -461,8 +476,10 @@ class WorkerPool:
                 raise ComputeError("compute workers closed")
             if not self._server.alive():
                 rc = self._server.proc.returncode
-                log.warning("compute fork server %s: starting another",
-                            f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}")
+                log.warning(
+                    "compute fork server %s: starting another",
+                    f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}",
+                )
                 self._server.close()
                 self._server = ForkServer(self.threads, self.user)
             server = self._server
@@ -472,8 +489,11 @@ class WorkerPool:
 
     def _evict_idle(self) -> bool:
         """Kill the least recently used idle worker (caller holds _cond). False: none idle."""
-        idle = [(w.last_used, sid, w) for sid, w in self._by_session.items()
-                if isinstance(w, Worker) and w.lock.acquire(blocking=False)]
+        idle = [
+            (w.last_used, sid, w)
+            for sid, w in self._by_session.items()
+            if isinstance(w, Worker) and w.lock.acquire(blocking=False)
+        ]
         if not idle:
             return False
         idle.sort(key=lambda x: x[0])
@@ -499,8 +519,11 @@ class WorkerPool:
             now = time.monotonic()
             with self._cond:
                 for sid, w in list(self._by_session.items()):
-                    if (isinstance(w, Worker) and now - w.last_used > self.idle_timeout
-                            and w.lock.acquire(blocking=False)):
+                    if (
+                        isinstance(w, Worker)
+                        and now - w.last_used > self.idle_timeout
+                        and w.lock.acquire(blocking=False)
+                    ):
                         del self._by_session[sid]
                         w.kill()
                         w.lock.release()

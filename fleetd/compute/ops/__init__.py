@@ -4,7 +4,8 @@ A kernel is `op_<name>(xp, dst, srcs, node, src_tensors)`: `dst` is the node's a
 writes there and returns nothing: ggml placed the result in client-owned memory), `srcs` the
 source views (None where absent or empty), `node` the node's BoundNode (its RpcTensor plus
 what the plan worked out once: op_params decoded, the sources' buffer regions, and what the
-op's bind companion precomputed), `src_tensors` the sources' RpcTensors. Views are numpy order (ne3, ne2, ne1, ne0);
+op's bind companion precomputed), `src_tensors` the sources' RpcTensors. Views are numpy order
+(ne3, ne2, ne1, ne0);
 block-quantized tensors are uint8 rows of whole blocks. `xp` is the array module (numpy or
 cupy), so each kernel exists once for every device. A type or parameter a kernel cannot
 compute raises UnsupportedOp naming both: never approximate numbers.
@@ -97,11 +98,12 @@ def kernel_for(node: RpcTensor, src_tensors: list[RpcTensor | None]) -> Kernel:
         pass
     types = ", ".join(type_name(s.type) for s in src_tensors if s is not None)
     raise UnsupportedOp(
-        f"{op_name(node.op)}: not supported by fleetd (dst {type_name(node.type)}; srcs {types})")
+        f"{op_name(node.op)}: not supported by fleetd (dst {type_name(node.type)}; srcs {types})"
+    )
 
 
 # Importing the kernel modules fills OPS.
-from fleetd.compute.ops import (  # noqa: F401
+from fleetd.compute.ops import (  # noqa: F401, E402
     attention,
     binary,
     copy,

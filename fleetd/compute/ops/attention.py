@@ -181,7 +181,9 @@ def _online_f16(xp, scores, v16, sinks, rs, rh):
     before = xp.concatenate([xp.full(grouped + (1,), -xp.inf, dtype=xp.float32), peaks[..., :-1]], axis=-1)
     valid = ~xp.isneginf(s_live)
     ms_all = xp.where(valid & (s_live > before), xp.exp(before - peaks), xp.float32(1)).astype(xp.float32)
-    vs_all = xp.where(valid, xp.exp(xp.where(valid, s_live, 0) - xp.where(valid, peaks, 0)), 0).astype(xp.float32)
+    vs_all = xp.where(valid, xp.exp(xp.where(valid, s_live, 0) - xp.where(valid, peaks, 0)), 0).astype(
+        xp.float32
+    )
     n_live = int(live.size)
     # Per entry: does any query/head rescale there (the running max rose)?
     rescale = xp.any((ms_all != 1).reshape(-1, n_live), axis=0).tolist() if n_live else []

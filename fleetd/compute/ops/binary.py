@@ -30,7 +30,6 @@ def _binary(fn, quantized_src0: bool = False):
     return kernel
 
 
-
 op_add = register(GgmlOp.ADD)(_binary(lambda a, b: a + b, quantized_src0=True))
 op_sub = register(GgmlOp.SUB)(_binary(lambda a, b: a - b))
 op_mul = register(GgmlOp.MUL)(_binary(lambda a, b: a * b))

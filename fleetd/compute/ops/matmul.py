@@ -23,10 +23,18 @@ from fleetd.compute.ops.common import (
 )
 from fleetd.wire import GgmlOp, GgmlType
 
-Q8_0_FAMILY = frozenset({
-    GgmlType.Q4_0, GgmlType.Q5_0, GgmlType.Q8_0, GgmlType.IQ4_NL, GgmlType.MXFP4,
-    GgmlType.NVFP4, GgmlType.Q1_0, GgmlType.Q2_0,
-})
+Q8_0_FAMILY = frozenset(
+    {
+        GgmlType.Q4_0,
+        GgmlType.Q5_0,
+        GgmlType.Q8_0,
+        GgmlType.IQ4_NL,
+        GgmlType.MXFP4,
+        GgmlType.NVFP4,
+        GgmlType.Q1_0,
+        GgmlType.Q2_0,
+    }
+)
 Q8_1_FAMILY = frozenset({GgmlType.Q4_1, GgmlType.Q5_1})
 NOT_MATMUL_WEIGHTS = frozenset({GgmlType.Q8_1, GgmlType.Q8_K})
 

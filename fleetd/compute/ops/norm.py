@@ -15,7 +15,9 @@ def op_rms_norm(xp, dst, srcs, node, src_tensors):
     x = srcs[0]
     eps = f32_param(node, 0)
     # Squares in f32, summed in double, as ggml does.
-    mean_sq = (xp.sum(xp.square(x), axis=-1, keepdims=True, dtype=xp.float64) / x.shape[-1]).astype(xp.float32)
+    mean_sq = (xp.sum(xp.square(x), axis=-1, keepdims=True, dtype=xp.float64) / x.shape[-1]).astype(
+        xp.float32
+    )
     store(xp, dst, node, x * (1.0 / xp.sqrt(mean_sq + xp.float32(eps))))
 
 

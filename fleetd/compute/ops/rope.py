@@ -23,7 +23,9 @@ def corr_dims(n_dims: int, n_ctx_orig: int, freq_base, beta_fast, beta_slow):
     f32 = np.float32
 
     def corr_dim(n_rot):
-        return f32(n_dims) * np.log(f32(n_ctx_orig) / (n_rot * f32(2 * math.pi))) / (f32(2) * np.log(freq_base))
+        return (
+            f32(n_dims) * np.log(f32(n_ctx_orig) / (n_rot * f32(2 * math.pi))) / (f32(2) * np.log(freq_base))
+        )
 
     with np.errstate(all="ignore"):
         low = np.maximum(f32(0), np.floor(corr_dim(beta_fast)))
@@ -69,7 +71,9 @@ def bind_rope(xp, node, src_tensors) -> RopeParams | None:
             ramp_y = (np.arange(n_pairs, dtype=np.float32) - low) / np.maximum(np.float32(0.001), high - low)
         ramp = xp.asarray((1 - np.minimum(1, np.maximum(0, ramp_y))) * ext_factor, dtype=xp.float32)
         mscale = np.float32(mscale * np.float32(1.0 + 0.1 * np.log(np.float32(1.0) / freq_scale)))
-    return RopeParams(n_pairs, theta_scale, freq_scale, ramp, mscale, sections, _halves(mode, n_offs, n_dims, n_pairs))
+    return RopeParams(
+        n_pairs, theta_scale, freq_scale, ramp, mscale, sections, _halves(mode, n_offs, n_dims, n_pairs)
+    )
 
 
 def section_indices(node, n_pairs: int, mode: int):
@@ -106,7 +110,11 @@ def section_thetas(xp, sections, pos, n_tok: int, theta_scale, n_pairs: int):
 
 def _rope(xp, dst, srcs, node, src_tensors, sin_sign: float):
     xt = src_tensors[0]
-    if xt.type not in (GgmlType.F32, GgmlType.F16) or node.type != xt.type or src_tensors[1].type != GgmlType.I32:
+    if (
+        xt.type not in (GgmlType.F32, GgmlType.F16)
+        or node.type != xt.type
+        or src_tensors[1].type != GgmlType.I32
+    ):
         raise unsupported(node, src_tensors)
     n_dims, mode, n_offs = i32_param(node, 1), i32_param(node, 2), i32_param(node, 15)
     x = as_f32(xp, srcs[0], xt)  # (ne3, n_tok, n_head, ne0)

@@ -83,7 +83,13 @@ def op_fill(xp, dst, srcs, node, src_tensors):
 def op_set(xp, dst, srcs, node, src_tensors):
     # Copy a (unless in place), then store (SET) or add (ACC) b into the strided window of dst
     # given by op_params nb1, nb2, nb3, offset.
-    require_types(node, src_tensors, {GgmlType.F32, GgmlType.I32}, {GgmlType.F32, GgmlType.I32}, {GgmlType.F32, GgmlType.I32})
+    require_types(
+        node,
+        src_tensors,
+        {GgmlType.F32, GgmlType.I32},
+        {GgmlType.F32, GgmlType.I32},
+        {GgmlType.F32, GgmlType.I32},
+    )
     a, b = srcs
     if not i32_param(node, 4):
         dst[...] = a

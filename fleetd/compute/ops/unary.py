@@ -102,7 +102,6 @@ def _elementwise(fn):
     return kernel
 
 
-
 def bind_unary(xp, node, src_tensors):
     """UNARY's function and its kernel, picked once by op_params[0]."""
     fn = UNARY_FNS.get(i32_param(node, 0))
