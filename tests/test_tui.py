@@ -503,3 +503,26 @@ def test_seen_and_poll_tell_a_killed_node_from_a_frozen_one(tmp_path):
                     frozen.send_signal(signal.SIGCONT)
 
         asyncio.run(scenario())
+
+
+def test_80x24_page_down_scrolls_and_the_footer_names_enter(fleet):
+    """#18 item 6: below the fold at 80x24, PageDown scrolls with the node table focused, and
+    Enter (node detail) is in the footer."""
+
+    async def scenario():
+        app = FleetApp(fleet, POLL_S)
+        async with app.run_test(size=(80, 24)) as pilot:
+            screen = dashboard(app)
+            table = screen.query_one(NodeTable)
+            assert await settle(pilot, lambda: cell(table, "0", "state") == "up")
+            assert app.focused is table
+            box = screen.query_one("#counters-box")
+            assert await settle(pilot, lambda: box.max_scroll_y > 0)  # something below the fold
+            await pilot.press("pagedown")
+            assert await settle(pilot, lambda: box.scroll_y > 0)
+            await pilot.press("pageup")
+            assert await settle(pilot, lambda: box.scroll_y == 0)
+            shown = {b.binding.description for b in app.active_bindings.values() if b.binding.show}
+            assert "Node" in shown, shown
+
+    asyncio.run(scenario())

@@ -22,6 +22,7 @@ from typing import ClassVar
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 from textual.worker import Worker, get_current_worker
@@ -57,7 +58,7 @@ class Sample:
 
 class DashboardScreen(Screen):
     BINDINGS: ClassVar[list[BindingType]] = [
-        # the screen scrolls at 80x24 (copies, history below the fold), whatever has the focus
+        # the counters box scrolls at 80x24 (the copies table below the fold), whatever has the focus
         Binding("pagedown", "scroll_screen(1)", "Page down", show=False, priority=True),
         Binding("pageup", "scroll_screen(-1)", "Page up", show=False, priority=True),
         ("p", "toggle_p2p", "P2P"),
@@ -88,7 +89,9 @@ class DashboardScreen(Screen):
         yield Static(id="down")
         yield PeerToggle(id="p2p")
         yield HistoryPanel(id="history")
-        yield Counters(id="counters")
+        # a Static cannot scroll itself: the box around it does (the copies table at 80x24)
+        with VerticalScroll(id="counters-box"):
+            yield Counters(id="counters")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -254,7 +257,7 @@ class DashboardScreen(Screen):
         p2p = status.p2p if isinstance(status, NodeStatus) else None
         toggle.node_key, toggle.node_name = key, name
         for widget, title in (
-            (counters, f"{name}: commands since the last reset"),
+            (self.query_one("#counters-box"), f"{name}: commands since the last reset"),
             (history, f"{name}: the last minutes"),
         ):
             if widget.border_title != title:  # setting it, even to the same, repaints
@@ -284,10 +287,12 @@ class DashboardScreen(Screen):
         return self.nodes[key] if key is not None else None
 
     def action_scroll_screen(self, pages: int) -> None:
+        """The counters box is what holds more than fits (the copies table at 80x24)."""
+        box = self.query_one("#counters-box", VerticalScroll)
         if pages > 0:
-            self.scroll_page_down()
+            box.scroll_page_down(animate=False)
         else:
-            self.scroll_page_up()
+            box.scroll_page_up(animate=False)
 
     def action_show_node(self) -> None:
         key = self.query_one(NodeTable).selected_key
