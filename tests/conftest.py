@@ -4,20 +4,41 @@ needs_tool gate (tests/helpers.py)."""
 from __future__ import annotations
 
 import os
-import socket
-import struct
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
-
-from helpers import missing_tools, skip_unless_built
+from helpers import (
+    BOUND_S,
+    SESSION_MARK,
+    TEST_ARCHS,
+    TEST_TYPES,
+    missing_tools,
+    processes_left,
+    seconds_since_boot,
+    skip_unless_built,
+    started_at,
+)
 
 from fleetd.server import Server, ServerConfig
 from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
-REPO = Path(__file__).resolve().parent.parent
+# (seconds since boot, test id) as each test starts: a process left running is named by the test
+# that was running when it started.
+TESTS_STARTED: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logstart(nodeid, location):
+    TESTS_STARTED.append((seconds_since_boot(), nodeid))
+
+
+def started_during(pid: int) -> str:
+    start = started_at(pid)
+    during = [nodeid for t, nodeid in TESTS_STARTED if start is not None and t <= start]
+    return f"(started during {during[-1]})" if during else ""
 
 
 def pytest_runtest_setup(item):
@@ -25,6 +46,29 @@ def pytest_runtest_setup(item):
         reason = missing_tools(*mark.args)
         if reason is not None:
             pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind(tmp_path_factory):
+    """The suite fails, naming them, if processes it started outlive it (and they are killed)."""
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    os.environ[SESSION_MARK] = mark
+    basetemp = str(tmp_path_factory.getbasetemp()) + "/"
+    yield
+    deadline = time.monotonic() + BOUND_S  # a stop already under way gets its time
+    while (left := processes_left(mark, os.getpid(), basetemp)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if left:
+        pytest.fail(
+            "processes the suite started are still running:\n"
+            + "\n".join(f"  {pid} {cmd} {started_during(pid)}" for pid, cmd in sorted(left.items())),
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -59,32 +103,25 @@ def ggml_server():
 
 
 @pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Path:
+    """A directory of the generated GGUF models, every arch and type of TEST_ARCHS x TEST_TYPES,
+    named as fleetd.models.generate names them (made once per run)."""
+    from fleetd.models import generate
+
+    out = tmp_path_factory.mktemp("models")
+    for arch in TEST_ARCHS:
+        for type_name in TEST_TYPES:
+            generate(arch, type_name, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def ssh_server(tmp_path_factory):
     """A real sshd on a loopback port (tests/sshd.py): .port, .user, .identity, .known_hosts."""
     from sshd import SshServer  # tests/ is on sys.path, as for conftest itself
 
     with SshServer(tmp_path_factory.mktemp("sshd")) as server:
         yield server
-
-
-def frame(cmd: int, payload: bytes) -> bytes:
-    """A request as it goes on the wire: | cmd u8 | payload_size u64 | payload |."""
-    return struct.pack("<BQ", cmd, len(payload)) + payload
-
-
-def connection_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
-    """True when the server closed this connection (EOF or reset) within `timeout`."""
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-
-
-def endpoint(srv: Server) -> str:
-    return f"{srv.address[0]}:{srv.address[1]}"
 
 
 @pytest.fixture
@@ -111,4 +148,3 @@ def stock_server(tmp_path):
     for p in procs:
         p.kill()
         p.wait()
-

@@ -58,12 +58,55 @@ OP = GgmlOp
 # Every op with a rule in fleetd/compute/ggml/rules.py, in a fixed order: a seed names its op
 # through this tuple, so adding an op at the end keeps every older seed's case.
 FUZZ_OPS: tuple[GgmlOp, ...] = (
-    OP.ADD, OP.SUB, OP.MUL, OP.DIV, OP.SCALE, OP.RMS_NORM, OP.NORM, OP.L2_NORM, OP.UNARY, OP.GLU,
-    OP.MUL_MAT, OP.MUL_MAT_ID, OP.GET_ROWS, OP.SET_ROWS, OP.CPY, OP.DUP, OP.CONT, OP.ROPE,
-    OP.ROPE_BACK, OP.SOFT_MAX, OP.FLASH_ATTN_EXT, OP.CLAMP, OP.MEAN, OP.ARGMAX, OP.CONCAT, OP.PAD,
-    OP.ADD_ID, OP.ARGSORT, OP.TOP_K, OP.SUM_ROWS, OP.SQR, OP.SQRT, OP.LOG, OP.SIN, OP.COS,
-    OP.LEAKY_RELU, OP.SUM, OP.CUMSUM, OP.REPEAT, OP.FILL, OP.ARANGE, OP.SET, OP.ACC,
-    OP.GROUP_NORM, OP.NONE, OP.RESHAPE, OP.VIEW, OP.PERMUTE, OP.TRANSPOSE,
+    OP.ADD,
+    OP.SUB,
+    OP.MUL,
+    OP.DIV,
+    OP.SCALE,
+    OP.RMS_NORM,
+    OP.NORM,
+    OP.L2_NORM,
+    OP.UNARY,
+    OP.GLU,
+    OP.MUL_MAT,
+    OP.MUL_MAT_ID,
+    OP.GET_ROWS,
+    OP.SET_ROWS,
+    OP.CPY,
+    OP.DUP,
+    OP.CONT,
+    OP.ROPE,
+    OP.ROPE_BACK,
+    OP.SOFT_MAX,
+    OP.FLASH_ATTN_EXT,
+    OP.CLAMP,
+    OP.MEAN,
+    OP.ARGMAX,
+    OP.CONCAT,
+    OP.PAD,
+    OP.ADD_ID,
+    OP.ARGSORT,
+    OP.TOP_K,
+    OP.SUM_ROWS,
+    OP.SQR,
+    OP.SQRT,
+    OP.LOG,
+    OP.SIN,
+    OP.COS,
+    OP.LEAKY_RELU,
+    OP.SUM,
+    OP.CUMSUM,
+    OP.REPEAT,
+    OP.FILL,
+    OP.ARANGE,
+    OP.SET,
+    OP.ACC,
+    OP.GROUP_NORM,
+    OP.NONE,
+    OP.RESHAPE,
+    OP.VIEW,
+    OP.PERMUTE,
+    OP.TRANSPOSE,
 )
 
 READ_S = 20.0  # every socket read of a case: a compute of these sizes takes milliseconds
@@ -75,8 +118,14 @@ OUTCOMES = ("computed", "refused", "worker_death", "hang", "daemon_death")
 
 # A "graph failed" line (ComputeError) is a refusal when its reason is one of the rule checks
 # (rules.Refused is a ComputeError); a kernel or worker failure otherwise.
-REFUSAL_MARKERS = ("refused", "no safety rule", "past the op enum", "reads past its end",
-                   "was sorted", "overwrites the row ids")
+REFUSAL_MARKERS = (
+    "refused",
+    "no safety rule",
+    "past the op enum",
+    "reads past its end",
+    "was sorted",
+    "overwrites the row ids",
+)
 
 
 def op_of(seed: int) -> GgmlOp:
@@ -140,8 +189,15 @@ class Gen:
 
     def view(self, of: Tensor, ne, nb, offs: int = 0, op=OP.VIEW, node: bool = False) -> Tensor:
         root = of.view_src or of
-        t = Tensor(root.type if of is root else of.type, ne4(ne), tuple(nb), op=int(op), src=[of],
-                   view_src=root, view_offs=(of.view_offs if of.view_src else 0) + offs)
+        t = Tensor(
+            root.type if of is root else of.type,
+            ne4(ne),
+            tuple(nb),
+            op=int(op),
+            src=[of],
+            view_src=root,
+            view_offs=(of.view_offs if of.view_src else 0) + offs,
+        )
         if op == OP.VIEW:
             t.op_params[0], t.op_params[1] = offs & 0xFFFFFFFF, offs >> 32
         self.views.append(t)
@@ -220,6 +276,7 @@ def gen_same(op, types=(F32,), params=lambda r: ()):
         t, ne = r.choice(types), shape(r)
         a = G.leaf(t, ne)
         G.node(op, t, ne, [a], params(r))
+
     return gen
 
 
@@ -260,7 +317,13 @@ QUANTS = (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K)
 def gen_mul_mat(G: Gen, op):
     r = G.rng
     wt = r.choice(QUANTS)
-    k = 256 if TYPE_TRAITS[wt].blck_size == 256 else r.choice((32, 64, 96)) if TYPE_TRAITS[wt].blck_size > 1 else dim0(r)
+    k = (
+        256
+        if TYPE_TRAITS[wt].blck_size == 256
+        else r.choice((32, 64, 96))
+        if TYPE_TRAITS[wt].blck_size > 1
+        else dim0(r)
+    )
     m, n, h, rep, b = small(r, 1, 6), small(r, 1, 5), r.choice((1, 2)), r.choice((1, 2)), r.choice((1, 1, 2))
     w = G.leaf(wt, (k, m, h, b))
     x = G.leaf(r.choice((F32, F32, F16)), (k, n, h * rep, b))
@@ -372,8 +435,13 @@ def gen_flash_attn(G: Gen, op):
         srcs.append(G.leaf(F16, (nkv, nq + r.choice((0, 0, 5)), 1, 1)))
         if r.random() < 0.3:
             srcs.append(G.leaf(F32, (h,)))
-    G.node(OP.FLASH_ATTN_EXT, F32, (dv, h, nq, 1), srcs,
-           [f32_bits(d ** -0.5), f32_bits(0.0), f32_bits(r.choice((0.0, 30.0))), r.choice((0, 10))])
+    G.node(
+        OP.FLASH_ATTN_EXT,
+        F32,
+        (dv, h, nq, 1),
+        srcs,
+        [f32_bits(d**-0.5), f32_bits(0.0), f32_bits(r.choice((0.0, 30.0))), r.choice((0, 10))],
+    )
 
 
 def gen_reduce(G: Gen, op):
@@ -421,8 +489,9 @@ def gen_pad(G: Gen, op):
     ne = shape(r)
     pads = [r.choice((0, 0, 1, 2)) for _ in range(8)]
     a = G.leaf(F32, ne)
-    G.node(op, F32, [ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4)], [a],
-           pads + [r.choice((0, 0, 1))])
+    G.node(
+        op, F32, [ne[i] + pads[2 * i] + pads[2 * i + 1] for i in range(4)], [a], pads + [r.choice((0, 0, 1))]
+    )
 
 
 def gen_add_id(G: Gen, op):
@@ -491,20 +560,31 @@ GENERATORS = {
     OP.RMS_NORM: gen_same(OP.RMS_NORM, (F32,), fparams(EPS)),
     OP.NORM: gen_same(OP.NORM, (F32,), fparams(EPS)),
     OP.L2_NORM: gen_same(OP.L2_NORM, (F32,), fparams(EPS)),
-    OP.UNARY: gen_unary, OP.GLU: gen_glu, OP.MUL_MAT: gen_mul_mat, OP.MUL_MAT_ID: gen_mul_mat_id,
-    OP.GET_ROWS: gen_get_rows, OP.SET_ROWS: gen_set_rows,
+    OP.UNARY: gen_unary,
+    OP.GLU: gen_glu,
+    OP.MUL_MAT: gen_mul_mat,
+    OP.MUL_MAT_ID: gen_mul_mat_id,
+    OP.GET_ROWS: gen_get_rows,
+    OP.SET_ROWS: gen_set_rows,
     **{o: gen_copy for o in (OP.CPY, OP.DUP, OP.CONT)},
-    OP.ROPE: gen_rope, OP.ROPE_BACK: gen_rope, OP.SOFT_MAX: gen_soft_max,
+    OP.ROPE: gen_rope,
+    OP.ROPE_BACK: gen_rope,
+    OP.SOFT_MAX: gen_soft_max,
     OP.FLASH_ATTN_EXT: gen_flash_attn,
     OP.CLAMP: gen_same(OP.CLAMP, (F32, F16), fparams((-1.0, 0.0), (1.0, 6.0))),
     **{o: gen_reduce for o in (OP.MEAN, OP.ARGMAX, OP.SUM_ROWS, OP.SUM, OP.CUMSUM)},
-    OP.CONCAT: gen_concat, OP.PAD: gen_pad, OP.ADD_ID: gen_add_id,
-    OP.ARGSORT: gen_sort, OP.TOP_K: gen_sort,
+    OP.CONCAT: gen_concat,
+    OP.PAD: gen_pad,
+    OP.ADD_ID: gen_add_id,
+    OP.ARGSORT: gen_sort,
+    OP.TOP_K: gen_sort,
     **{o: gen_same(o, (F32, F16, BF16)) for o in (OP.SQR, OP.SQRT, OP.LOG, OP.SIN, OP.COS)},
     OP.LEAKY_RELU: gen_same(OP.LEAKY_RELU, (F32, F16), fparams((0.01, 0.1))),
     OP.REPEAT: gen_repeat,
     OP.FILL: gen_same(OP.FILL, (F32, F16), fparams((0.0, 1.5))),
-    OP.ARANGE: gen_arange, OP.SET: gen_set_acc, OP.ACC: gen_set_acc,
+    OP.ARANGE: gen_arange,
+    OP.SET: gen_set_acc,
+    OP.ACC: gen_set_acc,
     OP.GROUP_NORM: gen_group_norm,
     **{o: gen_metadata for o in (OP.NONE, OP.RESHAPE, OP.VIEW, OP.PERMUTE, OP.TRANSPOSE)},
 }
@@ -620,8 +700,24 @@ def m_type(G: Gen, t: Tensor) -> str:
 def m_params(G: Gen, t: Tensor) -> str:
     r = G.rng
     i = r.randrange(16) if r.random() < 0.3 else r.randrange(4)
-    t.op_params[i] = r.choice((0, 1, -1, 2, 3, 7, 64, 1 << 30, -(1 << 31), f32_bits(float("nan")),
-                               f32_bits(-0.0), f32_bits(1e30), t.op_params[i] + 1, t.op_params[i] ^ 1))
+    t.op_params[i] = r.choice(
+        (
+            0,
+            1,
+            -1,
+            2,
+            3,
+            7,
+            64,
+            1 << 30,
+            -(1 << 31),
+            f32_bits(float("nan")),
+            f32_bits(-0.0),
+            f32_bits(1e30),
+            t.op_params[i] + 1,
+            t.op_params[i] ^ 1,
+        )
+    )
     return f"op_params[{i}]={t.op_params[i]}"
 
 
@@ -640,7 +736,15 @@ def m_flags(G: Gen, t: Tensor) -> str:
     return f"flags {t.flags}"
 
 
-MUTATIONS = ((m_shape, 2), (m_coherent, 2), (m_layout, 5), (m_type, 1), (m_params, 2), (m_srcs, 1), (m_flags, 0.3))
+MUTATIONS = (
+    (m_shape, 2),
+    (m_coherent, 2),
+    (m_layout, 5),
+    (m_type, 1),
+    (m_params, 2),
+    (m_srcs, 1),
+    (m_flags, 0.3),
+)
 
 
 def mutate(G: Gen) -> list[str]:
@@ -743,7 +847,7 @@ def fill_bytes(rng: np.random.Generator, t: Tensor, fill: Fill, n: int) -> bytes
         tr = TYPE_TRAITS[t.type]
         raw = bytearray(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
         for off in range(0, n - 1, tr.type_size):
-            raw[off:off + 2] = np.float16(rng.uniform(0.001, 0.1)).tobytes()
+            raw[off : off + 2] = np.float16(rng.uniform(0.001, 0.1)).tobytes()
         return bytes(raw)
     return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
@@ -806,13 +910,35 @@ class Daemon:
         self.log_path = self.log_dir / f"fleetd-graph-fuzz-{os.getpid()}-{self.port}.log"
         # GGML_NO_BACKTRACE: an abort exits at once instead of attaching gdb for a backtrace
         # (which can take longer than READ_S on a loaded machine and look like a hang)
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   GGML_NO_BACKTRACE="1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            GGML_NO_BACKTRACE="1",
+        )
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "fleetd.server", "-H", "127.0.0.1", "-p", str(self.port), "-d", "cpu",
-                 "--control-port", "0", "-t", str(self.threads), "--log-level", "info"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+                [
+                    self.python,
+                    "-m",
+                    "fleetd.server",
+                    "-H",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-d",
+                    "cpu",
+                    "--control-port",
+                    "0",
+                    "-t",
+                    str(self.threads),
+                    "--log-level",
+                    "info",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(REPO),
+            )
         self._log_pos = 0
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -905,25 +1031,53 @@ def client(d: Daemon) -> RpcClient:
 
 
 def set_whole(c: RpcClient, handle: int, base: int, data: bytes) -> None:
-    t = RpcTensor(id=1, type=GgmlType.I8, buffer=handle, ne=(len(data), 1, 1, 1), nb=(1, len(data), len(data), len(data)),
-                  op=0, op_params=(0,) * 16, flags=0, src=(0,) * 10, view_src=0, view_offs=0, data=base,
-                  name=b"", use_count=0)
+    t = RpcTensor(
+        id=1,
+        type=GgmlType.I8,
+        buffer=handle,
+        ne=(len(data), 1, 1, 1),
+        nb=(1, len(data), len(data), len(data)),
+        op=0,
+        op_params=(0,) * 16,
+        flags=0,
+        src=(0,) * 10,
+        view_src=0,
+        view_offs=0,
+        data=base,
+        name=b"",
+        use_count=0,
+    )
     c.set_tensor(t, data)
 
 
 def get_whole(c: RpcClient, handle: int, base: int, size: int) -> bytes:
-    t = RpcTensor(id=1, type=GgmlType.I8, buffer=handle, ne=(size, 1, 1, 1), nb=(1, size, size, size),
-                  op=0, op_params=(0,) * 16, flags=0, src=(0,) * 10, view_src=0, view_offs=0, data=base,
-                  name=b"", use_count=0)
+    t = RpcTensor(
+        id=1,
+        type=GgmlType.I8,
+        buffer=handle,
+        ne=(size, 1, 1, 1),
+        nb=(1, size, size, size),
+        op=0,
+        op_params=(0,) * 16,
+        flags=0,
+        src=(0,) * 10,
+        view_src=0,
+        view_offs=0,
+        data=base,
+        name=b"",
+        use_count=0,
+    )
     return bytes(c.get_tensor(t, 0, size))
 
 
-def diff_spans(got: bytes, want: bytes, allowed: list[tuple[int, int]], limit: int = 4) -> list[tuple[int, int]]:
+def diff_spans(
+    got: bytes, want: bytes, allowed: list[tuple[int, int]], limit: int = 4
+) -> list[tuple[int, int]]:
     a = np.frombuffer(got, np.uint8)
     b = np.frombuffer(want, np.uint8)
     bad = a != b
     for lo, hi in allowed:
-        bad[max(0, lo):max(0, hi)] = False
+        bad[max(0, lo) : max(0, hi)] = False
     idx = np.flatnonzero(bad)
     if not len(idx):
         return []
@@ -983,7 +1137,7 @@ def run_case(d: Daemon, seed: int) -> Result:
         place(case, x_h, x_b)
         image = bytearray(canary(seed, case.size))
         for off, data in write_plan(case, x_b):
-            image[off:off + len(data)] = data
+            image[off : off + len(data)] = data
         set_whole(fuzzed, x_h, x_b, bytes(image))
         graph = case.gen.g.serialize(case.gen.nodes)
         fuzzed.graph_compute(graph)
@@ -993,7 +1147,7 @@ def run_case(d: Daemon, seed: int) -> Result:
             spans = diff_spans(got, bytes(image), computed_extents(case, x_b))
             if spans:
                 res.corruptions.append(fmt_spans("own buffer outside the nodes' extents", spans, case.size))
-        except socket.timeout:
+        except TimeoutError:
             res.outcome = "hang"
         except (FleetdError, OSError) as exc:
             if isinstance(exc.__cause__, socket.timeout) or "timed out" in str(exc):
@@ -1021,7 +1175,10 @@ def run_case(d: Daemon, seed: int) -> Result:
                 res.log = line
                 res.outcome = classify_close(line)
         if res.outcome != "daemon_death":
-            for name, h, b in (("other session's buffer after X", hi_h, hi_b), ("other session's buffer before X", lo_h, lo_b)):
+            for name, h, b in (
+                ("other session's buffer after X", hi_h, hi_b),
+                ("other session's buffer before X", lo_h, lo_b),
+            ):
                 got = get_whole(victim, h, b, VICTIM_SIZE)
                 spans = diff_spans(got, vcanary, [])
                 if spans:
@@ -1038,7 +1195,7 @@ def run_case(d: Daemon, seed: int) -> Result:
             if c is not None:
                 c.close()
     if res.outcome == "hang" and not res.log:
-        res.log = "no answer within %gs; log: %s" % (READ_S, last_lines(d.new_log()))
+        res.log = f"no answer within {READ_S:g}s; log: {last_lines(d.new_log())}"
     if res.outcome in ("daemon_death", "hang"):  # a hung compute holds the execution lock
         d.restart()
     res.seconds = round(time.monotonic() - t0, 3)
@@ -1053,7 +1210,11 @@ def death_log(d: Daemon) -> str:
         except subprocess.TimeoutExpired:
             pass
     text = d.new_log()
-    why = [ln for ln in text.splitlines() if re.search(r"GGML_ASSERT|GGML_ABORT|ggml.*: error|Fatal|Segmentation", ln)]
+    why = [
+        ln
+        for ln in text.splitlines()
+        if re.search(r"GGML_ASSERT|GGML_ABORT|ggml.*: error|Fatal|Segmentation", ln)
+    ]
     return f"exit status {d.exit_status()}: " + (why[0].strip()[:400] if why else last_lines(text))
 
 

@@ -59,8 +59,12 @@ class TestHost:
 
     def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """A command inside this host's namespace, as its user."""
-        return subprocess.run(["ip", "netns", "exec", self.name, "runuser", "-u", self.user, "--", *cmd],
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.name, "runuser", "-u", self.user, "--", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 class TestHosts(list):
@@ -102,8 +106,21 @@ class TestHosts(list):
             name = f"fh{self.tag}n{i}"
             host = TestHost(name, f"10.77.{self.subnet}.{11 + i}", self.dir / f"home-{i}")
             self.append(host)
-            subprocess.run(["useradd", "--home-dir", str(host.home), "--create-home", "--shell", "/bin/bash",
-                            "--user-group", name], check=True, capture_output=True, timeout=30)
+            subprocess.run(
+                [
+                    "useradd",
+                    "--home-dir",
+                    str(host.home),
+                    "--create-home",
+                    "--shell",
+                    "/bin/bash",
+                    "--user-group",
+                    name,
+                ],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
             # useradd leaves the account locked ("!"), and sshd without PAM refuses locked
             # accounts even for keys: "*" means no password, not locked.
             subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
@@ -123,7 +140,8 @@ class TestHosts(list):
             )
             host.sshd = subprocess.Popen(
                 ["ip", "netns", "exec", name, str(sshd), "-D", "-e", "-f", str(config)],
-                stdout=open(self.dir / f"sshd-{i}.log", "wb"), stderr=subprocess.STDOUT,
+                stdout=open(self.dir / f"sshd-{i}.log", "wb"),
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
             key_type, key_b64 = host_pub.split()[:2]

@@ -35,16 +35,26 @@ def ensure_sshd() -> Path:
         return SSHD
     if os.geteuid() == 0 and shutil.which("apt-get"):
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "install", "-y", "-qq", "openssh-server"], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "openssh-server"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=600,
+            check=False,
+        )
     if not SSHD.exists():
         raise FileNotFoundError(f"{SSHD} missing: apt-get install openssh-server (scripts/bootstrap.sh does)")
     return SSHD
 
 
 def _keygen(path: Path, comment: str) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   check=True, stdout=subprocess.DEVNULL, timeout=30)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=30,
+    )
     return path.with_suffix(".pub").read_text().strip()
 
 
@@ -94,7 +104,9 @@ class SshServer:
         )
         self.proc = subprocess.Popen(
             [str(exe), "-D", "-e", "-f", str(config)],
-            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=open(self.log, "wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         self._wait_banner()
         return self

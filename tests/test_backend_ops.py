@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import needs_tool
+from helpers import REPO, needs_tool
 
 pytestmark = needs_tool("test-backend-ops")
 
-REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("backend_ops", REPO / "scripts" / "backend_ops.py")
 backend_ops = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = backend_ops  # dataclasses look their module up
@@ -34,18 +32,33 @@ SUBSET = [
     ("SET_ROWS", r"type_dst=(f16|q8_0|q4_0),type_idx=i64,ne=\[256,5,1,3\]"),
     ("CPY", r"type_src=f32,type_dst=(f16|bf16|q8_0|q4_0|q5_1),ne_src=\[256,4,4,4\]"),
     # same-type block copies from a permuted src0 (and into a permuted result)
-    ("CPY", r"type_src=(q4_K|iq4_xs|nvfp4),type_dst=(q4_K|iq4_xs|nvfp4),ne_src=\[256,2,3,4\],permute_src=\[0,[23],"),
+    (
+        "CPY",
+        r"type_src=(q4_K|iq4_xs|nvfp4),type_dst=(q4_K|iq4_xs|nvfp4),ne_src=\[256,2,3,4\],permute_src=\[0,[23],",
+    ),
     ("CONT", r"type=f32,ne=\[10,10,10,1\]"),
     ("RMS_NORM", r"type=f32,ne=\[64,5,4,3\],v=0"),
     ("NORM", r"type=f32,ne=\[64,5,4,3\],v=0"),
     ("L2_NORM", r"ne=\[64,5,4,3\]"),
-    ("MUL_MAT", r"type_a=(f16|bf16|q8_0|q4_0|q4_K|q6_K|iq4_nl),type_b=f32,m=16,n=(1|9),k=256,bs=\[1,1\],nr=\[1,1\],per=\[0,1,2,3\],k_v=0,o=1"),
+    (
+        "MUL_MAT",
+        r"type_a=(f16|bf16|q8_0|q4_0|q4_K|q6_K|iq4_nl),type_b=f32,m=16,n=(1|9),k=256,bs=\[1,1\],nr=\[1,1\],per=\[0,1,2,3\],k_v=0,o=1",
+    ),
     ("MUL_MAT", r"type_a=f32,type_b=bf16,"),  # bf16 src1 widened for f32 weights
     ("MUL_MAT_HADAMARD", r"type_a=f32,type_b=(f32|f16),m=(64|128),n=(1|4),"),
     ("MUL_MAT_ID", r"type_a=(q4_K|q6_K|q8_0),type_b=f32,n_mats=4,n_used=2,b=0,m=512,n=1,k=256"),
-    ("ROPE", r"type=f32,ne_a=\[128,32,2,1\],n_dims=128,mode=(0|2),n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0"),
-    ("SOFT_MAX", r"type=f32,ne=\[32,2,32,1\],mask=1,sinks=(0|1),m_prec=f16,nr23=\[1,1\],scale=0.100000,max_bias=(0.000000|8.000000)"),
-    ("FLASH_ATTN_EXT", r"hsk=64,hsv=64,nh=4,nr23=\[4,1\],kv=512,nb=(1|3),mask=1,sinks=(0|1),max_bias=0.000000,logit_softcap=0.000000,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]"),
+    (
+        "ROPE",
+        r"type=f32,ne_a=\[128,32,2,1\],n_dims=128,mode=(0|2),n_ctx=512,fs=1.000000,ef=0.000000,af=1.000000,ff=0,v=0",
+    ),
+    (
+        "SOFT_MAX",
+        r"type=f32,ne=\[32,2,32,1\],mask=1,sinks=(0|1),m_prec=f16,nr23=\[1,1\],scale=0.100000,max_bias=(0.000000|8.000000)",
+    ),
+    (
+        "FLASH_ATTN_EXT",
+        r"hsk=64,hsv=64,nh=4,nr23=\[4,1\],kv=512,nb=(1|3),mask=1,sinks=(0|1),max_bias=0.000000,logit_softcap=0.000000,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]",
+    ),
     ("SWIGLU", r"type=f32,ne_a=\[128,2,2,2\]"),
     ("GEGLU", r"type=f32,ne_a=\[128,2,2,2\],v=0,swapped=1"),
     ("GELU", r"type=f32"),
@@ -88,7 +101,8 @@ def test_one_process_through_fleetd_reaches_every_case_stock_passes(tmp_path):
         server = backend_ops.Server(kind, tmp_path, "cpu", extra)
         try:
             results[kind] = backend_ops.run_one_process(
-                server, ["GET_ROWS", "SET_ROWS", "MUL_MAT_ID"], "q4_0", 1800, tmp_path / f"{kind}.log")
+                server, ["GET_ROWS", "SET_ROWS", "MUL_MAT_ID"], "q4_0", 1800, tmp_path / f"{kind}.log"
+            )
         finally:
             server.stop()
     for op, stock in results["stock"].items():

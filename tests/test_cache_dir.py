@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 
 from fleetd.server.cache_dir import SIZE_XATTR, CacheDir, parse_budget
 from fleetd.wire import fnv1a_64
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def name_of(data: bytes) -> str:
@@ -34,20 +33,45 @@ def files(d: Path) -> set[str]:
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
 def test_store_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path):
     cache = tmp_path / "cache"
-    script = (f"from fleetd.server.cache_dir import CacheDir\n"
-              f"CacheDir({str(cache)!r}, '1G').store(b'x' * 5000)\n")
+    script = (
+        f"from fleetd.server.cache_dir import CacheDir\nCacheDir({str(cache)!r}, '1G').store(b'x' * 5000)\n"
+    )
     trace = tmp_path / "trace"
-    subprocess.run(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=openat,fsync,fdatasync,rename,renameat,renameat2",
-                    sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
+    subprocess.run(
+        [
+            "strace",
+            "-f",
+            "-qq",
+            "-o",
+            str(trace),
+            "-e",
+            "trace=openat,fsync,fdatasync,rename,renameat,renameat2",
+            sys.executable,
+            "-c",
+            script,
+        ],
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
     calls = [line.split(None, 1)[1] for line in trace.read_text().splitlines() if " " in line]
     name = name_of(b"x" * 5000)
-    (tmp_fd,) = {m.group(1) for c in calls if (m := re.search(r'openat\(.*/\.store\.[0-9.]+", .*\) = (\d+)', c))}
+    (tmp_fd,) = {
+        m.group(1) for c in calls if (m := re.search(r'openat\(.*/\.store\.[0-9.]+", .*\) = (\d+)', c))
+    }
     i_rename = next(i for i, c in enumerate(calls) if c.startswith("rename") and name in c)
     i_file_sync = next(i for i, c in enumerate(calls) if c.startswith(f"fsync({tmp_fd})"))
-    dir_opens = [(i, m.group(1)) for i, c in enumerate(calls)
-                 if (m := re.search(rf'openat\(AT_FDCWD, "{re.escape(str(cache))}", .*O_DIRECTORY.*\) = (\d+)', c))]
-    i_dir_sync = next(i for i, c in enumerate(calls) for j, fd in dir_opens
-                      if i > j > i_rename and c.startswith(f"fsync({fd})"))
+    dir_opens = [
+        (i, m.group(1))
+        for i, c in enumerate(calls)
+        if (m := re.search(rf'openat\(AT_FDCWD, "{re.escape(str(cache))}", .*O_DIRECTORY.*\) = (\d+)', c))
+    ]
+    i_dir_sync = next(
+        i
+        for i, c in enumerate(calls)
+        for j, fd in dir_opens
+        if i > j > i_rename and c.startswith(f"fsync({fd})")
+    )
     assert i_file_sync < i_rename < i_dir_sync, calls
     assert files(cache) == {name}
 

@@ -31,8 +31,10 @@ from fleetd.models import generate
 from fleetd.tools import p2p_tools_dir
 from fleetd.transport import free_port
 
-pytestmark = [needs_tool("p2p/llama-completion", "p2p/llama-server", "ggml-rpc-server"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    needs_tool("p2p/llama-completion", "p2p/llama-server", "ggml-rpc-server"),
+    pytest.mark.timeout(300),
+]
 
 COMPLETION = p2p_tools_dir() / "llama-completion"
 SERVER = p2p_tools_dir() / "llama-server"
@@ -47,9 +49,12 @@ def model(tmp_path_factory) -> Path:
 
 
 def control(srv, method: str = "GET", path: str = "/v1/stats", doc=None) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{srv.control.port}{path}", method=method,
-                                 data=None if doc is None else json.dumps(doc).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{srv.control.port}{path}",
+        method=method,
+        data=None if doc is None else json.dumps(doc).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)
 
@@ -64,13 +69,33 @@ def counts(srv) -> dict[str, int]:
 
 def client_stats(stderr: str) -> dict[str, int]:
     """The patched client's GGML_RPC_STATS=1 table: command -> count."""
-    table = stderr[stderr.rindex("GGML_RPC_STATS client"):]
+    table = stderr[stderr.rindex("GGML_RPC_STATS client") :]
     return {m.group(1): int(m.group(2)) for m in STATS_LINE.finditer(table)}
 
 
 def complete(model: Path, rpc: list[str], p2p: str, n: int = 64) -> tuple[bytes, dict[str, int]]:
-    args = [str(COMPLETION), "-m", str(model), "--rpc", ",".join(rpc), "-ngl", "99", "-sm", "layer",
-            "-p", PROMPT, "-n", str(n), "--temp", "0", "-t", "1", "-no-cnv", "--seed", "1"]
+    args = [
+        str(COMPLETION),
+        "-m",
+        str(model),
+        "--rpc",
+        ",".join(rpc),
+        "-ngl",
+        "99",
+        "-sm",
+        "layer",
+        "-p",
+        PROMPT,
+        "-n",
+        str(n),
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "-no-cnv",
+        "--seed",
+        "1",
+    ]
     env = dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1")
     proc = subprocess.run(args, capture_output=True, timeout=240, env=env, check=False)
     stderr = proc.stderr.decode(errors="replace")
@@ -137,7 +162,7 @@ class SlowProxy:
         while not self.stopping.is_set():
             try:
                 conn, _ = self.listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -195,9 +220,29 @@ def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
     port = free_port()
     log = open(tmp_path / "llama-server.log", "wb")
     proc = subprocess.Popen(
-        [str(SERVER), "-m", str(model), "--rpc", f"{endpoint(a)},{endpoint(b)}", "-ngl", "99",
-         "-sm", "layer", "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, GGML_RPC_P2P="1"))
+        [
+            str(SERVER),
+            "-m",
+            str(model),
+            "--rpc",
+            f"{endpoint(a)},{endpoint(b)}",
+            "-ngl",
+            "99",
+            "-sm",
+            "layer",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            "1",
+            "-np",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, GGML_RPC_P2P="1"),
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -212,9 +257,12 @@ def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
             time.sleep(0.2)
 
         def ask() -> str:
-            body = json.dumps({"prompt": PROMPT, "n_predict": 24, "temperature": 0, "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=body,
-                                         headers={"Content-Type": "application/json"})
+            body = json.dumps(
+                {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "cache_prompt": False}
+            ).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/completion", data=body, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=60) as r:
                 return json.load(r)["content"]
 

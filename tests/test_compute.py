@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import connection_closed, endpoint
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+from helpers import connection_closed, endpoint
 
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.client.graph import f32_bits
@@ -126,8 +126,9 @@ def test_a_graph_write_drops_only_the_cached_regions_it_overlaps():
 
     def rows(first, n):
         view = m.buf.array[start + first * 34 : start + (first + n) * 34].reshape(1, 1, n, 34)
-        return m.cache.get(m.buf, start + first * 34, view, GgmlType.Q8_0,
-                           lambda v: dequant.dequantize(np, v, GgmlType.Q8_0))
+        return m.cache.get(
+            m.buf, start + first * 34, view, GgmlType.Q8_0, lambda v: dequant.dequantize(np, v, GgmlType.Q8_0)
+        )
 
     for first in range(0, 64, 8):
         got = rows(first, 8)
@@ -325,13 +326,26 @@ def test_rope_neox_rotates_split_halves():
     x_values = RNG.standard_normal((1, 6)).astype(np.float32)
     x = m.tensor(GgmlType.F32, (6, 1, 1), x_values)
     pos = m.tensor(GgmlType.I32, (1,), np.array([1], np.int32))
-    params = [0, 4, 2, 0, 0, f32_bits(10000.0), f32_bits(1.0), 0, f32_bits(1.0), f32_bits(32.0), f32_bits(1.0)]
+    params = [
+        0,
+        4,
+        2,
+        0,
+        0,
+        f32_bits(10000.0),
+        f32_bits(1.0),
+        0,
+        f32_bits(1.0),
+        f32_bits(32.0),
+        f32_bits(1.0),
+    ]
     out = m.node(GgmlOp.ROPE, GgmlType.F32, (6, 1, 1), [x, pos], params)
     m.run(out)
     theta = np.array([1.0, 1.0 * 10000 ** (-2 / 4)])
     x0, x1 = x_values[0, [0, 1]], x_values[0, [2, 3]]
-    want = np.concatenate([x0 * np.cos(theta) - x1 * np.sin(theta),
-                           x0 * np.sin(theta) + x1 * np.cos(theta), x_values[0, 4:]])
+    want = np.concatenate(
+        [x0 * np.cos(theta) - x1 * np.sin(theta), x0 * np.sin(theta) + x1 * np.cos(theta), x_values[0, 4:]]
+    )
     np.testing.assert_allclose(m.read(out), want, rtol=1e-5)
 
 
@@ -341,8 +355,19 @@ def test_recompute_replays_rope_without_binding_again(monkeypatch):
     m = Local()
     x = m.tensor(GgmlType.F32, (8, 2, 3), RNG.standard_normal((3, 2, 8)))
     pos = m.tensor(GgmlType.I32, (3,), np.array([0, 1, 2], np.int32))
-    params = [0, 8, 2, 0, 4096, f32_bits(10000.0), f32_bits(0.5), f32_bits(1.0), f32_bits(1.0),
-              f32_bits(32.0), f32_bits(1.0)]
+    params = [
+        0,
+        8,
+        2,
+        0,
+        4096,
+        f32_bits(10000.0),
+        f32_bits(0.5),
+        f32_bits(1.0),
+        f32_bits(1.0),
+        f32_bits(32.0),
+        f32_bits(1.0),
+    ]
     out = m.node(GgmlOp.ROPE, GgmlType.F32, (8, 2, 3), [x, pos], params)
     plan = m.run(out)
     assert isinstance(plan.steps[0].node.bound, rope.RopeParams)
@@ -399,7 +424,9 @@ def test_flash_attention_matches_softmax_attention_with_grouped_heads(kv_type):
     want = (p / p.sum(-1, keepdims=True)) @ vv  # (heads, n_q, d)
     # f16 K/V: Q rounded to f16 and the V sum accumulated in f16, as the CPU does.
     tol = 1e-5 if kv_type == GgmlType.F32 else 3e-3
-    np.testing.assert_allclose(m.read(out).reshape(n_q, heads, d), want.transpose(1, 0, 2), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        m.read(out).reshape(n_q, heads, d), want.transpose(1, 0, 2), rtol=tol, atol=tol
+    )
 
 
 # -- over the wire: what a client sees -------------------------------------------------------

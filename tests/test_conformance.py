@@ -16,12 +16,11 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import HELLO_FRAME, Conn, connection_closed, endpoint, frame, hello, needs_tool, rpc_tensor
 
-from conftest import connection_closed, frame
-from helpers import endpoint, needs_tool
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.transport import free_port
-from fleetd.wire import Cmd, GgmlType, RpcTensor, contiguous_strides, fnv1a_64
+from fleetd.wire import Cmd, GgmlType, fnv1a_64
 
 pytestmark = needs_tool("ggml-rpc-server")
 
@@ -40,11 +39,6 @@ def both(pair, scenario, *args):
     b = scenario(ours, *args)
     assert a == b, f"stock answered {a!r}, fleetd answered {b!r}"
     return a
-
-
-def tensor(ty, ne, buffer=0, data=0, nb=None, tid=1, **kw) -> RpcTensor:
-    ne = tuple(ne) + (1,) * (4 - len(ne))
-    return RpcTensor(id=tid, type=ty, buffer=buffer, ne=ne, nb=nb or contiguous_strides(ty, ne), data=data, **kw)
 
 
 # -- scenarios -------------------------------------------------------------------------------
@@ -71,21 +65,21 @@ def alloc_sizes(ep):
         ptr, _ = c.alloc_buffer(1 << 16)
         base = c.buffer_get_base(ptr)
         cases = {
-            "f32 4x3": tensor(GgmlType.F32, (4, 3)),
-            "f16 64x7": tensor(GgmlType.F16, (64, 7)),
-            "q4_0 4096x3": tensor(GgmlType.Q4_0, (4096, 3)),
-            "q8_0 96x2": tensor(GgmlType.Q8_0, (96, 2)),
-            "q4_K 512x2": tensor(GgmlType.Q4_K, (512, 2)),
-            "q6_K 256x5": tensor(GgmlType.Q6_K, (256, 5)),
-            "iq4_xs 256x1": tensor(GgmlType.IQ4_XS, (256, 1)),
-            "transposed view": tensor(GgmlType.F32, (3, 5, 2), nb=(20, 4, 60, 120)),
-            "in buffer": tensor(GgmlType.F32, (8, 8), buffer=ptr, data=base + 64),
+            "f32 4x3": rpc_tensor(GgmlType.F32, (4, 3)),
+            "f16 64x7": rpc_tensor(GgmlType.F16, (64, 7)),
+            "q4_0 4096x3": rpc_tensor(GgmlType.Q4_0, (4096, 3)),
+            "q8_0 96x2": rpc_tensor(GgmlType.Q8_0, (96, 2)),
+            "q4_K 512x2": rpc_tensor(GgmlType.Q4_K, (512, 2)),
+            "q6_K 256x5": rpc_tensor(GgmlType.Q6_K, (256, 5)),
+            "iq4_xs 256x1": rpc_tensor(GgmlType.IQ4_XS, (256, 1)),
+            "transposed view": rpc_tensor(GgmlType.F32, (3, 5, 2), nb=(20, 4, 60, 120)),
+            "in buffer": rpc_tensor(GgmlType.F32, (8, 8), buffer=ptr, data=base + 64),
         }
         for name, t in cases.items():
             out[name] = c.get_alloc_size(t)
-        w = tensor(GgmlType.Q8_0, (64, 4), tid=2)
-        x = tensor(GgmlType.F32, (64, 3), tid=3)
-        mm = tensor(GgmlType.F32, (4, 3), tid=4, op=29, src=(2, 3) + (0,) * 8)
+        w = rpc_tensor(GgmlType.Q8_0, (64, 4), id=2)
+        x = rpc_tensor(GgmlType.F32, (64, 3), id=3)
+        mm = rpc_tensor(GgmlType.F32, (4, 3), id=4, op=29, src=(2, 3) + (0,) * 8)
         out["mul_mat with srcs"] = c.get_alloc_size(mm, srcs=(w, x))
         ptr0, size0 = c.alloc_buffer(0)
         out["zero buffer"] = (ptr0 != 0, size0, c.buffer_get_base(ptr0))
@@ -99,7 +93,7 @@ def set_get_offsets(ep):
     with RpcClient(ep) as c:
         ptr, size = c.alloc_buffer(8192)
         base = c.buffer_get_base(ptr)
-        t = tensor(GgmlType.F32, (1024,), buffer=ptr, data=base + 1024)
+        t = rpc_tensor(GgmlType.F32, (1024,), buffer=ptr, data=base + 1024)
         c.set_tensor(t, data)
         c.set_tensor(t, np.full(16, 7, "<f4"), offset=100 * 4)
         whole = np.frombuffer(c.get_tensor(t), "<f4")
@@ -121,7 +115,7 @@ def hash_miss_then_hit(ep, cache_dir_of):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(4096)
         base = c.buffer_get_base(ptr)
-        t = tensor(GgmlType.F32, (256,), buffer=ptr, data=base)
+        t = rpc_tensor(GgmlType.F32, (256,), buffer=ptr, data=base)
         miss = c.set_tensor_hash(t, h)
         c.set_tensor(t, payload, cache=True)  # stores <cache>/<fnv1a %016x>
         c.buffer_clear(ptr, 0)
@@ -137,19 +131,23 @@ def hash_of_nothing(ep, cache_dir_of):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(4096)
         base = c.buffer_get_base(ptr)
-        t = tensor(GgmlType.F32, (256,), buffer=ptr, data=base)
+        t = rpc_tensor(GgmlType.F32, (256,), buffer=ptr, data=base)
         c.set_tensor(t, np.zeros(0, "<f4"), cache=True)
         hit = c.set_tensor_hash(t, fnv1a_64(b""))
     files = sorted(p.name for p in cache_dir_of(ep).iterdir() if not p.name.startswith("."))
-    return {"hit": hit, "files": files, "empty": (cache_dir_of(ep) / files[0]).stat().st_size if files else None}
+    return {
+        "hit": hit,
+        "files": files,
+        "empty": (cache_dir_of(ep) / files[0]).stat().st_size if files else None,
+    }
 
 
 def copy_memset_clear(ep):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(1024)
         base = c.buffer_get_base(ptr)
-        a = tensor(GgmlType.F32, (16,), buffer=ptr, data=base, tid=1)
-        b = tensor(GgmlType.F32, (16,), buffer=ptr, data=base + 256, tid=2)
+        a = rpc_tensor(GgmlType.F32, (16,), buffer=ptr, data=base, id=1)
+        b = rpc_tensor(GgmlType.F32, (16,), buffer=ptr, data=base + 256, id=2)
         c.set_tensor(a, np.arange(16, dtype="<f4"))
         copied = c.copy_tensor(a, b)
         after_copy = np.frombuffer(c.get_tensor(b), "<f4").tolist()
@@ -159,7 +157,13 @@ def copy_memset_clear(ep):
         after_clear = bytes(c.get_tensor(a)).hex()
         c.init_tensor(a)  # CPU: a no-op that must not close the connection
         still_open = c.get_alignment()
-    return {"copied": copied, "copy": after_copy, "memset": after_memset, "clear": after_clear, "open": still_open}
+    return {
+        "copied": copied,
+        "copy": after_copy,
+        "memset": after_memset,
+        "clear": after_clear,
+        "open": still_open,
+    }
 
 
 def compute_then_recompute(ep):
@@ -213,18 +217,14 @@ def free_drops_stored_graph(ep):
 # -- helpers for malformed input -------------------------------------------------------------
 
 
-def raw(ep, data: bytes, hello: bool = True) -> socket.socket:
+def raw(ep, data: bytes, hello_first: bool = True) -> socket.socket:
+    """A raw connection that sent `data` (after a HELLO answered, unless told not to)."""
     host, port = ep.split(":")
-    s = socket.create_connection((host, int(port)), timeout=10)
-    if hello:
-        s.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
-        got = b""
-        while len(got) < 36:
-            chunk = s.recv(36 - len(got))
-            assert chunk, "server closed during HELLO"
-            got += chunk
-    s.sendall(data)
-    return s
+    conn = Conn(int(port), host)
+    if hello_first:
+        hello(conn)
+    conn.send(data)
+    return conn.sock
 
 
 def malformed_cases(ep):
@@ -233,7 +233,7 @@ def malformed_cases(ep):
     return {
         "no hello first": (frame(Cmd.DEVICE_COUNT, b""), False),
         "hello size 20": (b"\x0e" + struct.pack("<Q", 20) + bytes(20), False),
-        "second hello": (b"\x0e" + struct.pack("<Q", 24) + bytes(24), True),
+        "second hello": (HELLO_FRAME, True),
         "get_alignment size 8": (frame(Cmd.GET_ALIGNMENT, bytes(8)), True),
         "device_count size 1": (frame(Cmd.DEVICE_COUNT, b"\0"), True),
         "command NONE (18)": (frame(18, b""), True),
@@ -241,12 +241,21 @@ def malformed_cases(ep):
         "device out of range": (frame(Cmd.GET_ALIGNMENT, struct.pack("<I", 5)), True),
         "unknown buffer base": (frame(Cmd.BUFFER_GET_BASE, struct.pack("<Q", 0xDEAD)), True),
         "set_tensor unknown buffer": (
-            frame(Cmd.SET_TENSOR, tensor(GgmlType.F32, (4,), buffer=0xDEAD, data=0x1000).pack() + bytes(9) + bytes(16)),
+            frame(
+                Cmd.SET_TENSOR,
+                rpc_tensor(GgmlType.F32, (4,), buffer=0xDEAD, data=0x1000).pack() + bytes(9) + bytes(16),
+            ),
             True,
         ),
         "bad tensor type 4": (
-            frame(Cmd.GET_ALLOC_SIZE, struct.pack("<I", 0) + tensor(GgmlType.F32, (4,)).pack()[:8]
-                  + struct.pack("<I", 4) + tensor(GgmlType.F32, (4,)).pack()[12:] + bytes(2960)),
+            frame(
+                Cmd.GET_ALLOC_SIZE,
+                struct.pack("<I", 0)
+                + rpc_tensor(GgmlType.F32, (4,)).pack()[:8]
+                + struct.pack("<I", 4)
+                + rpc_tensor(GgmlType.F32, (4,)).pack()[12:]
+                + bytes(2960),
+            ),
             True,
         ),
         "graph_recompute without graph": (frame(Cmd.GRAPH_RECOMPUTE, struct.pack("<I", 0)), True),
@@ -256,8 +265,8 @@ def malformed_cases(ep):
 
 def observe_malformed(ep):
     out = {}
-    for name, (data, hello) in malformed_cases(ep).items():
-        s = raw(ep, data, hello)
+    for name, (data, hello_first) in malformed_cases(ep).items():
+        s = raw(ep, data, hello_first)
         out[name] = connection_closed(s)
         s.close()
         out[name + " / server alive"] = hello_and_device(ep)["device_count"] == 1
@@ -306,11 +315,14 @@ def test_copy_memset_clear(pair):
 def copy_on_zero_byte_buffer(ep):
     with RpcClient(ep) as c:
         ptr, size = c.alloc_buffer(0)
-        empty = tensor(GgmlType.F32, (0,), buffer=ptr, data=c.buffer_get_base(ptr))
+        empty = rpc_tensor(GgmlType.F32, (0,), buffer=ptr, data=c.buffer_get_base(ptr))
         real, _ = c.alloc_buffer(64)
-        into_real = tensor(GgmlType.F32, (0,), buffer=real, data=c.buffer_get_base(real))
-        return {"size": size, "into_empty": c.copy_tensor(empty, empty),
-                "into_real": c.copy_tensor(empty, into_real)}
+        into_real = rpc_tensor(GgmlType.F32, (0,), buffer=real, data=c.buffer_get_base(real))
+        return {
+            "size": size,
+            "into_empty": c.copy_tensor(empty, empty),
+            "into_real": c.copy_tensor(empty, into_real),
+        }
 
 
 def test_copy_tensor_on_zero_byte_buffer(pair):
@@ -341,10 +353,10 @@ def test_fleetd_other_sessions_survive_malformed_input(fleetd_server):
     with RpcClient(ep) as keeper:
         ptr, _ = keeper.alloc_buffer(64)
         base = keeper.buffer_get_base(ptr)
-        t = tensor(GgmlType.F32, (16,), buffer=ptr, data=base)
+        t = rpc_tensor(GgmlType.F32, (16,), buffer=ptr, data=base)
         keeper.set_tensor(t, np.arange(16, dtype="<f4"))
-        for name, (data, hello) in malformed_cases(ep).items():
-            s = raw(ep, data, hello)
+        for name, (data, hello_first) in malformed_cases(ep).items():
+            s = raw(ep, data, hello_first)
             assert connection_closed(s), name
             s.close()
         assert np.frombuffer(keeper.get_tensor(t), "<f4").tolist() == list(range(16))
@@ -355,7 +367,7 @@ def out_of_bounds_tensor(ep):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(64)
         base = c.buffer_get_base(ptr)
-        bad = tensor(GgmlType.F32, (32,), buffer=ptr, data=base)
+        bad = rpc_tensor(GgmlType.F32, (32,), buffer=ptr, data=base)
         c.send_raw(frame(Cmd.GET_TENSOR, bad.pack() + struct.pack("<QQ", 0, 4)))
         return connection_closed(c.sock)
 
@@ -377,7 +389,7 @@ def vanishing_clients(ep):
     with RpcClient(ep) as c:
         ptr, _ = c.alloc_buffer(32 << 20)
         base = c.buffer_get_base(ptr)
-        big = tensor(GgmlType.F32, (8 << 20,), buffer=ptr, data=base)
+        big = rpc_tensor(GgmlType.F32, (8 << 20,), buffer=ptr, data=base)
         c.send_raw(frame(Cmd.GET_TENSOR, big.pack() + struct.pack("<QQ", 0, 32 << 20)))
         c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     return hello_and_device(ep)["device_count"]
@@ -392,8 +404,8 @@ def test_two_clients_progress_at_once_on_fleetd_not_on_stock(stock_server, fleet
     with RpcClient(ours) as a, RpcClient(ours) as b:
         pa, _ = a.alloc_buffer(64)
         pb, _ = b.alloc_buffer(64)
-        ta = tensor(GgmlType.F32, (4,), buffer=pa, data=a.buffer_get_base(pa))
-        tb = tensor(GgmlType.F32, (4,), buffer=pb, data=b.buffer_get_base(pb))
+        ta = rpc_tensor(GgmlType.F32, (4,), buffer=pa, data=a.buffer_get_base(pa))
+        tb = rpc_tensor(GgmlType.F32, (4,), buffer=pb, data=b.buffer_get_base(pb))
         for i in range(20):  # interleaved: each needs the other to have been served
             a.set_tensor(ta, np.full(4, i, "<f4"))
             b.set_tensor(tb, np.full(4, -i, "<f4"))
@@ -403,8 +415,8 @@ def test_two_clients_progress_at_once_on_fleetd_not_on_stock(stock_server, fleet
     stock = stock_server()
     first = RpcClient(stock).open()
     host, port = stock.split(":")
-    second = socket.create_connection((host, int(port)), timeout=10)
-    second.sendall(b"\x0e" + struct.pack("<Q", 24) + bytes(24))
+    second = Conn(int(port), host).sock
+    second.sendall(HELLO_FRAME)
     second.settimeout(1.0)
     with pytest.raises(socket.timeout):  # recorded: stock serves one client, the second waits
         second.recv(36)
@@ -440,8 +452,12 @@ def test_session_frees_its_buffers_on_disconnect(fleetd_server):
 
 
 def _probe(ep: str) -> tuple[int, dict]:
-    p = subprocess.run([sys.executable, "-m", "fleetd.client.probe", ep, "--timeout", "5"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "fleetd.client.probe", ep, "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = p.stdout.splitlines()
     assert len(lines) == 1, p.stdout + p.stderr
     return p.returncode, json.loads(lines[0])

@@ -50,7 +50,9 @@ def traffic(srv, nbytes: int = 4096) -> None:
         ptr, _ = c.alloc_buffer(nbytes)
         base = c.buffer_get_base(ptr)
         ne = (nbytes // 4, 1, 1, 1)
-        t = RpcTensor(id=1, type=GgmlType.F32, buffer=ptr, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base)
+        t = RpcTensor(
+            id=1, type=GgmlType.F32, buffer=ptr, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base
+        )
         data = np.arange(nbytes // 4, dtype=np.float32)
         c.set_tensor(t, data)
         assert bytes(c.get_tensor(t, 0, nbytes)) == data.tobytes()
@@ -84,7 +86,10 @@ def test_status_lists_devices_sessions_and_p2p(fleetd_server):
         local = "{}:{}".format(*c.sock.getsockname()[:2])
     assert st["protocol"] == "7.0.0"
     assert st["rpc"]["port"] == srv.address[1]
-    assert st["features"] == {"bits": srv.state.features(), "peer_copy": bool(srv.state.features() & Feature.PEER_COPY)}
+    assert st["features"] == {
+        "bits": srv.state.features(),
+        "peer_copy": bool(srv.state.features() & Feature.PEER_COPY),
+    }
     assert st["p2p"]["enabled"] is True
     assert [d["name"] for d in st["devices"]] == [d.name for d in srv.state.devices]
     assert all(0 < d["free"] <= d["total"] for d in st["devices"])
@@ -112,7 +117,9 @@ def test_metrics_parse_and_match_stats(fleetd_server):
     assert cmds["SET_TENSOR"]["request_bytes"] == 9 + 296 + 1 + 8 + 8192
     assert cmds["GET_TENSOR"]["response_bytes"] == 8 + 8192
     assert m[("fleetd_graph_computes_total", ())] == stats["total"]["graph_computes"]
-    assert m[("fleetd_graph_compute_seconds_total", ())] == pytest.approx(stats["total"]["compute_seconds"], abs=1e-5)
+    assert m[("fleetd_graph_compute_seconds_total", ())] == pytest.approx(
+        stats["total"]["compute_seconds"], abs=1e-5
+    )
     peer = stats["peer"]
     assert m[("fleetd_peer_copies_total", ())] == peer["copies_ok"]
     assert m[("fleetd_peer_pushed_bytes_total", ())] == peer["bytes_pushed"]
@@ -129,7 +136,10 @@ def test_stats_reset_zeroes_totals_and_metrics(fleetd_server):
     status, _, data = api(srv, "POST", "/v1/stats/reset")
     assert status == 200 and json.loads(data)["reset"] is True
     after = get_json(srv, "/v1/stats")
-    assert all(v == {"count": 0, "request_bytes": 0, "response_bytes": 0} for v in after["total"]["commands"].values())
+    assert all(
+        v == {"count": 0, "request_bytes": 0, "response_bytes": 0}
+        for v in after["total"]["commands"].values()
+    )
     assert after["since"] == json.loads(data)["since"]
     assert all(v == 0 for (name, _), v in metrics(srv).items() if name.startswith("fleetd_rpc_"))
 
@@ -138,9 +148,12 @@ def test_put_p2p_switches_the_daemon(fleetd_server):
     srv = fleetd_server(control_port=0)
     status, _, data = api(srv, "PUT", "/v1/p2p", b'{"enabled": false}', {"Content-Type": "application/json"})
     assert status == 200 and json.loads(data) == {
-        "enabled": False, "served": True, "was": True,
+        "enabled": False,
+        "served": True,
+        "was": True,
         "peer_allow": ["127.0.0.0/8", "::1/128", "127.0.0.0/24"],  # the default: loopback + own /24
-        "peer_allow_complete": True}
+        "peer_allow_complete": True,
+    }
     assert srv.state.p2p_enabled is False
     assert get_json(srv, "/v1/p2p")["enabled"] is False
     assert metrics(srv)[("fleetd_p2p_enabled", ())] == 0

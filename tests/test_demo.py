@@ -14,9 +14,20 @@ def test_demo_runs_llama_and_ab_on_a_local_fleet():
     p = subprocess.run([sys.executable, "-m", "fleetd.server", "--help"], capture_output=True, text=True)
     assert p.returncode == 0
     p = subprocess.run(
-        [sys.executable, "-c", "from fleetd.ctl import main; raise SystemExit(main())",
-         "demo", "--json", "--n-embd", "256", "--steps", "3"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-c",
+            "from fleetd.ctl import main; raise SystemExit(main())",
+            "demo",
+            "--json",
+            "--n-embd",
+            "256",
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from fleetd.ctl import main
 
-REPO = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 FLEETCTL = [sys.executable, "-c", "import sys; from fleetd.ctl import main; sys.exit(main())"]
 
@@ -65,15 +65,26 @@ def test_an_unknown_node_name_is_a_usage_error(local_node, capsys):
 
 def test_output_to_a_full_device_is_one_line_not_a_traceback(local_node):
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([*FLEETCTL, "status", str(local_node), "--json"], stdout=full,
-                              stderr=subprocess.PIPE, text=True, env=ENV, timeout=60)
+        proc = subprocess.run(
+            [*FLEETCTL, "status", str(local_node), "--json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "fleetctl: error: cannot write the output: No space left on device"
 
 
 def test_ctrl_c_on_stats_watch_exits_130(local_node):
-    proc = subprocess.Popen([*FLEETCTL, "stats", str(local_node), "--watch", "--interval", "0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [*FLEETCTL, "stats", str(local_node), "--watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         first = proc.stdout.readline()  # a sample was printed: it is watching
         assert first.strip(), proc.stderr.read()
@@ -85,12 +96,20 @@ def test_ctrl_c_on_stats_watch_exits_130(local_node):
             proc.wait()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-d", "cuda:0"], "device 'cuda:0': unknown (known: cpu, numpy)"),
-    (["--port", "0"], "port 0 outside 1..65535"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-d", "cuda:0"], "device 'cuda:0': unknown (known: cpu, numpy)"),
+        (["--port", "0"], "port 0 outside 1..65535"),
+    ],
+)
 def test_fleetd_bad_flags_exit_2_with_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-P", "-m", "fleetd.server", *argv], capture_output=True,
-                          text=True, env=ENV, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "fleetd.server", *argv],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"fleetd: error: {message}"

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from conftest import REPO, free_port
 from fleetd.client import RpcClient
-from fleetd.errors import FleetError
 from fleetd.ctl import main
+from fleetd.errors import FleetError
 from fleetd.fleet.control_client import ControlError
 from fleetd.fleet.control_docs import NodeStats, NodeStatus
 from fleetd.fleet.local import LocalFleet
@@ -30,6 +30,7 @@ from fleetd.fleet.node import Fleet, FleetFailed, Node
 from fleetd.fleet.nodes_file import NodeSpec, parse_nodes
 from fleetd.fleet.render import down_text, stats_table, status_table
 from fleetd.fleet.ssh import ControlUnreachable, SshOptions
+from fleetd.transport import free_port
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import Feature, GgmlType, RpcTensor, contiguous_strides
 
@@ -53,8 +54,17 @@ def fleet2(fleetd_server, ssh_server, tmp_path):
         f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='a')}\n"
         f"{ssh_server.node_line(rpc_port=b.address[1], control_port=b.control.port, name='b')}  # second\n"
     )
-    args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts),
-            "--connect-timeout", "5", "--timeout", "20"]
+    args = [
+        str(nodes),
+        "-i",
+        str(ssh_server.identity),
+        "--known-hosts",
+        str(ssh_server.known_hosts),
+        "--connect-timeout",
+        "5",
+        "--timeout",
+        "20",
+    ]
     return a, b, args
 
 
@@ -68,7 +78,9 @@ def put_tensor(client: RpcClient, nbytes: int = 4096) -> None:
     ptr, _ = client.alloc_buffer(nbytes)
     base = client.buffer_get_base(ptr)
     ne = (nbytes // 4, 1, 1, 1)
-    t = RpcTensor(id=1, type=GgmlType.F32, buffer=ptr, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base)
+    t = RpcTensor(
+        id=1, type=GgmlType.F32, buffer=ptr, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base
+    )
     client.set_tensor(t, np.ones(nbytes // 4, dtype=np.float32))
     client.get_tensor(t, 0, 16)  # a response: the SET_TENSOR before it has been served and counted
 
@@ -112,7 +124,11 @@ def test_p2p_switch_through_ssh(fleet2, capsys):
     a, b, args = fleet2
     rc, doc = run_json(capsys, "p2p", "off", *args, "--node", "a")
     assert rc == 0 and list(doc) == ["a"]
-    assert {k: doc["a"]["p2p"][k] for k in ("enabled", "served", "was")} == {"enabled": False, "served": True, "was": True}
+    assert {k: doc["a"]["p2p"][k] for k in ("enabled", "served", "was")} == {
+        "enabled": False,
+        "served": True,
+        "was": True,
+    }
     assert a.p2p_enabled is False and b.p2p_enabled is True
     with RpcClient(ep(a), BOUNDED) as c:  # the HELLO bit is gone for new connections
         assert not c.features & Feature.PEER_COPY
@@ -133,8 +149,14 @@ def test_metrics_through_ssh_match_stats(fleet2, ssh_server):
     a, _, args = fleet2
     with RpcClient(ep(a), BOUNDED) as c:
         put_tensor(c, 8192)
-    fleet = Fleet.load(args[0], SshOptions(identity=(str(ssh_server.identity),),
-                                           known_hosts=(str(ssh_server.known_hosts),), connect_timeout=5))
+    fleet = Fleet.load(
+        args[0],
+        SshOptions(
+            identity=(str(ssh_server.identity),),
+            known_hosts=(str(ssh_server.known_hosts),),
+            connect_timeout=5,
+        ),
+    )
     with fleet:
         node = fleet.select(["a"])[0]
         assert not node.is_local
@@ -147,7 +169,8 @@ def test_metrics_through_ssh_match_stats(fleet2, ssh_server):
         assert node.stats().total == stats.total  # nothing moved in between
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text) for s in fam.samples
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
     }
     for cmd, v in stats.total.commands.items():
         assert samples[("fleetd_rpc_commands_total", (("command", cmd),))] == v.count
@@ -167,8 +190,15 @@ def test_down_nodes_show_their_reason(fleetd_server, ssh_server, tmp_path, capsy
         f"{ssh_server.user}@127.0.0.1:{free_port()} name=nossh\n"
         f"{ssh_server.user}@localhost:{ssh_server.port} name=unknownkey\n"  # known_hosts has 127.0.0.1 only
     )
-    args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts),
-            "--connect-timeout", "5"]
+    args = [
+        str(nodes),
+        "-i",
+        str(ssh_server.identity),
+        "--known-hosts",
+        str(ssh_server.known_hosts),
+        "--connect-timeout",
+        "5",
+    ]
     rc, doc = run_json(capsys, "status", *args)
     assert rc == 1
     assert doc["good"]["up"] is True
@@ -195,13 +225,25 @@ def test_fleetctl_as_a_subprocess(fleet2):
     a, b, args = fleet2
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160")
     code = "import sys; from fleetd.ctl import main; sys.exit(main())"
-    proc = subprocess.run([sys.executable, "-c", code, "status", *args, "--json"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "status", *args, "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["b"]["status"]["rpc"]["port"] == b.address[1]
-    proc = subprocess.run([sys.executable, "-c", code, "p2p", "off", *args, "--node", "b"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "p2p", "off", *args, "--node", "b"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert b.p2p_enabled is False and a.p2p_enabled is True
 
@@ -213,11 +255,18 @@ def test_fleetctl_without_the_ctl_extra_says_how_to_install_it(missing, command,
     code = f"import sys; sys.modules[{missing!r}] = None; from fleetd.ctl import main; sys.exit(main())"
     nodes = tmp_path / "nodes.txt"
     nodes.write_text("localhost\n")
-    proc = subprocess.run([sys.executable, "-c", code, command, str(nodes)], cwd=REPO, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, command, str(nodes)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=60,
+    )
     assert proc.returncode == 1 and proc.stdout == "", proc.stderr
-    assert proc.stderr == (f"fleetctl: {missing} is not installed: fleetctl needs the ctl extra "
-                           "(pip install 'fleetd[ctl]')\n")
+    assert proc.stderr == (
+        f"fleetctl: {missing} is not installed: fleetctl needs the ctl extra (pip install 'fleetd[ctl]')\n"
+    )
 
 
 def test_stats_watch_is_bounded_by_count(fleet2, capsys):
@@ -230,7 +279,9 @@ def test_stats_watch_is_bounded_by_count(fleet2, capsys):
     assert main(["stats", *args, "--watch", "--count", "2", "--interval", "0.05"]) == 0
     out = capsys.readouterr().out
     assert out.endswith("\n") and len(out.splitlines()) == 2
-    assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ a [\d ]+ commands", line) for line in out.splitlines())
+    assert all(
+        re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ a [\d ]+ commands", line) for line in out.splitlines()
+    )
     assert "/s" in out.splitlines()[1] and "; b " in out
 
 
@@ -311,11 +362,26 @@ def test_nodes_file_format():
         "localhost\n127.0.0.1:2200\n"
     )
     by = {s.name: s for s in specs}
-    assert list(by) == ["gpu1", "10.0.0.2:2222", "edge", "10.0.0.3/1", "10.0.0.3/2", "localhost", "127.0.0.1:2200"]
+    assert list(by) == [
+        "gpu1",
+        "10.0.0.2:2222",
+        "edge",
+        "10.0.0.3/1",
+        "10.0.0.3/2",
+        "localhost",
+        "127.0.0.1:2200",
+    ]
     s = by["10.0.0.2:2222"]
     assert (s.user, s.host, s.ssh_port, s.rpc_port, s.control_port, s.devices, s.line) == (
-        "root", "10.0.0.2", 2222, 50053, 7000, ("cpu", "numpy"), 4)
-    assert by["gpu1"] .ssh_port == 22 and by["gpu1"].rpc_port == 50052 and by["gpu1"].control_port == 50152
+        "root",
+        "10.0.0.2",
+        2222,
+        50053,
+        7000,
+        ("cpu", "numpy"),
+        4,
+    )
+    assert by["gpu1"].ssh_port == 22 and by["gpu1"].rpc_port == 50052 and by["gpu1"].control_port == 50152
     assert by["edge"].host == "fe80::1" and by["edge"].target == "[fe80::1]"
     assert by["localhost"].is_local and not by["127.0.0.1:2200"].is_local and not by["gpu1"].is_local
 
@@ -325,13 +391,19 @@ def test_nodes_file_format():
     [
         ("gpu1 rpc_port=70000", "nodes.txt:3: rpc_port '70000' is not a port in 1..65535"),
         ("gpu1 rpc_port", "nodes.txt:3: expected key=value after the host, got 'rpc_port'"),
-        ("gpu1 colour=blue", "nodes.txt:3: unknown key 'colour' (known: rpc_port, control_port, devices, name)"),
+        (
+            "gpu1 colour=blue",
+            "nodes.txt:3: unknown key 'colour' (known: rpc_port, control_port, devices, name)",
+        ),
         ("@gpu1", "nodes.txt:3: empty user name before '@'"),
         ("gpu1:ssh", "nodes.txt:3: ssh port 'ssh' is not a port in 1..65535"),
         ("fe80::1", "nodes.txt:3: ssh port ':1' is not a port"),
         ("[fe80::1", "nodes.txt:3: unclosed '['"),
         ("gpu1 devices=", "nodes.txt:3: devices '': expected fleetd's devices, comma separated: cpu, numpy"),
-        ("gpu1 devices=cuda:0", "nodes.txt:3: devices 'cuda:0': expected fleetd's devices, comma separated: cpu, numpy"),
+        (
+            "gpu1 devices=cuda:0",
+            "nodes.txt:3: devices 'cuda:0': expected fleetd's devices, comma separated: cpu, numpy",
+        ),
         ("gpu1 rpc_port=1 rpc_port=2", "nodes.txt:3: rpc_port given twice"),
         ("gpu0", "nodes.txt:3: gpu0 rpc_port=50052 already listed on line 1"),
         ("gpu1 name=gpu0", "nodes.txt:3: node name 'gpu0' already used on line 1 (add name=...)"),
@@ -342,7 +414,9 @@ def test_bad_nodes_file_line_names_the_line(tmp_path, capsys, line, message):
     nodes.write_text(f"gpu0\n# ok so far\n{line}\n")
     assert main(["status", str(nodes)]) == 2  # the operator's input: a usage error, fleetctl(1)
     err = capsys.readouterr().err
-    assert err.startswith("fleetctl status: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert (
+        err.startswith("fleetctl status: error: ") and message in err and len(err.strip().splitlines()) == 1
+    )
 
 
 def test_missing_or_empty_nodes_file(tmp_path, capsys):
@@ -370,12 +444,18 @@ def test_answers_of_another_shape_name_the_field():
     assert NodeStatus.parse(good).rpc_port == 50052
     with pytest.raises(ControlError, match=r"^n1: GET /v1/status: no rpc\.port$"):
         NodeStatus.parse({"version": "0.1.0", "rpc": {}}, "n1: GET /v1/status")
-    with pytest.raises(ControlError, match=r"^/v1/stats: total\.commands\.HELLO\.count: expected int, got 'x'$"):
-        NodeStats.parse({"total": {"commands": {"HELLO": {"count": "x", "request_bytes": 0, "response_bytes": 0}}}})
+    with pytest.raises(
+        ControlError, match=r"^/v1/stats: total\.commands\.HELLO\.count: expected int, got 'x'$"
+    ):
+        NodeStats.parse(
+            {"total": {"commands": {"HELLO": {"count": "x", "request_bytes": 0, "response_bytes": 0}}}}
+        )
 
 
 def test_local_fleet_reports_a_node_that_exits(tmp_path):
-    with pytest.raises(FleetError, match=r"local-0 \(127\.0\.0\.1:\d+\) exited with 2: .*unrecognized arguments"):
+    with pytest.raises(
+        FleetError, match=r"local-0 \(127\.0\.0\.1:\d+\) exited with 2: .*unrecognized arguments"
+    ):
         with LocalFleet(1, tmp_path, server_args=["--no-such-flag"]):
             pass
 
@@ -387,8 +467,13 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
     p = subprocess.run([*probe, ep(a), "--timeout", "5"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"version": "7.0.0", "features": int(Feature.PEER_COPY)}
-    p = subprocess.run([*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"], capture_output=True, text=True,
-                       env=env, timeout=60)
+    p = subprocess.run(
+        [*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert p.returncode == 1 and p.stdout.count("\n") == 1
     assert "127.0.0.1:" in json.loads(p.stdout)["error"]
 
@@ -396,21 +481,24 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
 # -- the operator's rough edges (issue 13) -----------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["stats", "N", "--interval", "-1"], "--interval -1: must be above 0"),
-    (["stats", "N", "--watch", "--count", "0"], "--count 0: must be at least 1"),
-    (["status", "N", "--timeout", "0"], "--timeout 0: must be above 0"),
-    (["status", "N", "--connect-timeout", "-2"], "--connect-timeout -2: must be above 0"),
-    (["ab", "N", "--rows", "0"], "--rows 0: must be at least 1"),
-    (["ab", "N", "--rows", "-5"], "--rows -5: must be at least 1"),
-    (["ab", "N", "--n-embd", "0"], "--n-embd 0: must be at least 1"),
-    (["ab", "N", "--steps", "1"], "--steps 1: must be at least 2"),
-    (["ab", "N", "--layers", "-1"], "--layers -1: must be at least 0"),
-    (["logs", "N", "-n", "0"], "--lines 0: must be at least 1"),
-    (["tui", "N", "--interval", "0"], "--interval 0: must be above 0"),
-    (["tui", "N", "--ab-steps", "1"], "--ab-steps 1: must be at least 2"),
-    (["demo", "--nodes", "0"], "--nodes 0: must be in 1..64"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stats", "N", "--interval", "-1"], "--interval -1: must be above 0"),
+        (["stats", "N", "--watch", "--count", "0"], "--count 0: must be at least 1"),
+        (["status", "N", "--timeout", "0"], "--timeout 0: must be above 0"),
+        (["status", "N", "--connect-timeout", "-2"], "--connect-timeout -2: must be above 0"),
+        (["ab", "N", "--rows", "0"], "--rows 0: must be at least 1"),
+        (["ab", "N", "--rows", "-5"], "--rows -5: must be at least 1"),
+        (["ab", "N", "--n-embd", "0"], "--n-embd 0: must be at least 1"),
+        (["ab", "N", "--steps", "1"], "--steps 1: must be at least 2"),
+        (["ab", "N", "--layers", "-1"], "--layers -1: must be at least 0"),
+        (["logs", "N", "-n", "0"], "--lines 0: must be at least 1"),
+        (["tui", "N", "--interval", "0"], "--interval 0: must be above 0"),
+        (["tui", "N", "--ab-steps", "1"], "--ab-steps 1: must be at least 2"),
+        (["demo", "--nodes", "0"], "--nodes 0: must be in 1..64"),
+    ],
+)
 def test_numeric_options_are_range_checked(argv, message, capsys):
     assert main(argv) == 2  # before anything is read or reached: N is not even a file
     err = capsys.readouterr().err
@@ -441,8 +529,15 @@ def test_json_into_a_closed_pipe_is_quiet(fleetd_server, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     code = "import sys; from fleetd.ctl import main; sys.exit(main())"
     try:
-        proc = subprocess.run([sys.executable, "-c", code, "status", str(nodes), "--json"], cwd=REPO,
-                              env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "status", str(nodes), "--json"],
+            cwd=REPO,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(write)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
@@ -453,8 +548,10 @@ def test_status_checks_hello_on_the_rpc_port(fleetd_server, ssh_server, tmp_path
     a = fleetd_server(control_port=0)
     closed = free_port()
     nodes = tmp_path / "nodes.txt"
-    nodes.write_text(f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='a')}\n"
-                     f"{ssh_server.node_line(rpc_port=closed, control_port=a.control.port, name='norpc')}\n")
+    nodes.write_text(
+        f"{ssh_server.node_line(rpc_port=a.address[1], control_port=a.control.port, name='a')}\n"
+        f"{ssh_server.node_line(rpc_port=closed, control_port=a.control.port, name='norpc')}\n"
+    )
     args = [str(nodes), "-i", str(ssh_server.identity), "--known-hosts", str(ssh_server.known_hosts)]
     rc, doc = run_json(capsys, "status", *args)
     assert rc == 1 and doc["a"]["up"] is True
@@ -501,8 +598,11 @@ def test_deploy_plan_names_a_fleetd_it_did_not_deploy(fleetd_server, tmp_path):
     nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port}\n")
     with Fleet.load(nodes) as fleet:
         # The check comes first and fails, so the plan never needs a build.
-        with pytest.raises(NodeError, match=rf"RPC port {srv.address[1]} is held by fleetd \S+, which "
-                                            r"fleetctl did not deploy \(no release under .*root\)"):
+        with pytest.raises(
+            NodeError,
+            match=rf"RPC port {srv.address[1]} is held by fleetd \S+, which "
+            r"fleetctl did not deploy \(no release under .*root\)",
+        ):
             Deployer(fleet, None, root=str(tmp_path / "root")).plan(fleet[0])
 
 
@@ -540,8 +640,10 @@ def test_ssh_errors_say_what_happened(tmp_path, capsys):
     closing, silent = _Listener(close=True), _Listener(close=False)
     try:
         nodes = tmp_path / "nodes.txt"
-        nodes.write_text(f"me@127.0.0.1:{closing.port} name=closes\nme@127.0.0.1:{silent.port} name=silent\n"
-                         "me@nonexistent.invalid name=nodns\n")
+        nodes.write_text(
+            f"me@127.0.0.1:{closing.port} name=closes\nme@127.0.0.1:{silent.port} name=silent\n"
+            "me@nonexistent.invalid name=nodns\n"
+        )
         rc, doc = run_json(capsys, "status", str(nodes), "--connect-timeout", "1")
     finally:
         closing.stop()
@@ -549,18 +651,30 @@ def test_ssh_errors_say_what_happened(tmp_path, capsys):
     assert rc == 1
     assert doc["closes"]["error"].startswith("SshError: ")
     assert "connection closed before the SSH banner" in doc["closes"]["error"]
-    assert doc["silent"]["error"] == f"ConnectTimeout: ssh me@127.0.0.1:{silent.port}: no SSH banner within 1s"
+    assert (
+        doc["silent"]["error"] == f"ConnectTimeout: ssh me@127.0.0.1:{silent.port}: no SSH banner within 1s"
+    )
     assert "cannot resolve nonexistent.invalid: " in doc["nodns"]["error"]
 
 
 def test_one_rule_for_nodes_reached_without_ssh(capsys):
     from fleetd.fleet.nodes_file import LOCAL_RULE
 
-    specs = {s.target: s.is_local for s in parse_nodes(
-        "localhost\n127.0.0.1 rpc_port=1\n[::1] rpc_port=2\n127.0.0.2\nroot@localhost rpc_port=3\n"
-        "localhost:2222 rpc_port=4\n")}
-    assert specs == {"localhost": True, "127.0.0.1": True, "[::1]": True, "127.0.0.2": False,
-                     "root@localhost": False, "localhost:2222": False}
+    specs = {
+        s.target: s.is_local
+        for s in parse_nodes(
+            "localhost\n127.0.0.1 rpc_port=1\n[::1] rpc_port=2\n127.0.0.2\nroot@localhost rpc_port=3\n"
+            "localhost:2222 rpc_port=4\n"
+        )
+    }
+    assert specs == {
+        "localhost": True,
+        "127.0.0.1": True,
+        "[::1]": True,
+        "127.0.0.2": False,
+        "root@localhost": False,
+        "localhost:2222": False,
+    }
 
     def words(text: str) -> str:
         return " ".join(text.replace("\\-", "-").replace("\\fB", "").replace("\\fR", "").split())
@@ -577,8 +691,16 @@ def test_one_rule_for_nodes_reached_without_ssh(capsys):
 def test_fleetctl_page_has_an_options_section():
     page = (REPO / "man" / "fleetctl.1").read_text()
     options = page.split(".SH OPTIONS", 1)[1].split("\n.SH ", 1)[0]
-    for flag in (r"\-i", r"\-\-known\-hosts", r"\-\-connect\-timeout", r"\-\-timeout", r"\-V", r"\-\-debug",
-                 r"\-\-json", r"\-\-node"):
+    for flag in (
+        r"\-i",
+        r"\-\-known\-hosts",
+        r"\-\-connect\-timeout",
+        r"\-\-timeout",
+        r"\-V",
+        r"\-\-debug",
+        r"\-\-json",
+        r"\-\-node",
+    ):
         assert flag in options, flag
     assert "rpc_port + 100" in page.replace(r"\(pl", "+")
 
@@ -597,9 +719,15 @@ def test_tables_share_one_number_format_and_header_case(fleetd_server):
         doc = dict(stats.doc)
         doc["total"] = dict(doc["total"], graph_computes=2_622_752)
         big = Stats.parse(doc)
-        tables = [status_table({"n1": st}), sessions_table({"n1": st}), stats_table({"n1": big}),
-                  activity_table({"n1": big}), p2p_table({"n1": node.p2p()}),
-                  outcome_table([NodeOutcome("n1", "deployed")]), lifecycle_table("stop", {"n1": {"status": "x"}})]
+        tables = [
+            status_table({"n1": st}),
+            sessions_table({"n1": st}),
+            stats_table({"n1": big}),
+            activity_table({"n1": big}),
+            p2p_table({"n1": node.p2p()}),
+            outcome_table([NodeOutcome("n1", "deployed")]),
+            lifecycle_table("stop", {"n1": {"status": "x"}}),
+        ]
     console = Console(width=200, record=True)
     for t in tables:
         console.print(t)
@@ -619,19 +747,48 @@ def test_the_control_port_follows_the_rpc_port():
     assert by["gpu1/50052"].control_port == 50152 and by["gpu1/50053"].control_port == 50153
     assert by["gpu2"].control_port == 7001
     assert resolve_settings(_fleetd_parser().parse_args(["--port", "50060"]))["control_port"] == 50160
-    assert resolve_settings(_fleetd_parser().parse_args(["--port", "50060", "--control-port", "0"]))["control_port"] == 0
+    assert (
+        resolve_settings(_fleetd_parser().parse_args(["--port", "50060", "--control-port", "0"]))[
+            "control_port"
+        ]
+        == 0
+    )
     with pytest.raises(FleetError, match=r"rpc_port 65500 \+ 100 is past 65535: give control_port= too"):
         parse_nodes("gpu1 rpc_port=65500\n")
 
 
-def test_demo_keep_leaves_the_fleet_running_until_ctrl_c(tmp_path):
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_demo_keep_leaves_the_fleet_running_until_a_stop_signal(tmp_path, stop_signal):
     import signal
 
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    code = "import sys; from fleetd.ctl import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "demo", "--no-llama", "--keep", "--n-embd", "64",
-                             "--steps", "2", "--rows", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # The demo starts with SIGINT and SIGTERM ignored, as under a non-interactive parent: the kept
+    # fleet must still stop on either, whatever disposition it inherited.
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); from fleetd.ctl import main; sys.exit(main())"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "demo",
+            "--no-llama",
+            "--keep",
+            "--n-embd",
+            "64",
+            "--steps",
+            "2",
+            "--rows",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
         for line in proc.stdout:  # bounded by the test's timeout
@@ -641,24 +798,34 @@ def test_demo_keep_leaves_the_fleet_running_until_ctrl_c(tmp_path):
         out = "".join(seen)
         nodes = Path(re.search(r"nodes file (\S+) \(kept\)", out).group(1))
         with Fleet.load(nodes) as fleet:  # the fleet is still up after the report
-            assert all(not isinstance(v, Exception) for v in fleet.map(lambda n: n.status()).values())
-        proc.send_signal(signal.SIGINT)
+            statuses = fleet.map(lambda n: n.status())
+            assert all(not isinstance(v, Exception) for v in statuses.values())
+            pids = [v.doc["pid"] for v in statuses.values()]
+        proc.send_signal(getattr(signal, stop_signal))
         assert proc.wait(60) == 0
+        assert "stopping the fleet" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert nodes.is_file()  # the nodes file stays
+    for pid in pids:  # and the fleet's daemons are gone
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
 def test_ab_names_a_down_node_and_checks_layers_against_the_stages(fleetd_server, tmp_path, capsys):
     srv = fleetd_server(control_port=0)
     dead = free_port()
     nodes = tmp_path / "nodes.txt"
-    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=up\n"
-                     f"127.0.0.1 rpc_port={dead} control_port={free_port()} name=gone\n")
+    nodes.write_text(
+        f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=up\n"
+        f"127.0.0.1 rpc_port={dead} control_port={free_port()} name=gone\n"
+    )
     assert main(["ab", str(nodes), "--layers", "1"]) == 2  # 2 nodes + the local stage: 3 stages
-    assert capsys.readouterr().err == "fleetctl ab: error: --layers 1: must be at least the number of stages (3)\n"
+    assert (
+        capsys.readouterr().err
+        == "fleetctl ab: error: --layers 1: must be at least the number of stages (3)\n"
+    )
     assert main(["ab", str(nodes), "--steps", "2", "--rows", "2", "--n-embd", "8"]) == 1
     err = capsys.readouterr().err
     assert "node gone is down" in err and f":{dead}" in err and "Traceback" not in err

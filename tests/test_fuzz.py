@@ -22,109 +22,51 @@ import socket
 import struct
 
 import pytest
+from helpers import (
+    ALLOC_BUFFER,
+    BOUND_S,
+    BUFFER_CLEAR,
+    BUFFER_GET_BASE,
+    COPY_TENSOR,
+    COPY_TENSOR_TO,
+    DEVICE_COUNT,
+    F16,
+    F32,
+    FREE_BUFFER,
+    GET_ALIGNMENT,
+    GET_ALLOC_SIZE,
+    GET_DEVICE_MEMORY,
+    GET_TENSOR,
+    GRAPH_COMPUTE,
+    GRAPH_RECOMPUTE,
+    HELLO_FRAME,
+    INIT_TENSOR,
+    MEMSET_TENSOR,
+    PEER_BARRIER,
+    Q8_0,
+    RESPONSE_SIZE,
+    SET_TENSOR,
+    SET_TENSOR_HASH,
+    U32,
+    U64,
+    Closed,
+    Conn,
+    frame,
+    hello,
+    tensor,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetd.server import Server, ServerConfig
 
 EXAMPLES = int(os.environ.get("FLEETD_FUZZ_EXAMPLES", "150"))
-READ_BOUND_S = 10.0
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FLEETD_FUZZ_RANDOM"),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-# -- the wire, from the protocol document -------------------------------------------------------
-
-TENSOR = struct.Struct("<QIQ4I4II16iI10QQQQ64si")  # 296 bytes, section 5
-assert TENSOR.size == 296
-HELLO, DEVICE_COUNT = 14, 15
-ALLOC_BUFFER, GET_ALIGNMENT, GET_MAX_SIZE, BUFFER_GET_BASE, FREE_BUFFER, BUFFER_CLEAR = 0, 1, 2, 3, 4, 5
-SET_TENSOR, SET_TENSOR_HASH, GET_TENSOR, COPY_TENSOR, GRAPH_COMPUTE, GET_DEVICE_MEMORY = 6, 7, 8, 9, 10, 11
-INIT_TENSOR, GET_ALLOC_SIZE, GRAPH_RECOMPUTE, MEMSET_TENSOR = 12, 13, 16, 17
-COPY_TENSOR_TO, PEER_BARRIER = 0x40, 0x41
-
-# Response payload size per command (None: no response; "req": the requested size).
-RESPONSE_SIZE = {
-    ALLOC_BUFFER: 16, GET_ALIGNMENT: 8, GET_MAX_SIZE: 8, BUFFER_GET_BASE: 8, FREE_BUFFER: None,
-    BUFFER_CLEAR: None, SET_TENSOR: None, SET_TENSOR_HASH: 1, GET_TENSOR: "req", COPY_TENSOR: 1,
-    GRAPH_COMPUTE: None, GET_DEVICE_MEMORY: 16, INIT_TENSOR: None, GET_ALLOC_SIZE: 8, HELLO: 28,
-    DEVICE_COUNT: 4, GRAPH_RECOMPUTE: None, MEMSET_TENSOR: None, COPY_TENSOR_TO: 1, PEER_BARRIER: 1,
-}
-F32, F16, Q8_0 = 0, 1, 8
-U32, U64 = (1 << 32) - 1, (1 << 64) - 1
-
-
-def frame(cmd: int, payload: bytes, size: int | None = None) -> bytes:
-    return struct.pack("<BQ", cmd, len(payload) if size is None else size) + payload
-
-
-def tensor(id=1, type=F32, buffer=0, ne=(1, 1, 1, 1), nb=None, op=0, params=(0,) * 16, flags=0,
-           src=(0,) * 10, view_src=0, view_offs=0, data=0, name=b"t", use_count=0) -> bytes:
-    if nb is None:
-        nb = (4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2])
-    return TENSOR.pack(id, type, buffer, *ne, *nb, op, *params, flags, *src, view_src, view_offs,
-                       data, name, use_count)
-
-
-HELLO_FRAME = frame(HELLO, bytes(24))
-
-
-class Closed(Exception):
-    """The daemon closed the connection: an allowed outcome for any bad request."""
-
-
-class Conn:
-    """One raw client connection with bounded reads."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=READ_BOUND_S)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise Closed from exc
-
-    def recv_exact(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            try:
-                chunk = self.sock.recv(n - len(out))
-            except ConnectionResetError as exc:
-                raise Closed from exc
-            except socket.timeout:
-                raise AssertionError(f"no answer and no close within {READ_BOUND_S}s (a hang)")
-            if not chunk:
-                if out:
-                    raise AssertionError(f"connection closed inside a response ({len(out)} of {n} bytes)")
-                raise Closed
-            out += chunk
-        return bytes(out)
-
-    def call(self, cmd: int, payload: bytes, expect: int | None) -> bytes | None:
-        """Send one request; return its response payload (checked for size), None when the
-        command has no response. Raises Closed when the daemon closed the connection."""
-        self.send(frame(cmd, payload))
-        if expect is None:
-            return None
-        (size,) = struct.unpack("<Q", self.recv_exact(8))
-        assert size == expect, f"command {cmd}: response of {size} bytes, expected {expect}"
-        return self.recv_exact(size)
-
-    def no_response_then_probe(self) -> None:
-        """After a command without a response: the next answer must be the probe's (a stray
-        response would show up here as a wrong size)."""
-        answer = self.call(GET_ALIGNMENT, struct.pack("<I", 0), 8)
-        assert struct.unpack("<Q", answer)[0] == 32
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def hello(conn: Conn) -> None:
-    answer = conn.call(HELLO, bytes(24), 28)
-    assert answer[:3] == bytes([7, 0, 0])
-
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("FLEETD_FUZZ_RANDOM"),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # -- the daemon under test -------------------------------------------------------------------------
 
@@ -176,15 +118,15 @@ def drain_until_closed(conn: Conn) -> None:
         conn.sock.shutdown(socket.SHUT_WR)
     except OSError:  # closed by the daemon already
         return
-    conn.sock.settimeout(READ_BOUND_S)
+    conn.sock.settimeout(BOUND_S)
     total = 0
     while True:
         try:
             chunk = conn.sock.recv(65536)
         except ConnectionResetError:
             return
-        except socket.timeout:
-            raise AssertionError(f"daemon neither answered nor closed within {READ_BOUND_S}s")
+        except TimeoutError:
+            raise AssertionError(f"daemon neither answered nor closed within {BOUND_S}s") from None
         if not chunk:
             return
         total += len(chunk)
@@ -193,8 +135,9 @@ def drain_until_closed(conn: Conn) -> None:
 
 # -- strategies --------------------------------------------------------------------------------------
 
-edge_u64 = st.one_of(st.sampled_from([0, 1, 31, 32, 255, 256, 4096, U32, U32 + 1, 1 << 62, 1 << 63, U64]),
-                     st.integers(0, U64))
+edge_u64 = st.one_of(
+    st.sampled_from([0, 1, 31, 32, 255, 256, 4096, U32, U32 + 1, 1 << 62, 1 << 63, U64]), st.integers(0, U64)
+)
 edge_u32 = st.one_of(st.sampled_from([0, 1, 2, 4, 255, 65535, U32]), st.integers(0, U32))
 small_u32 = st.integers(0, 64)
 
@@ -211,18 +154,19 @@ def blind_frame(draw) -> bytes:
 @st.composite
 def mutated_stream(draw) -> bytes:
     """A valid-looking session with bytes flipped, cut or overwritten by edge values."""
-    t = tensor(buffer=draw(st.sampled_from([0, 0x100, 0x101, 0x200])), data=draw(edge_u64),
-               ne=(4, 1, 1, 1))
-    valid = b"".join([
-        HELLO_FRAME,
-        frame(ALLOC_BUFFER, struct.pack("<IQ", 0, draw(st.sampled_from([0, 64, 4096])))),
-        frame(BUFFER_GET_BASE, struct.pack("<Q", 0x100)),
-        frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
-        frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
-        frame(GRAPH_COMPUTE, struct.pack("<II", 0, 1) + struct.pack("<Q", 1) + struct.pack("<I", 1) + t),
-        frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
-        frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
-    ])
+    t = tensor(buffer=draw(st.sampled_from([0, 0x100, 0x101, 0x200])), data=draw(edge_u64), ne=(4, 1, 1, 1))
+    valid = b"".join(
+        [
+            HELLO_FRAME,
+            frame(ALLOC_BUFFER, struct.pack("<IQ", 0, draw(st.sampled_from([0, 64, 4096])))),
+            frame(BUFFER_GET_BASE, struct.pack("<Q", 0x100)),
+            frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
+            frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
+            frame(GRAPH_COMPUTE, struct.pack("<II", 0, 1) + struct.pack("<Q", 1) + struct.pack("<I", 1) + t),
+            frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+            frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
+        ]
+    )
     data = bytearray(valid)
     for _ in range(draw(st.integers(1, 8))):
         kind = draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
@@ -230,7 +174,7 @@ def mutated_stream(draw) -> bytes:
         if kind == "flip":
             data[at] ^= 1 << draw(st.integers(0, 7))
         elif kind == "u64":
-            data[at:at + 8] = struct.pack("<Q", draw(edge_u64))
+            data[at : at + 8] = struct.pack("<Q", draw(edge_u64))
         elif kind == "cut":
             del data[at:]
         else:
@@ -280,7 +224,11 @@ def region_tensor(draw, buffer: int, base: int, size: int) -> tuple[bytes, int]:
     type_ = draw(st.sampled_from([F32, F32, F16, Q8_0, 2, 12, 30, 39, 40, 41, 100, U32]))
     ne = tuple(draw(st.one_of(st.sampled_from([0, 1, 2, 4, 32]), edge_u32)) for _ in range(4))
     stride0 = draw(st.booleans())
-    nb = tuple(0 for _ in range(4)) if stride0 else tuple(draw(st.one_of(st.sampled_from([0, 1, 4, 128]), edge_u32)) for _ in range(4))
+    nb = (
+        tuple(0 for _ in range(4))
+        if stride0
+        else tuple(draw(st.one_of(st.sampled_from([0, 1, 4, 128]), edge_u32)) for _ in range(4))
+    )
     shape = draw(st.sampled_from(["small", "small", "drawn", "huge"]))
     if shape == "small":
         ne, nb, type_ = (draw(st.integers(0, 16)), 1, 1, 1), (4, 64, 64, 64), F32
@@ -290,11 +238,20 @@ def region_tensor(draw, buffer: int, base: int, size: int) -> tuple[bytes, int]:
     offset = draw(st.one_of(st.sampled_from([0, size - 4, size, size + 1]), st.integers(0, 2 * size)))
     data = draw(st.one_of(st.just(base + offset), edge_u64)) if base else draw(edge_u64)
     handle = draw(st.sampled_from([buffer, buffer, 0, buffer + 1, U64]))
-    t = tensor(id=draw(st.integers(1, 8)), type=type_, buffer=handle, ne=ne, nb=nb, data=data,
-               op=draw(st.one_of(st.just(0), st.integers(0, 120))), flags=draw(st.sampled_from([0, 16])),
-               src=tuple(draw(st.sampled_from([0, 0, 1, 2, 3])) for _ in range(10)),
-               view_src=draw(st.sampled_from([0, 0, 1, 2])), view_offs=draw(edge_u64),
-               name=draw(st.binary(max_size=64)))
+    t = tensor(
+        id=draw(st.integers(1, 8)),
+        type=type_,
+        buffer=handle,
+        ne=ne,
+        nb=nb,
+        data=data,
+        op=draw(st.one_of(st.just(0), st.integers(0, 120))),
+        flags=draw(st.sampled_from([0, 16])),
+        src=tuple(draw(st.sampled_from([0, 0, 1, 2, 3])) for _ in range(10)),
+        view_src=draw(st.sampled_from([0, 0, 1, 2])),
+        view_offs=draw(edge_u64),
+        name=draw(st.binary(max_size=64)),
+    )
     return t, draw(st.one_of(st.sampled_from([0, 4, 16, size]), edge_u64))
 
 
@@ -302,10 +259,27 @@ def region_tensor(draw, buffer: int, base: int, size: int) -> tuple[bytes, int]:
 def interactive_command(draw, buffer: int, base: int, size: int) -> tuple[int, bytes, object]:
     t, n = draw(region_tensor(buffer, base, size))
     t2, _ = draw(region_tensor(buffer, base, size))
-    cmd = draw(st.sampled_from([SET_TENSOR, GET_TENSOR, COPY_TENSOR, MEMSET_TENSOR, INIT_TENSOR,
-                                GET_ALLOC_SIZE, SET_TENSOR_HASH, BUFFER_CLEAR, BUFFER_GET_BASE,
-                                GRAPH_COMPUTE, GRAPH_RECOMPUTE, ALLOC_BUFFER, GET_DEVICE_MEMORY,
-                                COPY_TENSOR_TO, PEER_BARRIER]))
+    cmd = draw(
+        st.sampled_from(
+            [
+                SET_TENSOR,
+                GET_TENSOR,
+                COPY_TENSOR,
+                MEMSET_TENSOR,
+                INIT_TENSOR,
+                GET_ALLOC_SIZE,
+                SET_TENSOR_HASH,
+                BUFFER_CLEAR,
+                BUFFER_GET_BASE,
+                GRAPH_COMPUTE,
+                GRAPH_RECOMPUTE,
+                ALLOC_BUFFER,
+                GET_DEVICE_MEMORY,
+                COPY_TENSOR_TO,
+                PEER_BARRIER,
+            ]
+        )
+    )
     if cmd == SET_TENSOR:
         data = bytes(min(n, 256))
         return cmd, t + b"\x00" + struct.pack("<Q", draw(st.sampled_from([0, 4, size]))) + data, None
@@ -332,13 +306,23 @@ def interactive_command(draw, buffer: int, base: int, size: int) -> tuple[int, b
         nodes = draw(st.lists(st.integers(0, 9), min_size=0, max_size=5))
         n_nodes = draw(st.one_of(st.just(len(nodes)), edge_u32))
         n_tensors = draw(st.one_of(st.just(len(tensors)), edge_u32))
-        payload = (struct.pack("<II", 0, n_nodes) + b"".join(struct.pack("<Q", i) for i in nodes)
-                   + struct.pack("<I", n_tensors) + b"".join(x for x, _ in tensors))
+        payload = (
+            struct.pack("<II", 0, n_nodes)
+            + b"".join(struct.pack("<Q", i) for i in nodes)
+            + struct.pack("<I", n_tensors)
+            + b"".join(x for x, _ in tensors)
+        )
         return cmd, payload, None
     if cmd == GRAPH_RECOMPUTE:
         return cmd, struct.pack("<I", draw(st.sampled_from([0, 1]))), None
     if cmd == ALLOC_BUFFER:
-        return cmd, struct.pack("<IQ", draw(st.sampled_from([0, 0, 1])), draw(st.sampled_from([0, 64, 1 << 40, U64]))), 16
+        return (
+            cmd,
+            struct.pack(
+                "<IQ", draw(st.sampled_from([0, 0, 1])), draw(st.sampled_from([0, 64, 1 << 40, U64]))
+            ),
+            16,
+        )
     if cmd == GET_DEVICE_MEMORY:
         return cmd, struct.pack("<I", draw(st.sampled_from([0, 0, 1, U32]))), 16
     if cmd == COPY_TENSOR_TO:
@@ -398,7 +382,9 @@ def test_chunked_pipelined_requests(daemon, data):
             (frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)), 8),
             (frame(GRAPH_COMPUTE, struct.pack("<II", 0, 0) + struct.pack("<I", 0)), None),
         ]
-        picks = data.draw(st.lists(st.sampled_from(range(len(pool))), min_size=1, max_size=12), label="requests")
+        picks = data.draw(
+            st.lists(st.sampled_from(range(len(pool))), min_size=1, max_size=12), label="requests"
+        )
         stream = b"".join(pool[i][0] for i in picks)
         cuts = sorted(data.draw(st.lists(st.integers(1, max(1, len(stream) - 1)), max_size=8), label="cuts"))
         for a, b in zip([0] + cuts, cuts + [len(stream)]):
@@ -427,11 +413,16 @@ def test_two_sessions_share_and_free(daemon, data):
         handle, _ = struct.unpack("<QQ", owner.call(ALLOC_BUFFER, struct.pack("<IQ", 0, 64), 16))
         (base,) = struct.unpack("<Q", owner.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
         a = tensor(id=1, buffer=handle, ne=(4, 1, 1, 1), data=base)
-        out = tensor(id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=2,
-                     src=(1, 1) + (0,) * 8, flags=16)
+        out = tensor(
+            id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=2, src=(1, 1) + (0,) * 8, flags=16
+        )
         graph = frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + a + out)
-        steps = data.draw(st.lists(st.sampled_from(["compute", "recompute", "get", "free", "drop"]),
-                                   min_size=1, max_size=6), label="steps")
+        steps = data.draw(
+            st.lists(
+                st.sampled_from(["compute", "recompute", "get", "free", "drop"]), min_size=1, max_size=6
+            ),
+            label="steps",
+        )
         owner_open = True
         for step in steps:
             try:
@@ -474,26 +465,33 @@ def test_mutated_streams_on_a_live_buffer(daemon, data):
         size = data.draw(st.sampled_from([64, 4096]), label="size")
         handle, _ = struct.unpack("<QQ", conn.call(ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
         (base,) = struct.unpack("<Q", conn.call(BUFFER_GET_BASE, struct.pack("<Q", handle), 8))
-        t = tensor(buffer=handle, data=base + data.draw(st.sampled_from([0, 16, size - 16]), label="at"),
-                   ne=(4, 1, 1, 1))
+        t = tensor(
+            buffer=handle,
+            data=base + data.draw(st.sampled_from([0, 16, size - 16]), label="at"),
+            ne=(4, 1, 1, 1),
+        )
         out = tensor(id=2, buffer=handle, data=base, ne=(4, 1, 1, 1), op=2, src=(1, 1) + (0,) * 8, flags=16)
-        stream = bytearray(b"".join([
-            frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
-            frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
-            frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + t + out),
-            frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
-            frame(COPY_TENSOR, t + out),
-            frame(MEMSET_TENSOR, t + struct.pack("<QQB", 0, 16, 1)),
-            frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
-            frame(FREE_BUFFER, struct.pack("<Q", handle)),
-        ]))
+        stream = bytearray(
+            b"".join(
+                [
+                    frame(SET_TENSOR, t + b"\x00" + struct.pack("<Q", 0) + bytes(16)),
+                    frame(GET_TENSOR, t + struct.pack("<QQ", 0, 16)),
+                    frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + t + out),
+                    frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+                    frame(COPY_TENSOR, t + out),
+                    frame(MEMSET_TENSOR, t + struct.pack("<QQB", 0, 16, 1)),
+                    frame(GET_ALLOC_SIZE, struct.pack("<I", 0) + t + bytes(296 * 10)),
+                    frame(FREE_BUFFER, struct.pack("<Q", handle)),
+                ]
+            )
+        )
         for _ in range(data.draw(st.integers(1, 8), label="mutations")):
             kind = data.draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
             at = data.draw(st.integers(0, max(0, len(stream) - 1)))
             if kind == "flip":
                 stream[at] ^= 1 << data.draw(st.integers(0, 7))
             elif kind == "u64":
-                stream[at:at + 8] = struct.pack("<Q", data.draw(edge_u64))
+                stream[at : at + 8] = struct.pack("<Q", data.draw(edge_u64))
             elif kind == "cut":
                 del stream[at:]
             else:

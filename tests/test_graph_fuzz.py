@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
+import graph_fuzzer as gf
 import pytest
 
-import graph_fuzzer as gf
 from fleetd.compute.ggml.rules import RULES
 
 SEED = int(os.environ.get("FLEETD_GRAPH_FUZZ_SEED", "0"))
@@ -55,5 +55,7 @@ def test_graph_fuzz_no_daemon_death_no_corruption(daemon):
     bad = [r for r in results if r.outcome in ("daemon_death", "hang") or r.corruptions]
     print(gf.format_table(results))
     assert results, "no case ran"
-    assert not bad, f"{len(bad)} of {len(results)} cases killed or wedged the daemon or corrupted a buffer:\n" + \
-        "\n".join(gf.describe(r)[:600] for r in bad[:40])
+    assert not bad, (
+        f"{len(bad)} of {len(results)} cases killed or wedged the daemon or corrupted a buffer:\n"
+        + "\n".join(gf.describe(r)[:600] for r in bad[:40])
+    )

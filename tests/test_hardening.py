@@ -18,8 +18,9 @@ import threading
 import time
 
 import pytest
-from test_fuzz import (
+from helpers import (
     ALLOC_BUFFER,
+    BOUND_S,
     BUFFER_GET_BASE,
     COPY_TENSOR,
     COPY_TENSOR_TO,
@@ -43,13 +44,12 @@ from test_fuzz import (
 from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import NumpyDevice
 from fleetd.errors import RemoteProtocolError
-from fleetd.server import Server, ServerConfig
+from fleetd.server import Server
 from fleetd.server.config import ServerLimits
 from fleetd.server.peer import PeerLinks
 from fleetd.wire import GetAllocSizeReply, ServerConnection
 
 OP_ADD, COMPUTE = 2, 16
-BOUND_S = 10.0  # every wait below ends by this bound (no timing is asserted)
 
 
 class Records(logging.Handler):
@@ -81,8 +81,10 @@ def log_records():
 @pytest.fixture
 def daemon(fleetd_server):
     """A fleetd with the given limits (ServerLimits fields as keywords)."""
+
     def start(allow=None, **limits) -> Server:
         return fleetd_server(limits=ServerLimits(**limits), allow=allow)
+
     return start
 
 
@@ -98,19 +100,6 @@ def served(srv: Server) -> None:
         assert struct.unpack("<I", c.call(DEVICE_COUNT, b"", 4))[0] == 1
     finally:
         c.close()
-
-
-def closed_by_daemon(c: Conn) -> bool:
-    """Wait (bounded) until the daemon closes `c`; True if it did."""
-    c.sock.settimeout(BOUND_S)
-    try:
-        while c.sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except socket.timeout:
-        return False
-    return True
 
 
 def wait_for(predicate, what: str) -> None:
@@ -175,15 +164,23 @@ def test_memset_on_zero_byte_buffer_closes_with_one_line(daemon, log_records):
     handle, _ = alloc(c, 0)
     empty = tensor(buffer=handle, ne=(0, 1, 1, 1), data=0)
     c.send(frame(MEMSET_TENSOR, empty + struct.pack("<QQB", 0, 0, 1)))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     one_warning(log_records, "MEMSET_TENSOR")
     served(srv)
 
 
 def stride0_graph(handle: int, base: int, ne: tuple[int, int, int, int]) -> bytes:
     a = tensor(id=1, buffer=handle, ne=ne, nb=(0, 0, 0, 0), data=base)
-    out = tensor(id=2, buffer=handle, ne=ne, nb=(0, 0, 0, 0), data=base, op=OP_ADD,
-                 src=(1, 1) + (0,) * 8, flags=COMPUTE)
+    out = tensor(
+        id=2,
+        buffer=handle,
+        ne=ne,
+        nb=(0, 0, 0, 0),
+        data=base,
+        op=OP_ADD,
+        src=(1, 1) + (0,) * 8,
+        flags=COMPUTE,
+    )
     return struct.pack("<IIQI", 0, 1, 2, 2) + a + out
 
 
@@ -193,7 +190,7 @@ def test_stride0_view_of_2_124_elements_is_refused(daemon, log_records):
     hello(c)
     handle, base = alloc(c, 64)
     c.send(frame(GRAPH_COMPUTE, stride0_graph(handle, base, (U32, U32, U32, U32))))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     one_warning(log_records, "stands for")
     served(srv)
 
@@ -205,7 +202,7 @@ def test_stride0_view_driving_large_temporaries_is_refused(daemon, log_records):
     hello(c)
     handle, base = alloc(c, 64)
     c.send(frame(GRAPH_COMPUTE, stride0_graph(handle, base, (4096, 4096, 3, 1))))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     one_warning(log_records, "stands for")
 
 
@@ -216,7 +213,7 @@ def test_graph_size_limit(daemon, log_records):
     handle, base = alloc(c, 64)
     ts = b"".join(tensor(id=i, buffer=handle, data=base) for i in range(1, 6))
     c.send(frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 1, 5) + ts))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     one_warning(log_records, "limit 4")
 
 
@@ -248,7 +245,7 @@ def test_request_bigger_than_the_connection_limit_is_cut(daemon, log_records):
     c = Conn(port_of(srv))
     hello(c)
     c.send(struct.pack("<BQ", GRAPH_COMPUTE, 1 << 20))  # announces 1 MiB; nothing buffered yet
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     one_warning(log_records, "per connection")
     served(srv)
 
@@ -280,7 +277,7 @@ def test_connection_cap_refuses_and_recovers(daemon, log_records):
     for c in held:
         hello(c)
     extra = Conn(port_of(srv))
-    assert closed_by_daemon(extra)
+    assert extra.closed_by_daemon()
     wait_for(lambda: any("3 connections open" in m for m in log_records.lines(logging.WARNING)), "logged")
     held.pop().close()
     wait_for(lambda: srv.state.sessions.count() < 3, "a session ended")
@@ -295,20 +292,14 @@ def test_one_address_at_its_cap_does_not_stop_another(daemon, log_records):
     for c in held:
         hello(c)
     extra = Conn(port_of(srv))
-    assert closed_by_daemon(extra)
-    wait_for(lambda: any("3 connections open from that address" in m
-                         for m in log_records.lines(logging.WARNING)), "logged")
+    assert extra.closed_by_daemon()
+    wait_for(
+        lambda: any("3 connections open from that address" in m for m in log_records.lines(logging.WARNING)),
+        "logged",
+    )
     # another host (127.0.0.2 is loopback too) is served while the first holds its cap
-    other = socket.create_connection(("127.0.0.1", port_of(srv)), timeout=10,
-                                     source_address=("127.0.0.2", 0))
-    with other:
-        other.sendall(HELLO_FRAME)
-        reply = b""
-        while len(reply) < 8:  # the HELLO answer's size
-            chunk = other.recv(8 - len(reply))
-            assert chunk, "the second address was refused"
-            reply += chunk
-        assert 0 < struct.unpack("<Q", reply)[0] <= 64
+    with Conn(port_of(srv), source_address=("127.0.0.2", 0)) as other:
+        hello(other)  # raises Closed if the second address was refused
     held.pop().close()
     wait_for(lambda: srv.state.sessions.count_from("127.0.0.1") < 3, "a session ended")
     served(srv)
@@ -319,7 +310,7 @@ def test_one_address_at_its_cap_does_not_stop_another(daemon, log_records):
 def test_allow_list_refuses_other_clients(daemon, log_records):
     srv = daemon(allow=["10.99.0.0/16"])
     c = Conn(port_of(srv))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     wait_for(lambda: any("not in --allow" in m for m in log_records.lines(logging.WARNING)), "logged")
 
 
@@ -329,7 +320,7 @@ def test_allow_list_refuses_other_clients(daemon, log_records):
 def test_no_hello_is_cut(daemon, log_records):
     srv = daemon(hello_timeout=0.3)
     c = Conn(port_of(srv))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     assert any("no HELLO" in m for m in log_records.lines())
     served(srv)
 
@@ -338,7 +329,7 @@ def test_idle_connection_is_closed(daemon, log_records):
     srv = daemon(idle_timeout=0.3)
     c = Conn(port_of(srv))
     hello(c)
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     assert any("idle for" in m for m in log_records.lines())
 
 
@@ -347,7 +338,7 @@ def test_stalled_request_is_cut(daemon, log_records):
     c = Conn(port_of(srv))
     hello(c)
     c.send(struct.pack("<BQ", DEVICE_COUNT, 0)[:5])  # half a header, then nothing
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     assert any("no byte of a started request" in m for m in log_records.lines())
 
 
@@ -365,7 +356,7 @@ def test_slow_sender_is_cut(daemon, log_records):
                 break
     except Closed:
         pass
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     assert any("slow sender" in m for m in log_records.lines())
 
 
@@ -420,11 +411,11 @@ def test_accept_loop_survives_thread_start_failures(fleetd_server, log_records, 
 
     monkeypatch.setattr(threading.Thread, "start", failing_start)
     c = Conn(port_of(srv))
-    assert closed_by_daemon(c)  # its session could not start: closed, not left hanging
+    assert c.closed_by_daemon()  # its session could not start: closed, not left hanging
     status = control_status(srv)
     assert status["healthy"] is False and "thread" in status["unhealthy_reason"]
     while failures["left"]:
-        assert closed_by_daemon(Conn(port_of(srv)))
+        assert Conn(port_of(srv)).closed_by_daemon()
     served(srv)
     assert control_status(srv)["healthy"] is True
     assert sum("backing off" in m for m in log_records.lines(logging.ERROR)) == 1  # once per episode
@@ -453,8 +444,11 @@ def test_accept_loop_survives_fd_exhaustion(tmp_path):
         port = probe.getsockname()[1]
     log_path = tmp_path / "fleetd.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-c", code, "-p", str(port), "--control-port", "0",
-                                 "--max-connections", "1000"], stdout=log_file, stderr=log_file)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "-p", str(port), "--control-port", "0", "--max-connections", "1000"],
+            stdout=log_file,
+            stderr=log_file,
+        )
     try:
         wait_for(lambda: _connectable(port), "fleetd listening")
         held: list[Conn] = []
@@ -523,8 +517,9 @@ def test_stored_graph_into_another_sessions_freed_buffer(daemon, log_records):
     hello(other)
     handle, base = alloc(owner, 64)
     a = tensor(id=1, buffer=handle, ne=(4, 1, 1, 1), data=base)
-    out = tensor(id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=OP_ADD,
-                 src=(1, 1) + (0,) * 8, flags=COMPUTE)
+    out = tensor(
+        id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=OP_ADD, src=(1, 1) + (0,) * 8, flags=COMPUTE
+    )
     other.send(frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + a + out))
     other.no_response_then_probe()
     other.send(frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)))  # still fine: the buffer lives
@@ -534,7 +529,7 @@ def test_stored_graph_into_another_sessions_freed_buffer(daemon, log_records):
     owner.no_response_then_probe()
     assert buf.freed
     other.send(frame(GRAPH_RECOMPUTE, struct.pack("<I", 0)))
-    assert closed_by_daemon(other)
+    assert other.closed_by_daemon()
     one_warning(log_records, "GRAPH_RECOMPUTE")
     owner.close()
 
@@ -546,8 +541,9 @@ def test_disconnect_drops_other_sessions_stored_graphs(daemon, log_records):
     hello(other)
     handle, base = alloc(owner, 64)
     a = tensor(id=1, buffer=handle, ne=(4, 1, 1, 1), data=base)
-    out = tensor(id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=OP_ADD,
-                 src=(1, 1) + (0,) * 8, flags=COMPUTE)
+    out = tensor(
+        id=2, buffer=handle, ne=(4, 1, 1, 1), data=base + 16, op=OP_ADD, src=(1, 1) + (0,) * 8, flags=COMPUTE
+    )
     other.send(frame(GRAPH_COMPUTE, struct.pack("<IIQI", 0, 1, 2, 2) + a + out))
     other.no_response_then_probe()
     session = next(s for s in srv.state.live_sessions() if s.graphs)
@@ -611,7 +607,7 @@ def test_client_strings_are_escaped_in_log_lines(daemon, log_records):
     handle, base = alloc(c, 64)
     forged = b"x\n2026-01-01 fleetd CRITICAL forged\x1b[31m"
     c.send(frame(INIT_TENSOR, tensor(buffer=handle, ne=(64, 1, 1, 1), data=base, name=forged)))
-    assert closed_by_daemon(c)
+    assert c.closed_by_daemon()
     line = one_warning(log_records, "INIT_TENSOR")
     assert "\\n2026" in line and "\\x1b" in line and "\x1b" not in line
 
@@ -632,21 +628,37 @@ def raw_http(port: int, request: bytes) -> int:
 def test_control_api_bad_inputs_are_4xx(control, log_records):
     port = control.control.port
     nested = b"[" * 100000 + b"]" * 100000
-    assert raw_http(port, b"PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
-                    + str(len(nested)).encode() + b"\r\n\r\n" + nested) in (400, 413)
+    assert raw_http(
+        port,
+        b"PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
+        + str(len(nested)).encode()
+        + b"\r\n\r\n"
+        + nested,
+    ) in (400, 413)
     small_nested = b"[" * 2000 + b"]" * 2000  # under the body limit, over the parser's depth
-    assert raw_http(port, b"PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
-                    + str(len(small_nested)).encode() + b"\r\n\r\n" + small_nested) == 400
-    assert raw_http(port, "PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ²\r\n\r\n"
-                    .encode()) == 400
-    assert raw_http(port, f"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}, evil.com\r\n\r\n"
-                    .encode()) == 403
+    assert (
+        raw_http(
+            port,
+            b"PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
+            + str(len(small_nested)).encode()
+            + b"\r\n\r\n"
+            + small_nested,
+        )
+        == 400
+    )
+    assert (
+        raw_http(port, "PUT /v1/p2p HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ²\r\n\r\n".encode()) == 400
+    )
+    assert (
+        raw_http(port, f"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1:{port}, evil.com\r\n\r\n".encode()) == 403
+    )
     assert raw_http(port, b"GET /v1/status HTTP/1.1\r\nHost: localhost.evil.com\r\n\r\n") == 403
     assert raw_http(port, f"GET /v1/status HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n".encode()) == 200
 
 
 def test_control_api_client_timeout_is_one_line(control, log_records, monkeypatch):
     from fleetd.server import control as control_module
+
     monkeypatch.setattr(control_module._Handler, "timeout", 0.3)
     port = control.control.port
     with socket.create_connection(("127.0.0.1", port), timeout=BOUND_S) as sock:
@@ -661,10 +673,21 @@ def test_control_api_client_timeout_is_one_line(control, log_records, monkeypatc
 
 def test_limits_from_flags_and_config(tmp_path):
     from fleetd.server.main import _fleetd_parser, resolve_settings
+
     cfg = tmp_path / "fleetd.toml"
     cfg.write_text('[limits]\nmax_memory = "2G"\nmax_connections = 32\n')
-    args = _fleetd_parser().parse_args(["--config", str(cfg), "--max-connections", "8",
-                                        "--idle-timeout", "60", "--allow", "10.0.0.0/8,127.0.0.1"])
+    args = _fleetd_parser().parse_args(
+        [
+            "--config",
+            str(cfg),
+            "--max-connections",
+            "8",
+            "--idle-timeout",
+            "60",
+            "--allow",
+            "10.0.0.0/8,127.0.0.1",
+        ]
+    )
     settings = resolve_settings(args)
     assert settings["limits"] == ServerLimits(max_memory=2 << 30, max_connections=8, idle_timeout=60.0)
     assert settings["allow"] == ["10.0.0.0/8", "127.0.0.1"]
@@ -677,6 +700,7 @@ def test_limits_from_flags_and_config(tmp_path):
 
 def test_receive_budget_refuses_growth_past_its_limit_only():
     from fleetd.server.state import ReceiveBudget
+
     budget = ReceiveBudget(1000)
     assert budget.charge(0, 600) and budget.charge(0, 400)
     assert not budget.charge(0, 1) and budget.held == 1000  # refused: nothing charged
@@ -686,6 +710,7 @@ def test_receive_budget_refuses_growth_past_its_limit_only():
 
 def test_client_allow_list_defaults():
     from fleetd.server.daemon import ClientPolicy
+
     loopback = ClientPolicy(None, "127.0.0.1")
     assert loopback.allows(None, "127.0.0.1") and loopback.allows(None, "::ffff:127.0.0.1")
     assert not loopback.allows(None, "192.168.7.200")

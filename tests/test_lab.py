@@ -41,17 +41,22 @@ def root_links() -> set[str]:
 
 
 def fleetd_pids_in(state_pids) -> list[int]:
-    return [p for p in state_pids if os.path.exists(f"/proc/{p}")
-            and b"fleetd.server" in open(f"/proc/{p}/cmdline", "rb").read()]
+    return [
+        p
+        for p in state_pids
+        if os.path.exists(f"/proc/{p}") and b"fleetd.server" in open(f"/proc/{p}/cmdline", "rb").read()
+    ]
 
 
 def test_rates_parse_and_bad_numbers_exit_2(capsys):
     assert parse_rate("200mbit") == 200_000_000
     assert parse_rate("2gbit") == parse_rate("2g") == 2_000_000_000
-    for argv in (["lab", "up", "--coordinator-link", "3furlongs"],
-                 ["lab", "up", "--peer-link", "100kbit"],
-                 ["lab", "up", "--nodes", "0"],
-                 ["lab", "up", "--threads", "0"]):
+    for argv in (
+        ["lab", "up", "--coordinator-link", "3furlongs"],
+        ["lab", "up", "--peer-link", "100kbit"],
+        ["lab", "up", "--nodes", "0"],
+        ["lab", "up", "--threads", "0"],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("fleetctl lab: error:") and "\n" not in err
@@ -83,7 +88,9 @@ def test_up_rates_answers_and_down_removes_everything(tmp_path):
         # what `lab up` prints as the next step: status (control API and HELLO on the RPC port,
         # which listens on the node's own address inside its namespace, never on loopback)
         assert main(["status", str(lab.nodes_file), "--json"]) == 0
-        assert main(["ab", str(lab.nodes_file), "--json", "--steps", "2", "--n-embd", "256", "--rows", "4"]) == 0
+        assert (
+            main(["ab", str(lab.nodes_file), "--json", "--steps", "2", "--n-embd", "256", "--rows", "4"]) == 0
+        )
         # the coordinator reaches the nodes over its own links only: no route to the switch
         assert "via" in sh("ip", "route", "get", nodes[0].address)
         assert nodes[0].coordinator_link in sh("ip", "route", "get", nodes[0].address)

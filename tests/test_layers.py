@@ -24,12 +24,32 @@ ALLOWED: dict[str, set[str]] = {
     "fleetd.compute": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute"},
     "fleetd.server": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute", "fleetd.server"},
     "fleetd.client": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.client"},
-    "fleetd.pipeline": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.compute",
-                        "fleetd.client", "fleetd.pipeline"},
-    "fleetd.fleet": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.client",
-                     "fleetd.pipeline", "fleetd.fleet"},
-    "fleetd.ctl": {"fleetd", "fleetd.wire", "fleetd.transport", "fleetd.client",
-                   "fleetd.pipeline", "fleetd.fleet", "fleetd.ctl", "tui"},
+    "fleetd.pipeline": {
+        "fleetd",
+        "fleetd.wire",
+        "fleetd.transport",
+        "fleetd.compute",
+        "fleetd.client",
+        "fleetd.pipeline",
+    },
+    "fleetd.fleet": {
+        "fleetd",
+        "fleetd.wire",
+        "fleetd.transport",
+        "fleetd.client",
+        "fleetd.pipeline",
+        "fleetd.fleet",
+    },
+    "fleetd.ctl": {
+        "fleetd",
+        "fleetd.wire",
+        "fleetd.transport",
+        "fleetd.client",
+        "fleetd.pipeline",
+        "fleetd.fleet",
+        "fleetd.ctl",
+        "tui",
+    },
     "tui": {"fleetd", "fleetd.fleet", "tui"},
 }
 
@@ -183,8 +203,14 @@ for name in names:
         importlib.import_module(name)
 print(len(names), sorted({{m.partition(".")[0] for m in sys.modules}} & {CTL_EXTRA!r}))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert done.returncode == 0, done.stderr
     count, loaded = done.stdout.split(" ", 1)
     assert int(count) > 50 and loaded.strip() == "[]", done.stdout

@@ -14,29 +14,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import endpoint, needs_tool
+from helpers import PROMPT, TEST_ARCHS, TEST_TYPES, endpoint, needs_tool
 
-from fleetd.models import generate
 from fleetd.tools import tools_dir
 
 pytestmark = needs_tool("llama-completion", "llama-perplexity", "ggml-rpc-server")
 
 COMPLETION = tools_dir() / "llama-completion"
 PERPLEXITY = tools_dir() / "llama-perplexity"
-REPO = Path(__file__).resolve().parent.parent
-ARCHS = ["llama", "qwen3", "qwen3moe", "gemma3"]
-TYPES = ["f32", "f16", "q8_0", "q4_k"]
-PROMPT = "the time of their first new"
 TEXT = " ".join(["the first time was one of the new ones and they had all been there"] * 40)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models")
-    for arch in ARCHS:
-        for type_name in TYPES:
-            generate(arch, type_name, out)
-    return out
 
 
 @pytest.fixture
@@ -58,15 +44,36 @@ def run_client(args: list[str], finished) -> tuple[bytes, bytes]:
 
 
 def complete(model: Path, server: str, fa: str, *extra: str) -> bytes:
-    args = [str(COMPLETION), "-m", str(model), "--rpc", server, "-ngl", "99", "-p", PROMPT,
-            "-n", "32", "--temp", "0", "-t", "1", "-no-cnv", "-fa", fa, "--seed", "1", *extra]
+    args = [
+        str(COMPLETION),
+        "-m",
+        str(model),
+        "--rpc",
+        server,
+        "-ngl",
+        "99",
+        "-p",
+        PROMPT,
+        "-n",
+        "32",
+        "--temp",
+        "0",
+        "-t",
+        "1",
+        "-no-cnv",
+        "-fa",
+        fa,
+        "--seed",
+        "1",
+        *extra,
+    ]
     # A complete run ends with its blank line.
     stdout, _ = run_client(args, lambda out, err: out.endswith(b"\n\n"))
     return stdout
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("type_name", TEST_TYPES)
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 def test_completion_matches_stock(models, servers, arch, type_name):
     model = models / f"{arch}-{type_name}.gguf"
     stock, ours = servers
@@ -88,8 +95,23 @@ def test_quantized_kv_cache_matches_stock(models, servers, cache_type):
 
 
 def perplexity(model: Path, server: str, text_file: Path) -> float:
-    args = [str(PERPLEXITY), "-m", str(model), "--rpc", server, "-ngl", "99", "-f", str(text_file),
-            "-c", "128", "-b", "128", "-t", "1"]
+    args = [
+        str(PERPLEXITY),
+        "-m",
+        str(model),
+        "--rpc",
+        server,
+        "-ngl",
+        "99",
+        "-f",
+        str(text_file),
+        "-c",
+        "128",
+        "-b",
+        "128",
+        "-t",
+        "1",
+    ]
     final = re.compile(rb"Final estimate: PPL = ([0-9.]+)")
     out, err = run_client(args, lambda out, err: final.search(out + err))
     m = final.search(out + err)
@@ -97,7 +119,7 @@ def perplexity(model: Path, server: str, text_file: Path) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 def test_perplexity_agrees_with_stock(models, servers, tmp_path, arch):
     text_file = tmp_path / "text.txt"
     text_file.write_text(TEXT)

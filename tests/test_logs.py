@@ -42,9 +42,22 @@ def test_fleetctl_logs_shows_a_local_fleets_sessions(tmp_path, capsys):
 def test_fleetd_log_file_flag_and_a_bad_path(tmp_path):
     port = free_port()
     log = tmp_path / "fleetd.log"
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "fleetd.server", "--port", str(port),
-                             "--control-port", "0", "--log-file", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "fleetd.server",
+            "--port",
+            str(port),
+            "--control-port",
+            "0",
+            "--log-file",
+            str(log),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_listening(port, 30)
         with RpcClient(f"127.0.0.1:{port}", BOUNDED) as c:
@@ -54,8 +67,12 @@ def test_fleetd_log_file_flag_and_a_bad_path(tmp_path):
         out, err = proc.communicate(timeout=30)
     assert "accepted" in log.read_text()
     assert b"accepted" not in err  # the log went to the file, not to stderr
-    bad = subprocess.run([sys.executable, "-P", "-m", "fleetd.server", "--log-file", str(tmp_path / "no" / "x.log")],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-P", "-m", "fleetd.server", "--log-file", str(tmp_path / "no" / "x.log")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith(f"fleetd: error: --log-file {tmp_path / 'no' / 'x.log'}: ")
 

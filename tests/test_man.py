@@ -19,8 +19,9 @@ def test_there_are_pages():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_no_control_bytes(page):
-    bad = [f"{page.name}:{n}" for n, line in enumerate(page.read_bytes().splitlines(), 1)
-           if CONTROL.search(line)]
+    bad = [
+        f"{page.name}:{n}" for n, line in enumerate(page.read_bytes().splitlines(), 1) if CONTROL.search(line)
+    ]
     assert not bad, f"control bytes (a typo for a font escape?) at {', '.join(bad)}"
 
 
@@ -37,16 +38,18 @@ def test_mandoc_lint_is_clean(page):
     mandoc = shutil.which("mandoc")
     assert mandoc, "mandoc is missing (scripts/bootstrap.sh installs it)"
     # -W warning: every warning and error counts; the STYLE level (lines over 80 bytes) does not.
-    p = subprocess.run([mandoc, "-T", "lint", "-W", "warning", str(page)], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [mandoc, "-T", "lint", "-W", "warning", str(page)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0 and not (p.stdout + p.stderr).strip(), p.stdout + p.stderr
 
 
 def rendered(page: Path) -> str:
     mandoc = shutil.which("mandoc")
     assert mandoc, "mandoc is missing (scripts/bootstrap.sh installs it)"
-    out = subprocess.run([mandoc, "-T", "ascii", "-O", "width=100", str(page)], capture_output=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [mandoc, "-T", "ascii", "-O", "width=100", str(page)], capture_output=True, timeout=60, check=True
+    ).stdout
     return re.sub(rb".\x08", b"", out).decode()  # overstrike (bold, underline) to plain text
 
 

@@ -38,15 +38,18 @@ def model(tmp_path_factory):
     return generate("llama", "f16", tmp_path_factory.mktemp("models"))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "m.gguf", "--rounds", "0"], "--rounds 0: must be in 1..50"),
-    (["--model", "m.gguf", "--n-gen", "1"], "--n-gen 1: must be in 2..1024"),
-    (["--model", "m.gguf", "--n-prompt", "-3"], "--n-prompt -3: must be in 1..4096"),
-    (["--steps", "1"], "--steps 1: must be at least 2"),
-    (["--workload", "model"], "--workload model needs --model"),
-    (["--timeout", "0"], "--timeout 0: must be above 0"),
-    (["--model", "/nonexistent.gguf"], "--model /nonexistent.gguf: no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "m.gguf", "--rounds", "0"], "--rounds 0: must be in 1..50"),
+        (["--model", "m.gguf", "--n-gen", "1"], "--n-gen 1: must be in 2..1024"),
+        (["--model", "m.gguf", "--n-prompt", "-3"], "--n-prompt -3: must be in 1..4096"),
+        (["--steps", "1"], "--steps 1: must be at least 2"),
+        (["--workload", "model"], "--workload model needs --model"),
+        (["--timeout", "0"], "--timeout 0: must be above 0"),
+        (["--model", "/nonexistent.gguf"], "--model /nonexistent.gguf: no such file"),
+    ],
+)
 def test_bad_numbers_exit_2_with_one_line(capsys, argv, message):
     assert main(["ab", "nodes.txt", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -54,9 +57,11 @@ def test_bad_numbers_exit_2_with_one_line(capsys, argv, message):
 
 
 def test_batched_table_parse():
-    text = ("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
-            "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
-            "|    16 |      6 |    4 |     88 |    0.512 |   125.00 |    0.300 |    80.00 |    0.812 |   108.37 |\n")
+    text = (
+        "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"  # noqa: E501 (the tool's own table)
+        "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
+        "|    16 |      6 |    4 |     88 |    0.512 |   125.00 |    0.300 |    80.00 |    0.812 |   108.37 |\n"  # noqa: E501
+    )
     (row,) = parse_batched_table(text)
     assert row["b"] == 4 and row["s"] == 108.37 and row["s_pp"] == 125.0
 
@@ -73,7 +78,9 @@ def test_png_is_a_png():
 def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsys):
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         chart = tmp_path / "ab.png"
-        code = main(["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--json", "--chart", str(chart)])
+        code = main(
+            ["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--json", "--chart", str(chart)]
+        )
         out, err = capsys.readouterr()
     assert code == 0, err
     doc = json.loads(out)
@@ -83,7 +90,9 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
     assert hub["md5"] == direct["md5"]
     for arm in (hub, direct):
         assert set(arm["median"]) == set(arm["spread"]) == {"pp_tps", "tg_tps", "batched_tps"}
-        assert all(lo <= arm["median"][k] <= hi and arm["median"][k] > 0 for k, (lo, hi) in arm["spread"].items())
+        assert all(
+            lo <= arm["median"][k] <= hi and arm["median"][k] > 0 for k, (lo, hi) in arm["spread"].items()
+        )
     # per decode step: one boundary (RPC0 -> RPC1), one push by the nodes, none on the hub path
     assert direct["per_step"]["nodes"]["COPY_TENSOR_TO"] == 1
     assert hub["per_step"]["nodes"].get("COPY_TENSOR_TO", 0) == 0
@@ -105,8 +114,11 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
 @pytest.mark.timeout(600)
 def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
     port = free_port()
-    stock = subprocess.Popen([str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stock = subprocess.Popen(
+        [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_listening(port, 30)
         with LocalFleet(1, tmp_path, server_args=["--threads", "1"]) as local:
@@ -114,8 +126,14 @@ def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
             stock_node = Node(NodeSpec("localhost", rpc_port=port, control_port=free_port(), name="stock"))
             fleet = Fleet([*local.fleet, stock_node])
             seen = []
-            result = run_model_ab(fleet, model, rounds=1, n_prompt=16, n_gen=6,
-                                  progress=lambda step, fraction: seen.append((step, fraction)))
+            result = run_model_ab(
+                fleet,
+                model,
+                rounds=1,
+                n_prompt=16,
+                n_gen=6,
+                progress=lambda step, fraction: seen.append((step, fraction)),
+            )
     finally:
         stock.terminate()
         stock.wait(10)
@@ -123,7 +141,9 @@ def test_model_ab_mixed_fleet_says_direct_never_ran(tmp_path, model):
     assert result.arms["hub"].md5 == result.arms["direct"].md5
     assert not result.direct_ran and result.arms["direct"].copies_ok == 0
     assert "never ran" in result.verdict and "identical" not in result.verdict
-    assert any("stock" in why and "no control API" in why for why in result.why_not_direct), result.why_not_direct
+    assert any("stock" in why and "no control API" in why for why in result.why_not_direct), (
+        result.why_not_direct
+    )
     fractions = [f for _, f in seen]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
     json.dumps(result.as_dict())  # the --json document is JSON
@@ -142,7 +162,9 @@ def test_model_ab_refuses_before_running_when_the_direct_path_cannot_copy(tmp_pa
         err = capsys.readouterr().err
         assert "the direct path cannot copy on this fleet: P2P is off on local-1" in err
         assert "Nothing was run" in err and "--anyway" in err
-    with LocalFleet(2, tmp_path / "b", server_args=["--threads", "1", "--peer-allow", "10.9.0.0/16"]) as local:
+    with LocalFleet(
+        2, tmp_path / "b", server_args=["--threads", "1", "--peer-allow", "10.9.0.0/16"]
+    ) as local:
         assert main(["ab", str(local.nodes_file), "--model", str(model), *SMALL]) == 1
         err = capsys.readouterr().err
         assert "local-0's peer allow-list (10.9.0.0/16) refuses local-1 (127.0.0.1)" in err
@@ -153,8 +175,19 @@ def test_model_ab_refuses_before_running_when_the_direct_path_cannot_copy(tmp_pa
 def test_model_ab_anyway_runs_says_so_first_and_claims_no_win(tmp_path, model, capsys):
     with LocalFleet(2, tmp_path, server_args=["--threads", "1"]) as local:
         assert local.fleet.map(lambda n: n.set_p2p(False)).ok
-        code = main(["ab", str(local.nodes_file), "--model", str(model), *SMALL, "--anyway", "--json",
-                     "--chart", str(tmp_path / "ab.png")])
+        code = main(
+            [
+                "ab",
+                str(local.nodes_file),
+                "--model",
+                str(model),
+                *SMALL,
+                "--anyway",
+                "--json",
+                "--chart",
+                str(tmp_path / "ab.png"),
+            ]
+        )
         out, err = capsys.readouterr()
     assert code == 1
     assert err.index("WARNING: the direct arm will not copy") < err.index("never ran")
@@ -179,10 +212,17 @@ def test_terminal_bars_fit_the_console_and_keep_the_ratio(columns):
     from rich.console import Console
 
     from fleetd.fleet.render import model_ab_bars
+
     arms = {"hub": (3287.63, 2833.54, 3702.60), "direct": (3528.29, 3081.47, 4131.26)}
-    doc = {"arms": {arm: {"median": {k: med for k in ("pp_tps", "tg_tps", "batched_tps")},
-                          "spread": {k: [lo, hi] for k in ("pp_tps", "tg_tps", "batched_tps")}}
-                    for arm, (med, lo, hi) in arms.items()}}
+    doc = {
+        "arms": {
+            arm: {
+                "median": {k: med for k in ("pp_tps", "tg_tps", "batched_tps")},
+                "spread": {k: [lo, hi] for k in ("pp_tps", "tg_tps", "batched_tps")},
+            }
+            for arm, (med, lo, hi) in arms.items()
+        }
+    }
     console = Console(width=columns, record=True, color_system=None)
     console.print(model_ab_bars(doc, console.width))
     lines = console.export_text().splitlines()

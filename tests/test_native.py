@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from fleetd.compute import native
 from fleetd.tools import LLAMA_VERSION
@@ -23,9 +23,15 @@ from fleetd.wire import hashing
 
 # The FNV reference suite's FNV-1a 64 values (fnv_test_str).
 VECTORS = {
-    b"": 0xCBF29CE484222325, b"a": 0xAF63DC4C8601EC8C, b"b": 0xAF63DF4C8601F1A5,
-    b"c": 0xAF63DE4C8601EFF2, b"fo": 0x08985907B541D342, b"foo": 0xDCB27518FED9D577,
-    b"foob": 0xDD120E790C2512AF, b"fooba": 0xCAC165AFA2FEF40A, b"foobar": 0x85944171F73967E8,
+    b"": 0xCBF29CE484222325,
+    b"a": 0xAF63DC4C8601EC8C,
+    b"b": 0xAF63DF4C8601F1A5,
+    b"c": 0xAF63DE4C8601EFF2,
+    b"fo": 0x08985907B541D342,
+    b"foo": 0xDCB27518FED9D577,
+    b"foob": 0xDD120E790C2512AF,
+    b"fooba": 0xCAC165AFA2FEF40A,
+    b"foobar": 0x85944171F73967E8,
 }
 LENGTHS = [0, 1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 65, 4095, 4096, 4097, (1 << 20) + 3]
 
@@ -35,7 +41,13 @@ def fake_cache(root: Path, portable: bool) -> Path:
     only checks that they exist), so `build-llama.sh` has only the helper to build."""
     prefix = root / f"llama.cpp-{LLAMA_VERSION}"
     (prefix / "bin").mkdir(parents=True)
-    for tool in ("ggml-rpc-server", "llama-completion", "llama-perplexity", "llama-bench", "test-backend-ops"):
+    for tool in (
+        "ggml-rpc-server",
+        "llama-completion",
+        "llama-perplexity",
+        "llama-bench",
+        "test-backend-ops",
+    ):
         (prefix / "bin" / tool).write_text("#!/bin/sh\n")
         (prefix / "bin" / tool).chmod(0o755)
     lib = prefix / ("lib-portable" if portable else "lib")
@@ -47,8 +59,13 @@ def fake_cache(root: Path, portable: bool) -> Path:
 
 def build(root: Path, portable: bool, what: str = "ggml") -> str:
     env = dict(os.environ, FLEETD_LLAMA_CACHE=str(root), FLEETD_GGML_PORTABLE="1" if portable else "0")
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "build-llama.sh"), what], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build-llama.sh"), what],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -107,14 +124,18 @@ def test_native_matches_vectors_and_reference(built_lib, use_lib):
             assert native.fnv1a_64(bytearray(view)) == want
             assert native.fnv1a_64(pool[start : start + n]) == want
     floats = rng.standard_normal(1000).astype("<f4")  # a typed buffer hashes as its bytes
-    assert native.fnv1a_64(floats) == native.fnv1a_64(memoryview(floats)) == hashing.fnv1a_64(floats.tobytes())
+    assert (
+        native.fnv1a_64(floats) == native.fnv1a_64(memoryview(floats)) == hashing.fnv1a_64(floats.tobytes())
+    )
     big = rng.integers(0, 256, 64 << 20, dtype=np.uint8)  # a weight tensor above the 10 MiB threshold
     assert native.fnv1a_64(big) == native.fnv1a_64(big[: 32 << 20].tobytes() + big[32 << 20 :].tobytes())
     assert native.fnv1a_64(big) != native.fnv1a_64(big[1:])
     # a hash continues over chunks, as the cache directory hashes a file it wrote
     head, tail = pool[:4097], pool[4097:9000]
     want = hashing.fnv1a_64(pool[:9000])
-    assert native.fnv1a_64(tail, native.fnv1a_64(head)) == want == hashing.fnv1a_64(tail, hashing.fnv1a_64(head))
+    assert (
+        native.fnv1a_64(tail, native.fnv1a_64(head)) == want == hashing.fnv1a_64(tail, hashing.fnv1a_64(head))
+    )
 
 
 def test_non_contiguous_buffers_are_refused_by_both(built_lib, use_lib):

@@ -15,8 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import frame
-from helpers import needs_tool
+from helpers import frame, needs_tool
 
 from fleetd.client import GraphBuilder, RpcClient
 from fleetd.errors import TransportError
@@ -48,8 +47,9 @@ def ep(srv) -> str:
 
 def run_arm(endpoints, p2p, steps=3, layers=None, **kw):
     stages = len(endpoints) + int(kw.get("local_last", False))
-    with Pipeline(endpoints, layers or stages, ROWS, N_EMBD, p2p=p2p, timeout=BOUNDED,
-                  stats=False, **kw) as p:
+    with Pipeline(
+        endpoints, layers or stages, ROWS, N_EMBD, p2p=p2p, timeout=BOUNDED, stats=False, **kw
+    ) as p:
         return p.run(steps)
 
 
@@ -82,9 +82,13 @@ def test_per_step_accounting_hub_vs_direct(fleetd_server, remote, local_last):
     dst_eps = eps[1:]
     for r in hub[1:]:
         assert dict(r.counters.count) == {
-            Cmd.SET_TENSOR: 1 + b, Cmd.GET_TENSOR: remote, Cmd.GRAPH_RECOMPUTE: remote,
+            Cmd.SET_TENSOR: 1 + b,
+            Cmd.GET_TENSOR: remote,
+            Cmd.GRAPH_RECOMPUTE: remote,
         }
-        assert sum(r.counters.request_bytes.values()) == (1 + b) * SET_REQ + remote * (GET_REQ + RECOMPUTE_REQ)
+        assert sum(r.counters.request_bytes.values()) == (1 + b) * SET_REQ + remote * (
+            GET_REQ + RECOMPUTE_REQ
+        )
         assert sum(r.counters.response_bytes.values()) == remote * GET_RESP
         assert (r.direct, r.fallbacks) == (0, 0)
     for r in direct[1:]:
@@ -175,7 +179,7 @@ def test_ring_under_concurrent_coordinators(fleetd_server):
         t.join(timeout=max(0.1, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "ring did not finish: deadlock?"
     assert not errors, errors
-    for k, res in results.items():
+    for res in results.values():
         assert md5s(res) == reference
         assert [r.direct for r in res] == [3] * 4
     assert sum(s.state.peer_stats.as_dict()["copies_ok"] for s in servers) == 4 * 4 * 3
@@ -185,7 +189,7 @@ def test_ring_under_concurrent_coordinators(fleetd_server):
 
 
 def _closed_port_endpoint() -> str:
-    from conftest import free_port
+    from fleetd.transport import free_port
 
     return f"127.0.0.1:{free_port()}"
 
@@ -197,8 +201,7 @@ def test_fallback_answers_0_with_identical_outputs(fleetd_server, case):
     eps = [ep(src), ep(dst)]
     reference = md5s(run_arm(eps, p2p=False))
     peers = [eps[0], _closed_port_endpoint()] if case == "dst_down" else None
-    with Pipeline(eps, 2, ROWS, N_EMBD, p2p=True, timeout=BOUNDED, stats=False,
-                  peer_endpoints=peers) as p:
+    with Pipeline(eps, 2, ROWS, N_EMBD, p2p=True, timeout=BOUNDED, stats=False, peer_endpoints=peers) as p:
         assert p.direct_boundary(0)  # both advertised the bit at HELLO: the copy is tried
         first = p.step()
         if case == "p2p_off_dst":
@@ -212,8 +215,12 @@ def test_fallback_answers_0_with_identical_outputs(fleetd_server, case):
     failed = results if case in ("dst_down", "not_allowed") else results[1:]
     assert all((r.direct, r.fallbacks) == (0, 1) for r in failed)
     assert all(r.counters.count[Cmd.COPY_TENSOR_TO] == 1 for r in failed)
-    reason = {"dst_down": "unreachable", "p2p_off_dst": "refused", "p2p_off_src": "disabled",
-              "not_allowed": "not_allowed"}[case]
+    reason = {
+        "dst_down": "unreachable",
+        "p2p_off_dst": "refused",
+        "p2p_off_src": "disabled",
+        "not_allowed": "not_allowed",
+    }[case]
     fallbacks = src.state.peer_stats.as_dict()["fallbacks"]
     assert fallbacks == {r: len(failed) if r == reason else 0 for r in FALLBACK_REASONS}
     if case == "p2p_off_dst":  # new connections no longer see the bit
@@ -243,7 +250,10 @@ def test_fallback_destination_bounds_violated(fleetd_server):
         assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True  # a fresh link works again
     src.state.peer_stats.reset()  # the control API's stats reset
     assert src.state.peer_stats.as_dict() == {
-        "copies_ok": 0, "bytes_pushed": 0, "bytes_confirmed": 0, "links_opened": 0,
+        "copies_ok": 0,
+        "bytes_pushed": 0,
+        "bytes_confirmed": 0,
+        "links_opened": 0,
         "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0),
     }
 

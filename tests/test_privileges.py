@@ -4,20 +4,20 @@ and no_new_privs; a user that does not exist is refused with one line, before se
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from fleetd.client import RpcClient
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
 
 
@@ -29,9 +29,24 @@ def _free_port() -> int:
 
 def _fleetd(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "fleetd.server", "-H", "127.0.0.1", "--control-port", "0",
-                             "-d", "numpy", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleetd.server",
+            "-H",
+            "127.0.0.1",
+            "--control-port",
+            "0",
+            "-d",
+            "numpy",
+            *args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.fixture
@@ -85,8 +100,10 @@ def test_a_missing_user_is_refused_as_root_with_one_line():
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     lines = [line for line in err.splitlines() if "error" in line]
-    assert lines == ["fleetd: error: user no-such-fleetd-user: no such user; refusing to run as root "
-                     "(create it: useradd --system --shell /usr/sbin/nologin no-such-fleetd-user)"], err
+    assert lines == [
+        "fleetd: error: user no-such-fleetd-user: no such user; refusing to run as root "
+        "(create it: useradd --system --shell /usr/sbin/nologin no-such-fleetd-user)"
+    ], err
 
 
 def test_a_cache_directory_the_user_cannot_write_is_refused(open_dir):

@@ -40,10 +40,17 @@ def sample_rows(block: int, seed: int) -> np.ndarray:
     """One block per row: uniform, wide, heavy-tailed over twelve decades, integer valued (ties),
     zero, constant, one-signed, and blocks with a single outlier."""
     rng = np.random.default_rng(seed)
-    rows = [rng.uniform(-1, 1, (24, block)), rng.uniform(-150, 150, (8, block)),
-            rng.standard_t(2, (8, block)) * 10.0 ** rng.integers(-6, 5, (8, 1)),
-            np.round(rng.normal(0, 3, (4, block))), np.zeros((1, block)), np.full((1, block), 0.37),
-            np.full((1, block), -2.5), np.abs(rng.normal(0, 1, (2, block))), -np.abs(rng.normal(0, 1, (2, block)))]
+    rows = [
+        rng.uniform(-1, 1, (24, block)),
+        rng.uniform(-150, 150, (8, block)),
+        rng.standard_t(2, (8, block)) * 10.0 ** rng.integers(-6, 5, (8, 1)),
+        np.round(rng.normal(0, 3, (4, block))),
+        np.zeros((1, block)),
+        np.full((1, block), 0.37),
+        np.full((1, block), -2.5),
+        np.abs(rng.normal(0, 1, (2, block))),
+        -np.abs(rng.normal(0, 1, (2, block))),
+    ]
     spiky = rng.uniform(-1, 1, (4, block))
     spiky[np.arange(4), rng.integers(0, block, 4)] = [40, -40, 1e4, -3e-3]
     rows.append(spiky)
@@ -79,7 +86,9 @@ def test_round_trip_error_within_level_spacing(type_):
 @pytest.mark.parametrize("type_", PARAMS, ids=IDS)
 def test_zero_and_constant_blocks(type_):
     block = 256
-    rows = np.array([np.zeros(block), np.full(block, 0.37), np.full(block, -2.5), np.full(block, 3.0)], np.float32)
+    rows = np.array(
+        [np.zeros(block), np.full(block, 0.37), np.full(block, -2.5), np.full(block, 3.0)], np.float32
+    )
     restored = round_trip(rows, type_)
     assert np.all(restored[0] == 0)
     # a constant is one level times an fp16 (or UE4M3) scale: within the scale's rounding
@@ -107,7 +116,14 @@ def test_tiny_blocks_quantize_to_zero_without_warnings():
 
 
 def test_nearest_int_rounds_half_to_even():
-    assert list(quantizers.nearest_int(np.array([0.5, 1.5, 2.5, -0.5, -1.5, 2.4999998], np.float32))) == [0, 2, 2, 0, -2, 2]
+    assert list(quantizers.nearest_int(np.array([0.5, 1.5, 2.5, -0.5, -1.5, 2.4999998], np.float32))) == [
+        0,
+        2,
+        2,
+        0,
+        -2,
+        2,
+    ]
 
 
 # ---- test-backend-ops on fleetd: every CPY and SET_ROWS case into each type -------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import endpoint
+from helpers import endpoint
 
 from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
 from fleetd.client.rpc import RpcClient
@@ -21,7 +21,7 @@ from fleetd.wire import GgmlOp, GgmlType
 from fleetd.wire.ggml import GluOp, UnaryOp
 
 try:
-    from fleetd.compute.ggml.device import GgmlCpuDevice, load_device
+    from fleetd.compute.ggml.device import load_device
 
     DEVICE = load_device()
 except OSError as exc:  # pragma: no cover - depends on the machine
@@ -56,8 +56,9 @@ def check(n: Tensor):
 # -- the one description ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ne,nb", [((8, 3, 2, 2), None), ((8, 3, 2, 1), (4, 40, 200, 400)),
-                                   ((64, 2, 1, 3), (34, 80, 160, 160))])
+@pytest.mark.parametrize(
+    "ne,nb", [((8, 3, 2, 2), None), ((8, 3, 2, 1), (4, 40, 200, 400)), ((64, 2, 1, 3), (34, 80, 160, 160))]
+)
 def test_the_default_touch_is_ggml_nbytes(ne, nb):
     """What fleetd validates against the buffer (nbytes) is the touch of a kernel that walks
     rows by dims, each row as ggml counts it: one computation."""
@@ -73,14 +74,20 @@ FLAT_NE, FLAT_NB = (2, 1, 4, 1), (4, 128 * KIB, 8, 32)
 
 def flat_case(op):
     a = tensor(F32, FLAT_NE)
-    params = {GgmlOp.SCALE: [f32_bits(2.0)], GgmlOp.CLAMP: [f32_bits(-1.0), f32_bits(1.0)],
-              GgmlOp.ARGSORT: [0], GgmlOp.TOP_K: [], GgmlOp.LEAKY_RELU: [f32_bits(0.1)]}[op]
+    params = {
+        GgmlOp.SCALE: [f32_bits(2.0)],
+        GgmlOp.CLAMP: [f32_bits(-1.0), f32_bits(1.0)],
+        GgmlOp.ARGSORT: [0],
+        GgmlOp.TOP_K: [],
+        GgmlOp.LEAKY_RELU: [f32_bits(0.1)],
+    }[op]
     out = I32 if op in (GgmlOp.ARGSORT, GgmlOp.TOP_K) else F32
     return node(op, out, FLAT_NE, [a], params, FLAT_NB)
 
 
-@pytest.mark.parametrize("op", [GgmlOp.SCALE, GgmlOp.CLAMP, GgmlOp.ARGSORT, GgmlOp.TOP_K,
-                                GgmlOp.LEAKY_RELU], ids=lambda o: o.name)
+@pytest.mark.parametrize(
+    "op", [GgmlOp.SCALE, GgmlOp.CLAMP, GgmlOp.ARGSORT, GgmlOp.TOP_K, GgmlOp.LEAKY_RELU], ids=lambda o: o.name
+)
 def test_flat_row_kernels_are_checked_at_their_nb1_steps(op):
     """Today: SCALE/CLAMP pass (contiguous skips ne1 == 1), ARGSORT/TOP_K check packed rows
     only: all taken, rows 1..3 written 128-384 KiB past a 32-byte result. (LEAKY_RELU's own
@@ -98,8 +105,9 @@ def test_flat_row_kernels_are_checked_at_their_nb1_steps(op):
 
 def flash_attn(nb1: int):
     q, k, v = tensor(F32, (64, 1, 1)), tensor(F16, (64, 32, 1)), tensor(F16, (64, 32, 1))
-    return node(GgmlOp.FLASH_ATTN_EXT, F32, (64, 1, 1, 1), [q, k, v], [f32_bits(0.125), 0, 0, 0],
-                (4, nb1, nb1, nb1))
+    return node(
+        GgmlOp.FLASH_ATTN_EXT, F32, (64, 1, 1, 1), [q, k, v], [f32_bits(0.125), 0, 0, 0], (4, nb1, nb1, nb1)
+    )
 
 
 def test_flash_attn_result_rows_are_nb1_bytes_of_a_dv_row():
@@ -137,14 +145,17 @@ def test_rope_with_odd_ne0_would_write_past_each_row(ne0, ok):
             check(n)
 
 
-@pytest.mark.parametrize("ne,nb,n,pinned", [
-    ((8, 1, 2, 1), (4, 0, 32, 64), 1, False),  # stride-0 size-1 dim 1 sets dim 2's stride: 0
-    ((8, 1, 2, 1), (4, 1000, 32, 64), 1, False),
-    ((8, 1, 2, 1), (4, 1000, 1000, 2000), 1, True),
-    ((8, 1, 2, 1), (4, 1000, 32, 64), 0, True),  # above n, size-1 dims take any stride
-    ((8, 3, 1, 1), (4, 64, 7, 9), 1, True),
-    ((8, 3, 2, 1), (4, 0, 0, 0), 1, True),
-])
+@pytest.mark.parametrize(
+    "ne,nb,n,pinned",
+    [
+        ((8, 1, 2, 1), (4, 0, 32, 64), 1, False),  # stride-0 size-1 dim 1 sets dim 2's stride: 0
+        ((8, 1, 2, 1), (4, 1000, 32, 64), 1, False),
+        ((8, 1, 2, 1), (4, 1000, 1000, 2000), 1, True),
+        ((8, 1, 2, 1), (4, 1000, 32, 64), 0, True),  # above n, size-1 dims take any stride
+        ((8, 3, 1, 1), (4, 64, 7, 9), 1, True),
+        ((8, 3, 2, 1), (4, 0, 0, 0), 1, True),
+    ],
+)
 def test_contiguous_n_is_the_pinned_ggml_is_contiguous_m_n(ne, nb, n, pinned):
     assert contiguous_from(tensor(F32, ne, nb).rpc(), n) is pinned
 
@@ -176,8 +187,7 @@ def test_mul_mat_id_result_strides_ascend():
 
 def flash_attn_heads(nb=None, prec=0):
     q, k, v = tensor(F32, (64, 1, 4)), tensor(F16, (64, 32, 4)), tensor(F16, (64, 32, 4))
-    return node(GgmlOp.FLASH_ATTN_EXT, F32, (64, 4, 1, 1), [q, k, v],
-                [f32_bits(0.125), 0, 0, prec], nb)
+    return node(GgmlOp.FLASH_ATTN_EXT, F32, (64, 4, 1, 1), [q, k, v], [f32_bits(0.125), 0, 0, prec], nb)
 
 
 @pytest.mark.parametrize("nb", [(4, 256, 2048, 1024), (4, 256, 1024, 0), (4, 256, 128, 1024)])
@@ -199,9 +209,15 @@ def test_flash_attn_takes_only_the_precisions_its_kernel_switches_on(prec):
         check(flash_attn_heads(prec=prec))
 
 
-@pytest.mark.parametrize("src_type,dst_type,ne", [
-    (F32, GgmlType.Q4_K, (256, 2, 1, 1)), (F32, GgmlType.Q4_0, (128, 4, 1, 2)),
-    (F16, Q8_0, (256, 2, 3, 1)), (F32, GgmlType.Q4_K, (256, 1, 2, 2))])
+@pytest.mark.parametrize(
+    "src_type,dst_type,ne",
+    [
+        (F32, GgmlType.Q4_K, (256, 2, 1, 1)),
+        (F32, GgmlType.Q4_0, (128, 4, 1, 2)),
+        (F16, Q8_0, (256, 2, 3, 1)),
+        (F32, GgmlType.Q4_K, (256, 1, 2, 2)),
+    ],
+)
 def test_cont_into_a_quantized_type_is_refused(src_type, dst_type, ne):
     """Today (fuzz 103994, 105786, 106150, 109041): taken like a quantizing CPY; dup_to_q
     converts rows into a per-thread f32 scratch in the work buffer, which ggml_graph_plan sizes
@@ -216,8 +232,10 @@ def test_cont_into_a_quantized_type_is_refused(src_type, dst_type, ne):
     check(node(GgmlOp.CONT, F32 if src_type == F16 else F16, ne, [a]))
 
 
-@pytest.mark.parametrize("nb,src_data", [((4, 0, 264, 792), 0x10000), ((4, 128, 264, 792), 0x10000),
-                                         ((4, 132, 264, 792), 0x80000 - 1000)])
+@pytest.mark.parametrize(
+    "nb,src_data",
+    [((4, 0, 264, 792), 0x10000), ((4, 128, 264, 792), 0x10000), ((4, 132, 264, 792), 0x80000 - 1000)],
+)
 def test_argsort_sorts_in_rows_nothing_else_touches(nb, src_data):
     """Today (fuzz 208816): result nb1 0 is taken (12 flat rows, all at byte 0, inside the
     extent); two threads std::sort the same row at once and one walks off it: SIGSEGV. The
@@ -271,12 +289,18 @@ def strided_argsort(g: Graph):
 
 def consumers(g: Graph, ids: Tensor):
     """Each op with row ids, reading `ids` ([2, 3] i32)."""
-    get_rows = g.node(GgmlOp.GET_ROWS, F32, (8, 2, 3), [g.leaf(F32, (8, 4, 3)), g.g.view_of(
-        ids, (2, 3, 1), ids.nb, 0, GgmlOp.RESHAPE)])
+    get_rows = g.node(
+        GgmlOp.GET_ROWS,
+        F32,
+        (8, 2, 3),
+        [g.leaf(F32, (8, 4, 3)), g.g.view_of(ids, (2, 3, 1), ids.nb, 0, GgmlOp.RESHAPE)],
+    )
     dst = g.leaf(F32, (8, 4, 3))
     set_rows = g.g.view_of(dst, dst.ne, dst.nb, 0)
-    set_rows.op, set_rows.src = GgmlOp.SET_ROWS, [g.leaf(F32, (8, 2, 3)), g.g.view_of(
-        ids, (2, 3, 1), ids.nb, 0, GgmlOp.RESHAPE), dst]
+    set_rows.op, set_rows.src = (
+        GgmlOp.SET_ROWS,
+        [g.leaf(F32, (8, 2, 3)), g.g.view_of(ids, (2, 3, 1), ids.nb, 0, GgmlOp.RESHAPE), dst],
+    )
     mmid = g.node(GgmlOp.MUL_MAT_ID, F32, (4, 2, 3), [g.leaf(F32, (8, 4, 3)), g.leaf(F32, (8, 1, 3)), ids])
     add_id = g.node(GgmlOp.ADD_ID, F32, (8, 2, 3), [g.leaf(F32, (8, 2, 3)), g.leaf(F32, (8, 4)), ids])
     return {"GET_ROWS": get_rows, "SET_ROWS": set_rows, "MUL_MAT_ID": mmid, "ADD_ID": add_id}
@@ -312,7 +336,9 @@ def test_a_leaf_of_ids_is_copied_and_checked_at_run():
     plan = g.plan(consumers(g, ids)["MUL_MAT_ID"])
     assert [c[0] for c in plan.spec.index_checks] == [ids.id]
     _, handle, offset, nbytes = plan.spec.index_checks[0][:4]
-    plan.buffers[handle].array[offset:offset + nbytes] = np.array([0, 1, 2, 3, 0, 9], np.int32).view(np.uint8)
+    plan.buffers[handle].array[offset : offset + nbytes] = np.array([0, 1, 2, 3, 0, 9], np.int32).view(
+        np.uint8
+    )
     with pytest.raises(RemoteProtocolError, match="outside"):
         plan.run()
 
@@ -327,7 +353,7 @@ def test_row_ids_are_checked_whatever_their_count(n, bad):
     values = np.arange(n, dtype=np.int32) % 4
     if bad is not None:
         values[-1] = bad
-    plan.buffers[handle].array[offset:offset + nbytes] = values.view(np.uint8)
+    plan.buffers[handle].array[offset : offset + nbytes] = values.view(np.uint8)
     if bad is None:
         plan.run()
     else:
@@ -362,8 +388,6 @@ def test_plan_building_work_grows_n_log_n_with_index_uses():
 # -- over the wire: refused, closed, the daemon goes on, the victim's bytes unchanged -------------
 
 
-
-
 class Session:
     def __init__(self, client: RpcClient, size: int = 1 << 20):
         self.c, self.g = client, GraphBuilder()
@@ -375,7 +399,9 @@ class Session:
         t = self.g.place(self.g.tensor(type_, ne), self.handle, self.base + self.next)
         self.next += (t.nbytes + 63) // 64 * 64
         if values is None:
-            values = self.rng.standard_normal(int(np.prod(ne))).astype(np.float16 if type_ == F16 else np.float32)
+            values = self.rng.standard_normal(int(np.prod(ne))).astype(
+                np.float16 if type_ == F16 else np.float32
+            )
         self.c.set_tensor(t.rpc(), np.ascontiguousarray(values).tobytes())
         return t
 
@@ -418,8 +444,10 @@ def served(ep: str) -> bool:
         n = s.g.scale(a, 2.0)
         s.g.place(n, s.handle, s.base + 4096)
         c.graph_compute(s.g.serialize([n]))
-        return np.allclose(np.frombuffer(c.get_tensor(n.rpc()), np.float32),
-                           2 * np.frombuffer(c.get_tensor(a.rpc()), np.float32))
+        return np.allclose(
+            np.frombuffer(c.get_tensor(n.rpc()), np.float32),
+            2 * np.frombuffer(c.get_tensor(a.rpc()), np.float32),
+        )
 
 
 def into(victim: Victim, t: Tensor, nb=None) -> Tensor:
@@ -428,10 +456,12 @@ def into(victim: Victim, t: Tensor, nb=None) -> Tensor:
     return victim.g.place(t, victim.handle, victim.base)
 
 
-@pytest.mark.parametrize("op", [GgmlOp.SCALE, GgmlOp.CLAMP, GgmlOp.ARGSORT, GgmlOp.TOP_K],
-                         ids=lambda o: o.name)
+@pytest.mark.parametrize(
+    "op", [GgmlOp.SCALE, GgmlOp.CLAMP, GgmlOp.ARGSORT, GgmlOp.TOP_K], ids=lambda o: o.name
+)
 def test_wire_flat_rows_do_not_reach_another_sessions_buffer(ggml_server, op):
     """Today: computed; rows 1..3 written at 128, 256, 384 KiB into the victim's buffer."""
+
     def build(s, victim):
         n = flat_case(op)
         n.src = [s.leaf(F32, FLAT_NE)]
@@ -444,6 +474,7 @@ def test_wire_flat_rows_do_not_reach_another_sessions_buffer(ggml_server, op):
 
 def test_wire_flash_attn_writes_no_byte_past_its_row(ggml_server):
     """Today: computed, 3,748 bytes written past the 256-byte result."""
+
     def build(s, victim):
         n = flash_attn(256 + 3748)
         n.src = [s.leaf(F32, (64, 1, 1)), s.leaf(F16, (64, 32, 1)), s.leaf(F16, (64, 32, 1))]
@@ -456,6 +487,7 @@ def test_wire_flash_attn_writes_no_byte_past_its_row(ggml_server):
 
 def test_wire_rope_odd_ne0(ggml_server):
     """Today: computed, one f32 written past the result's last row."""
+
     def build(s, victim):
         pos = s.leaf(I32, (3,), np.arange(3, dtype=np.int32))
         n = node(GgmlOp.ROPE, F32, (5, 2, 3), [s.leaf(F32, (5, 2, 3)), pos], ROPE_PARAMS)
@@ -469,6 +501,7 @@ def test_wire_rope_odd_ne0(ggml_server):
 def test_wire_mul_mat_id_ids_in_argsort_gaps(ggml_server):
     """Today: the ids view at +8 of a gapped ARGSORT counts as made here, its bytes are the
     client's (1000: a heap write 1000 experts on). Now: refused, the victim untouched."""
+
     def build(s, victim):
         probs = s.leaf(F32, (2, 4))
         gaps = s.leaf(I32, (16,), np.full(16, 1000, np.int32))  # where the ARGSORT will go

@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from helpers import endpoint
 
-from conftest import endpoint
 from fleetd.client import RpcClient
 from fleetd.server.config import ServerConfig
 from fleetd.server.peer import PeerLinks, serve_copy
@@ -37,8 +37,9 @@ DATA = bytes(range(256)) * 4
 
 def f32(buffer: int, base: int, n: int) -> RpcTensor:
     ne = (n, 1, 1, 1)
-    return RpcTensor(id=1, type=GgmlType.F32, buffer=buffer, ne=ne,
-                     nb=contiguous_strides(GgmlType.F32, ne), data=base)
+    return RpcTensor(
+        id=1, type=GgmlType.F32, buffer=buffer, ne=ne, nb=contiguous_strides(GgmlType.F32, ne), data=base
+    )
 
 
 def source(**kw) -> tuple[ServerState, RpcTensor]:
@@ -130,7 +131,9 @@ def test_a_session_over_a_socket_pair_owns_and_closes_its_links(fleetd_server):
 def test_cache_store_names_each_file_by_the_hash_of_its_bytes(tmp_path, caplog):
     from fleetd.wire import fnv1a_64
 
-    state = ServerState(ServerConfig(host="127.0.0.1", port=0, cache_dir=tmp_path / "cache", control_port=None))
+    state = ServerState(
+        ServerConfig(host="127.0.0.1", port=0, cache_dir=tmp_path / "cache", control_port=None)
+    )
     buf = np.random.default_rng(3).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
     for view in (memoryview(buf)[7:], memoryview(buf)[:0], memoryview(buf)[1:2]):
         state.cache_store(view)

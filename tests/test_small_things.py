@@ -30,16 +30,22 @@ def test_a_down_node_in_stats_is_not_a_command():
 
 def _ab_doc(hub: list[float], direct: list[float], copies: int = 8) -> dict:
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"outputs_identical": True,
-            "arms": {"hub": {"seconds_per_step": med(hub)},
-                     "direct": {"seconds_per_step": med(direct), "node_peer_copies": copies}},
-            "runs": [{"arm": "hub", "seconds_per_step": x} for x in hub]
-                    + [{"arm": "direct", "seconds_per_step": x} for x in direct]}
+    return {
+        "outputs_identical": True,
+        "arms": {
+            "hub": {"seconds_per_step": med(hub)},
+            "direct": {"seconds_per_step": med(direct), "node_peer_copies": copies},
+        },
+        "runs": [{"arm": "hub", "seconds_per_step": x} for x in hub]
+        + [{"arm": "direct", "seconds_per_step": x} for x in direct],
+    }
 
 
 def test_synthetic_ab_gives_a_speed_verdict_with_its_spread():
-    assert "direct vs hub: x2.00 steps/s (faster beyond the spread of the runs)" in \
-        ab_verdict(_ab_doc([0.2, 0.22], [0.1, 0.11])).plain
+    assert (
+        "direct vs hub: x2.00 steps/s (faster beyond the spread of the runs)"
+        in ab_verdict(_ab_doc([0.2, 0.22], [0.1, 0.11])).plain
+    )
     assert "within the spread" in ab_verdict(_ab_doc([0.2, 0.1], [0.15, 0.12])).plain
     never = ab_verdict(_ab_doc([0.2, 0.2], [0.1, 0.1], copies=0)).plain
     assert "the direct arm never copied" in never and "no speed verdict" in never and "x2.00" not in never
@@ -49,7 +55,7 @@ def test_status_shows_each_sessions_allocated_bytes_and_layers(fleetd_server, tm
     """#18 item 10: which node holds which layers, and how many bytes each session holds."""
     import json
 
-    from conftest import endpoint
+    from helpers import endpoint
 
     from fleetd.client.graph import GraphBuilder
     from fleetd.client.rpc import RpcClient

@@ -1,6 +1,7 @@
 """Static checks: mypy over the ggml binding (fleetd/compute/ggml) and the wire (fleetd/wire),
-with the settings of [tool.mypy] in pyproject.toml. mypy is in the `test` extra, which
-scripts/bootstrap.sh installs: without it this fails, it does not skip."""
+with the settings of [tool.mypy] in pyproject.toml, and ruff (lint and format, [tool.ruff]) over
+all the Python code. Both are in the `test` extra, which scripts/bootstrap.sh installs: without
+them these fail, they do not skip."""
 
 from __future__ import annotations
 
@@ -15,10 +16,29 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ["fleetd/compute/ggml", "fleetd/wire"]
 
 
+LINTED = ["fleetd", "tui", "tests", "scripts", "benchmarks"]
+
+
+def _require(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(
+            f"{module} is not installed in {sys.executable}'s environment: it is in the "
+            f"test extra (pip install -e '.[test]', as scripts/bootstrap.sh does)"
+        )
+
+
+@pytest.mark.parametrize("check", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_ruff_is_clean(check):
+    _require("ruff")
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", *check, *LINTED], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, f"ruff {' '.join(check)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
+
+
 def test_mypy_is_clean_on_the_ggml_binding_and_the_wire():
-    if importlib.util.find_spec("mypy") is None:
-        pytest.fail(f"mypy is not installed in {sys.executable}'s environment: it is in the "
-                    f"test extra (pip install -e '.[test]', as scripts/bootstrap.sh does)")
-    r = subprocess.run([sys.executable, "-m", "mypy", *CHECKED], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240)
+    _require("mypy")
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", *CHECKED], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     assert r.returncode == 0, f"mypy {' '.join(CHECKED)}: rc {r.returncode}\n{r.stdout}{r.stderr}"

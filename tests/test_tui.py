@@ -121,8 +121,12 @@ def test_traffic_makes_the_counters_move(fleet):
             sender = threading.Thread(target=traffic)
             sender.start()
             try:
-                moved = await settle(pilot, lambda: (screen.samples["1"].rates is not None
-                                                     and screen.samples["1"].rates.commands_per_s > 0))
+                moved = await settle(
+                    pilot,
+                    lambda: (
+                        screen.samples["1"].rates is not None and screen.samples["1"].rates.commands_per_s > 0
+                    ),
+                )
                 rates = screen.samples["1"].rates
                 shown_rate = cell(table, "1", "commands_per_s")
                 shown_bytes = cell(table, "1", "bytes_per_s")
@@ -133,7 +137,8 @@ def test_traffic_makes_the_counters_move(fleet):
             assert float(shown_rate.replace(" ", "")) > 0
             assert rates.bytes_per_s > 0 and shown_bytes.endswith("/s") and not shown_bytes.startswith("0 B")
             after_settled = await settle(
-                pilot, lambda: int(cell(table, "1", "commands").replace(" ", "")) > before)
+                pilot, lambda: int(cell(table, "1", "commands").replace(" ", "")) > before
+            )
             assert after_settled, cell(table, "1", "commands")
             # The history kept it: commands/s above 0 in the recent polls, and the row's sparkline.
             assert max(screen.histories["1"].series("commands_per_s")) > 0
@@ -186,13 +191,16 @@ def test_r_resets_the_counters_on_every_node(fleet):
             assert await settle(pilot, lambda: all((commands(table, k) or 0) > 0 for k in ("0", "1")))
             await pilot.press("r")
             assert isinstance(app.screen, ConfirmScreen)  # it asks first, naming the nodes
-            assert app.screen.question == f"Reset the counters of 2 node(s): {fleet[0].name}, {fleet[1].name}?"
+            assert (
+                app.screen.question == f"Reset the counters of 2 node(s): {fleet[0].name}, {fleet[1].name}?"
+            )
             await pilot.press("n")
             await pilot.pause(3 * POLL_S)
             assert all((commands(table, k) or 0) > 0 for k in ("0", "1"))  # "no" reset nothing
             await pilot.press("r", "y")
-            assert await settle(pilot, lambda: all(commands(table, k) == 0 for k in ("0", "1"))), \
-                [cell(table, k, "commands") for k in ("0", "1")]
+            assert await settle(pilot, lambda: all(commands(table, k) == 0 for k in ("0", "1"))), [
+                cell(table, k, "commands") for k in ("0", "1")
+            ]
 
     asyncio.run(scenario())
     for node in fleet:  # the daemons agree: the polls themselves are control API, not RPC
@@ -202,9 +210,12 @@ def test_r_resets_the_counters_on_every_node(fleet):
 def test_a_node_that_does_not_answer_shows_down_with_its_reason(fleet, tmp_path):
     alive = fleet[0].spec
     nodes = tmp_path / "nodes.txt"
-    nodes.write_text(f"localhost rpc_port={alive.rpc_port} control_port={alive.control_port} name=alive\n"
-                     f"localhost rpc_port={free_port()} control_port={free_port()} name=dead\n")
+    nodes.write_text(
+        f"localhost rpc_port={alive.rpc_port} control_port={alive.control_port} name=alive\n"
+        f"localhost rpc_port={free_port()} control_port={free_port()} name=dead\n"
+    )
     with Fleet.load(nodes) as mixed:
+
         async def scenario():
             app = FleetApp(mixed, POLL_S)
             async with app.run_test(size=SIZE) as pilot:
@@ -233,8 +244,11 @@ def test_ab_screen_runs_keeps_a_history_and_exports_it(fleet, tmp_path):
             screen = app.screen
             screen.export_dir = tmp_path
             await pilot.click("#ab-run")
-            assert await settle(pilot, lambda: screen.result is not None
-                                or "failed" in str(screen.query_one("#ab-state").content), 30)
+            assert await settle(
+                pilot,
+                lambda: screen.result is not None or "failed" in str(screen.query_one("#ab-state").content),
+                30,
+            )
             assert screen.result is not None, screen.query_one("#ab-state").content
             assert screen.result["outputs_identical"] is True
             assert set(screen.result["arms"]) == {"hub", "direct"}
@@ -248,7 +262,9 @@ def test_ab_screen_runs_keeps_a_history_and_exports_it(fleet, tmp_path):
             assert screen.query_one("#ab-run").has_focus
             await pilot.press("enter")
             assert screen.query_one("#ab-results").has_class("old") or len(screen.history) == 2
-            assert await settle(pilot, lambda: len(screen.history) == 2, 30), screen.query_one("#ab-state").content
+            assert await settle(pilot, lambda: len(screen.history) == 2, 30), screen.query_one(
+                "#ab-state"
+            ).content
             assert not screen.query_one("#ab-results").has_class("old")
             assert screen.query_one("#ab-history").row_count == 2
 
@@ -273,8 +289,9 @@ def test_ab_reports_a_direct_arm_that_never_copied(fleet):
             await pilot.press("a")
             screen = app.screen
             await pilot.click("#ab-run")
-            assert await settle(pilot, lambda: screen.history
-                                or "failed" in str(screen.query_one("#ab-state").content), 30)
+            assert await settle(
+                pilot, lambda: screen.history or "failed" in str(screen.query_one("#ab-state").content), 30
+            )
             assert screen.history, screen.query_one("#ab-state").content
             run = screen.history[-1]
             assert not run.ok
@@ -301,8 +318,9 @@ def test_ab_model_workload_says_why_it_cannot_run(fleet, tmp_path):
             assert "no such file" in str(screen.query_one("#ab-state").content)
             screen.query_one("#model").value = str(not_a_model)
             await pilot.press("enter")  # the Run key, this time
-            assert await settle(pilot, lambda: "A/B failed" in str(screen.query_one("#ab-state").content), 30), \
-                screen.query_one("#ab-state").content
+            assert await settle(
+                pilot, lambda: "A/B failed" in str(screen.query_one("#ab-state").content), 30
+            ), screen.query_one("#ab-state").content
             assert not screen.history
 
     asyncio.run(scenario())
@@ -317,12 +335,15 @@ def test_stale_after_two_missed_intervals_and_up_again(local):
             screen = dashboard(app)
             table = screen.query_one(NodeTable)
             assert await settle(pilot, lambda: cell(table, key, "state") == "up")
-            assert cell(table, key, "latency").endswith("ms") and (cell(table, key, "seen") == "now" or
-                                                                cell(table, key, "seen").endswith("s"))
+            assert cell(table, key, "latency").endswith("ms") and (
+                cell(table, key, "seen") == "now" or cell(table, key, "seen").endswith("s")
+            )
             os.kill(proc.pid, signal.SIGSTOP)  # it stops answering; its sockets stay open
             try:
                 # Stale long before the control API's 30 s read timeout: two intervals.
-                assert await settle(pilot, lambda: cell(table, key, "state") == "stale"), cell(table, key, "state")
+                assert await settle(pilot, lambda: cell(table, key, "state") == "stale"), cell(
+                    table, key, "state"
+                )
                 assert screen.is_stale(key)
                 assert cell(table, "0", "state") == "up"
                 assert cell(table, key, "seen").endswith("s")  # the age of its last answer
@@ -339,16 +360,20 @@ def test_stale_after_two_missed_intervals_and_up_again(local):
 def test_fleet_wide_p2p_and_p_on_a_down_node_says_why(fleet, tmp_path):
     alive = fleet[0].spec
     nodes = tmp_path / "nodes.txt"
-    nodes.write_text(f"localhost rpc_port={alive.rpc_port} control_port={alive.control_port} name=alive\n"
-                     f"localhost rpc_port={free_port()} control_port={free_port()} name=dead\n")
+    nodes.write_text(
+        f"localhost rpc_port={alive.rpc_port} control_port={alive.control_port} name=alive\n"
+        f"localhost rpc_port={free_port()} control_port={free_port()} name=dead\n"
+    )
     with Fleet.load(nodes) as mixed:
+
         async def scenario():
             app = FleetApp(mixed, POLL_S)
             async with app.run_test(size=SIZE) as pilot:
                 screen = dashboard(app)
                 table = screen.query_one(NodeTable)
-                assert await settle(pilot, lambda: cell(table, "1", "state") == "down"
-                                    and cell(table, "0", "state") == "up")
+                assert await settle(
+                    pilot, lambda: cell(table, "1", "state") == "down" and cell(table, "0", "state") == "up"
+                )
                 await pilot.press("down", "p")
                 assert "dead is down, nothing switched: ControlUnreachable" in notes(app)
                 await pilot.press("P")  # every node that can: alive only, dead named as skipped
@@ -403,7 +428,9 @@ def test_node_screen_shows_one_node_in_detail(fleet):
                 # The log comes over the lifecycle path: a LocalFleet node was not deployed by fleetctl.
                 assert await settle(pilot, lambda: screen.log_lines is not None)
                 lines = screen.log_lines
-                assert isinstance(lines, list) or "fleetd is not deployed here by fleetctl" in str(lines), lines
+                assert isinstance(lines, list) or "fleetd is not deployed here by fleetctl" in str(lines), (
+                    lines
+                )
                 await pilot.press("escape")
                 assert isinstance(app.screen, DashboardScreen)
 
@@ -482,7 +509,9 @@ def test_seen_and_poll_tell_a_killed_node_from_a_frozen_one(tmp_path):
             async with app.run_test(size=SIZE) as pilot:
                 screen = dashboard(app)
                 table = screen.query_one(NodeTable)
-                assert await settle(pilot, lambda: cell(table, "0", "state") == "up" == cell(table, "1", "state"))
+                assert await settle(
+                    pilot, lambda: cell(table, "0", "state") == "up" == cell(table, "1", "state")
+                )
                 killed.send_signal(signal.SIGKILL)
                 frozen.send_signal(signal.SIGSTOP)
                 try:

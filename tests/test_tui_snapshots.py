@@ -26,8 +26,17 @@ from tui.screens.dashboard import DashboardScreen  # noqa: E402
 from tui.screens.deploy import DeployScreen  # noqa: E402
 from tui.screens.node import NodeScreen  # noqa: E402
 
-COMMANDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "BUFFER_GET_BASE", "SET_TENSOR", "GET_TENSOR",
-            "GRAPH_COMPUTE", "HELLO", "COPY_TENSOR_TO", "PEER_BARRIER")
+COMMANDS = (
+    "ALLOC_BUFFER",
+    "GET_ALIGNMENT",
+    "BUFFER_GET_BASE",
+    "SET_TENSOR",
+    "GET_TENSOR",
+    "GRAPH_COMPUTE",
+    "HELLO",
+    "COPY_TENSOR_TO",
+    "PEER_BARRIER",
+)
 REASONS = ("disabled", "not_allowed", "unreachable", "refused", "write_rejected", "timeout")
 POLLS = 40  # of history on every node
 
@@ -35,13 +44,26 @@ POLLS = 40  # of history on every node
 def status_doc(port: int, sessions: int, p2p: bool = True, allocated: int = 0) -> dict:
     total = 16 << 30
     return {
-        "version": "0.1.0", "protocol": "7.0.0", "features": {"bits": 1, "peer_copy": True},
+        "version": "0.1.0",
+        "protocol": "7.0.0",
+        "features": {"bits": 1, "peer_copy": True},
         "rpc": {"host": "0.0.0.0", "port": port},
         "devices": [{"index": 0, "name": "CPU", "kind": "cpu", "free": total - allocated, "total": total}],
-        "started": 0.0, "uptime_seconds": 7384.0, "p2p": {"enabled": p2p, "served": True},
-        "sessions": [{"id": i + 1, "peer": f"10.0.0.9:{41000 + i}", "started": 0.0, "age_seconds": 95.0 + i,
-                      "commands": 1200 * (i + 1), "request_bytes": 3 << 20, "response_bytes": 1 << 20}
-                     for i in range(sessions)],
+        "started": 0.0,
+        "uptime_seconds": 7384.0,
+        "p2p": {"enabled": p2p, "served": True},
+        "sessions": [
+            {
+                "id": i + 1,
+                "peer": f"10.0.0.9:{41000 + i}",
+                "started": 0.0,
+                "age_seconds": 95.0 + i,
+                "commands": 1200 * (i + 1),
+                "request_bytes": 3 << 20,
+                "response_bytes": 1 << 20,
+            }
+            for i in range(sessions)
+        ],
     }
 
 
@@ -58,9 +80,13 @@ def stats_doc(i: int, scale: int, fallbacks: int = 0) -> dict:
     return {
         "since": 1000.0,
         "total": {"commands": commands, "graph_computes": done // 2, "compute_seconds": done * 0.0021},
-        "peer": {"copies_ok": done // 2, "bytes_pushed": done * 32_768, "bytes_confirmed": done * 32_768,
-                 "links_opened": 1,
-                 "fallbacks": {r: (fallbacks if r == "refused" else 0) for r in REASONS}},
+        "peer": {
+            "copies_ok": done // 2,
+            "bytes_pushed": done * 32_768,
+            "bytes_confirmed": done * 32_768,
+            "links_opened": 1,
+            "fallbacks": {r: (fallbacks if r == "refused" else 0) for r in REASONS},
+        },
         "sessions": [],
     }
 
@@ -68,9 +94,11 @@ def stats_doc(i: int, scale: int, fallbacks: int = 0) -> dict:
 def nodes_file(tmp_path):
     # Closed loopback ports: nothing answers, and the polls are stopped before they matter.
     path = tmp_path / "nodes.txt"
-    path.write_text("localhost rpc_port=9 control_port=9 name=gpu-a\n"
-                    "root@127.0.0.12:9 rpc_port=50052 name=gpu-b\n"
-                    "127.0.0.13:9 name=gpu-c\n")
+    path.write_text(
+        "localhost rpc_port=9 control_port=9 name=gpu-a\n"
+        "root@127.0.0.12:9 rpc_port=50052 name=gpu-b\n"
+        "127.0.0.13:9 name=gpu-c\n"
+    )
     return path
 
 
@@ -106,10 +134,20 @@ async def feed(pilot) -> DashboardScreen:
     screen.clock = lambda: t0 + POLLS + 0.4  # ages as if the last answer came 0.4 s ago
     for i in range(POLLS):
         at = t0 + i + 1
-        screen.polled("0", NodeStatus.parse(status_doc(50052, 2, allocated=5 << 30)),
-                      NodeStats.parse(stats_doc(i, 40)), at, 0.012)
-        screen.polled("1", NodeStatus.parse(status_doc(50052, 1, p2p=False, allocated=9 << 30)),
-                      NodeStats.parse(stats_doc(i, 7, fallbacks=3)), at, 0.034)
+        screen.polled(
+            "0",
+            NodeStatus.parse(status_doc(50052, 2, allocated=5 << 30)),
+            NodeStats.parse(stats_doc(i, 40)),
+            at,
+            0.012,
+        )
+        screen.polled(
+            "1",
+            NodeStatus.parse(status_doc(50052, 1, p2p=False, allocated=9 << 30)),
+            NodeStats.parse(stats_doc(i, 7, fallbacks=3)),
+            at,
+            0.034,
+        )
     screen.polled("2", ControlUnreachable("ssh you@127.0.0.13:9: connection refused"), None, t0 + POLLS, 3.1)
     await pilot.pause()
     return screen
@@ -131,8 +169,9 @@ def test_node_screen(snap_compare, tmp_path):
         await pilot.pause()
         pilot.app.workers.cancel_all()  # the log comes from the line below, not from SSH
         await all_done(pilot)
-        node._show_log([f"2026-12-01 22:0{i}:00 fleetd.server INFO session {i} from 10.0.0.9 closed"
-                        for i in range(6)])
+        node._show_log(
+            [f"2026-12-01 22:0{i}:00 fleetd.server INFO session {i} from 10.0.0.9 closed" for i in range(6)]
+        )
         await pilot.pause()
 
     assert snap_compare(make_app(tmp_path), terminal_size=(100, 40), run_before=run_before)
@@ -149,30 +188,66 @@ def test_deploy_screen(snap_compare, tmp_path):
 
         for node, step in ((screen.nodes["0"], "health"), (screen.nodes["1"], "install")):
             deploy._step(node, step)
-        deploy._deployed([
-            NodeOutcome("gpu-a", "unchanged", "0.1.0-3f2a9c1b7d4e", "0.1.0-3f2a9c1b7d4e",
-                        "0.1.0-3f2a9c1b7d4e already running", {"check": "python 3.11, 40 GiB free, port ours"}),
-            NodeOutcome("gpu-b", "rolled-back", "0.1.0-3f2a9c1b7d4e", "0.1.0-8e1d0a2b6c5f",
-                        "health check failed, rolled back to 0.1.0-8e1d0a2b6c5f: no HELLO on port 50052",
-                        {"check": "python 3.12, 112 GiB free, port ours", "upload": "1 wheel(s)"}),
-        ])
+        deploy._deployed(
+            [
+                NodeOutcome(
+                    "gpu-a",
+                    "unchanged",
+                    "0.1.0-3f2a9c1b7d4e",
+                    "0.1.0-3f2a9c1b7d4e",
+                    "0.1.0-3f2a9c1b7d4e already running",
+                    {"check": "python 3.11, 40 GiB free, port ours"},
+                ),
+                NodeOutcome(
+                    "gpu-b",
+                    "rolled-back",
+                    "0.1.0-3f2a9c1b7d4e",
+                    "0.1.0-8e1d0a2b6c5f",
+                    "health check failed, rolled back to 0.1.0-8e1d0a2b6c5f: no HELLO on port 50052",
+                    {"check": "python 3.12, 112 GiB free, port ours", "upload": "1 wheel(s)"},
+                ),
+            ]
+        )
         await pilot.pause()
 
     assert snap_compare(make_app(tmp_path), terminal_size=(100, 32), run_before=run_before)
 
 
 AB_DOC = {
-    "stages": 3, "layers": 6, "rows": 32, "n_embd": 1024, "steps": 5, "outputs_identical": True,
+    "stages": 3,
+    "layers": 6,
+    "rows": 32,
+    "n_embd": 1024,
+    "steps": 5,
+    "outputs_identical": True,
     "arms": {
-        "hub": {"per_step": {"commands": {"SET_TENSOR": 2.0, "GET_TENSOR": 2.0}, "request_bytes": 263_000,
-                             "response_bytes": 262_000}, "md5": "a5a99942213e0f", "seconds_per_step": 0.0089,
-                "node_peer_copies": 0, "node_fallbacks": 0},
-        "direct": {"per_step": {"commands": {"SET_TENSOR": 1.0, "GET_TENSOR": 1.0, "COPY_TENSOR_TO": 1.0},
-                                "request_bytes": 132_000, "response_bytes": 131_000}, "md5": "a5a99942213e0f",
-                   "seconds_per_step": 0.0061, "node_peer_copies": 8, "node_fallbacks": 0},
+        "hub": {
+            "per_step": {
+                "commands": {"SET_TENSOR": 2.0, "GET_TENSOR": 2.0},
+                "request_bytes": 263_000,
+                "response_bytes": 262_000,
+            },
+            "md5": "a5a99942213e0f",
+            "seconds_per_step": 0.0089,
+            "node_peer_copies": 0,
+            "node_fallbacks": 0,
+        },
+        "direct": {
+            "per_step": {
+                "commands": {"SET_TENSOR": 1.0, "GET_TENSOR": 1.0, "COPY_TENSOR_TO": 1.0},
+                "request_bytes": 132_000,
+                "response_bytes": 131_000,
+            },
+            "md5": "a5a99942213e0f",
+            "seconds_per_step": 0.0061,
+            "node_peer_copies": 8,
+            "node_fallbacks": 0,
+        },
     },
-    "runs": [{"arm": a, "seconds_per_step": s} for a, s in
-             (("hub", 0.0090), ("direct", 0.0060), ("direct", 0.0062), ("hub", 0.0088))],
+    "runs": [
+        {"arm": a, "seconds_per_step": s}
+        for a, s in (("hub", 0.0090), ("direct", 0.0060), ("direct", 0.0062), ("hub", 0.0088))
+    ],
 }
 
 

@@ -6,8 +6,8 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import frame
 
-from conftest import frame
 from fleetd.errors import LocalProtocolError, RemoteProtocolError
 from fleetd.wire import (
     COMMANDS,
@@ -49,8 +49,15 @@ HELLO = b"\x0e" + struct.pack("<Q", 24) + bytes(24)
 def t(**kw) -> RpcTensor:
     ne = kw.pop("ne", (4, 1, 1, 1))
     ty = kw.pop("type", GgmlType.F32)
-    return RpcTensor(id=kw.pop("id", 1), type=ty, buffer=kw.pop("buffer", 0x100), ne=ne,
-                     nb=contiguous_strides(ty, ne), data=kw.pop("data", 0x1000), **kw)
+    return RpcTensor(
+        id=kw.pop("id", 1),
+        type=ty,
+        buffer=kw.pop("buffer", 0x100),
+        ne=ne,
+        nb=contiguous_strides(ty, ne),
+        data=kw.pop("data", 0x1000),
+        **kw,
+    )
 
 
 def ready() -> ServerConnection:
@@ -221,12 +228,15 @@ def server_reply(request, reply) -> ClientConnection:
     return c
 
 
-@pytest.mark.parametrize("request_, reply", [
-    (AllocBuffer(0, 1000), AllocBufferReply(0x100, 1024)),
-    (GetAlignment(0), GetAlignmentReply(32)),
-    (DeviceCount(), DeviceCountReply(1)),
-    (PeerBarrier(), PeerBarrierReply(1)),
-])
+@pytest.mark.parametrize(
+    "request_, reply",
+    [
+        (AllocBuffer(0, 1000), AllocBufferReply(0x100, 1024)),
+        (GetAlignment(0), GetAlignmentReply(32)),
+        (DeviceCount(), DeviceCountReply(1)),
+        (PeerBarrier(), PeerBarrierReply(1)),
+    ],
+)
 def test_client_turns_reply_bytes_into_the_reply_event(request_, reply):
     wire = reply.frame()
     assert wire == encode_response(request_.cmd, *[getattr(reply, f) for f in reply.__slots__])
@@ -271,10 +281,13 @@ def test_client_hello_first_once_and_replies_in_request_order():
     assert c.next_event() is NEED_DATA
 
 
-@pytest.mark.parametrize("reply, reason", [
-    (struct.pack("<Q", 8), "response of 8 bytes, expected 16"),  # GET_TENSOR of 16 bytes
-    (DataReply.header(16) + bytes(16) + b"\x00", "1 bytes received with no request"),
-])
+@pytest.mark.parametrize(
+    "reply, reason",
+    [
+        (struct.pack("<Q", 8), "response of 8 bytes, expected 16"),  # GET_TENSOR of 16 bytes
+        (DataReply.header(16) + bytes(16) + b"\x00", "1 bytes received with no request"),
+    ],
+)
 def test_client_refuses_replies_that_do_not_fit(reply, reason):
     c = server_reply(GetTensor(t(), 0, 16), reply)
     with pytest.raises(RemoteProtocolError, match=reason):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import connection_closed, endpoint
+from helpers import connection_closed, endpoint
 
 from fleetd.client.graph import GraphBuilder
 from fleetd.client.rpc import RpcClient
@@ -39,8 +39,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def start(**limits) -> Server:
-    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"],
-                              limits=ServerLimits(**limits)))
+    srv = Server(
+        ServerConfig(
+            host="127.0.0.1", port=0, control_port=None, devices=["cpu"], limits=ServerLimits(**limits)
+        )
+    )
     srv.start()
     assert isinstance(srv.state.devices[0], GgmlCpuDevice)
     return srv
@@ -143,8 +146,9 @@ def settle(srv: Server, sessions: int, timeout: float = 30.0) -> None:
         if srv.state.sessions.count() == sessions and srv.state.devices[0].workers.live() == sessions:
             return
         time.sleep(0.02)
-    raise AssertionError(f"{srv.state.sessions.count()} sessions, "
-                         f"{srv.state.devices[0].workers.live()} workers")
+    raise AssertionError(
+        f"{srv.state.sessions.count()} sessions, {srv.state.devices[0].workers.live()} workers"
+    )
 
 
 def gone(pid: int, timeout: float = 10.0) -> bool:
@@ -183,7 +187,7 @@ def test_a_dying_worker_costs_only_its_session(server, monkeypatch, caplog):
             out = slab.node(GgmlOp.GET_ROWS, F32, (8, 2), [data, rows])
             victim.graph_compute(slab.g.serialize([out]))
         errors: list = []
-        side = [threading.Thread(target=lambda c=c: _keep(c, errors)) for c in (a, b)]
+        side = [threading.Thread(target=lambda c=c, errors=errors: _keep(c, errors)) for c in (a, b)]
         for t in side:
             t.start()  # the other two compute while the victim's worker dies
         if how == "signal":
@@ -291,13 +295,25 @@ os.write(1, repr(results).encode())
 def test_the_seccomp_filter_denies_files_sockets_processes():
     """The worker's own sandbox calls, in a fresh process: threads yes; files, sockets, fork,
     exec and signals to others no (EPERM)."""
-    proc = subprocess.run([sys.executable, "-c", SANDBOXED], capture_output=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)))
+    proc = subprocess.run(
+        [sys.executable, "-c", SANDBOXED],
+        capture_output=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)),
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     results = eval(proc.stdout.decode())  # noqa: S307 - our own repr of a dict of ints and strs
     eperm = 1
-    assert results == {"open": eperm, "open_write": eperm, "socket": eperm, "unix_socket": eperm,
-                       "fork": eperm, "exec": eperm, "kill_parent": eperm, "thread": "ran"}, results
+    assert results == {
+        "open": eperm,
+        "open_write": eperm,
+        "socket": eperm,
+        "unix_socket": eperm,
+        "fork": eperm,
+        "exec": eperm,
+        "kill_parent": eperm,
+        "thread": "ran",
+    }, results
     assert not Path("/tmp/fleetd-sandbox-probe").exists()
 
 
@@ -433,8 +449,9 @@ def test_a_session_thread_and_its_worker_share_the_least_used_core(pin):
     """One compute thread per graph: each session's worker and its daemon thread on one core,
     two sessions on two different cores; unpinned, both keep every core the daemon has."""
     everything = set(os.sched_getaffinity(0))
-    srv = Server(ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"],
-                              threads=1, pin_workers=pin))
+    srv = Server(
+        ServerConfig(host="127.0.0.1", port=0, control_port=None, devices=["cpu"], threads=1, pin_workers=pin)
+    )
     srv.start()
     try:
         ep = endpoint(srv)
@@ -444,11 +461,17 @@ def test_a_session_thread_and_its_worker_share_the_least_used_core(pin):
         workers = srv.state.devices[0].workers.worker_pids().values()
         worker_cores = [allowed_cores(f"/proc/{pid}/status") for pid in workers]
         live = srv.state.sessions.live()
-        session_threads = [t.native_id for t in threading.enumerate()  # this server's sessions
-                           if getattr(getattr(t, "_target", None), "__self__", None) in live]
+        session_threads = [
+            t.native_id
+            for t in threading.enumerate()  # this server's sessions
+            if getattr(getattr(t, "_target", None), "__self__", None) in live
+        ]
         assert len(session_threads) == 2
-        pinned_threads = [c for c in (allowed_cores(f"/proc/{os.getpid()}/task/{t}/status")
-                                      for t in session_threads) if c != everything]
+        pinned_threads = [
+            c
+            for c in (allowed_cores(f"/proc/{os.getpid()}/task/{t}/status") for t in session_threads)
+            if c != everything
+        ]
         if pin:
             assert all(len(c) == 1 for c in worker_cores), worker_cores
             assert worker_cores[0] != worker_cores[1]  # the least used core, not the same one

@@ -1,12 +1,14 @@
 """fleetctl demo: a local fleet on loopback, llama.cpp and an A/B through it, the stats after.
 
-With --keep the fleet stays up after the report, its nodes file kept on disk, until Ctrl-C:
+With --keep the fleet stays up after the report, its nodes file kept on disk, until Ctrl-C or SIGTERM
+(whatever signal disposition fleetctl inherited):
 `fleetctl tui` or `fleetctl stats` can then be pointed at it from another terminal.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import tempfile
 import threading
 from pathlib import Path
@@ -21,6 +23,9 @@ from fleetd.fleet.render import stats_table, status_table
 
 __all__ = ["DEMO_HELP", "cmd_demo", "configure_demo"]
 
+# What ends a kept demo fleet: Ctrl-C, or a plain kill.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def configure_demo(p) -> None:
     p.add_argument("--nodes", type=int, default=2, help="fleetd processes to start (default 2)")
@@ -31,7 +36,7 @@ def configure_demo(p) -> None:
     p.add_argument(
         "--keep",
         action="store_true",
-        help="leave the fleet running after the report, until Ctrl-C; its nodes file stays",
+        help="leave the fleet running after the report, until Ctrl-C or SIGTERM; its nodes file stays",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -41,10 +46,16 @@ def _wait_for_ctrl_c(console: Console, local: LocalFleet) -> None:
         f"[bold]the fleet keeps running[/]: fleetctl tui {local.nodes_file}\n"
         f"nodes file {local.nodes_file} (kept); Ctrl-C stops the fleet"
     )
+    stop = threading.Event()
+    # Handlers of our own, whatever disposition this process inherited: a parent that starts
+    # it in the background (SIGINT ignored, as a non-interactive shell does) can still stop it.
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in STOP_SIGNALS}
     try:
-        threading.Event().wait()  # until Ctrl-C (KeyboardInterrupt)
-    except KeyboardInterrupt:
-        console.print("stopping the fleet")
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    console.print("stopping the fleet")
 
 
 def cmd_demo(args) -> int:

@@ -106,3 +106,4 @@ class LocalStage:
         self.plan = None
         for buf in self.registry.owned_by(0):
             self.registry.free(buf)
+        self.device.close()  # its fork server and workers, if a graph started them

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -96,6 +97,7 @@ def status_doc(state: ServerState) -> dict:
     host, port = state.address[:2]
     return {
         "version": __version__,
+        "pid": os.getpid(),  # which process answers: a supervisor's restart changes it
         "protocol": ".".join(map(str, PROTOCOL_VERSION)),
         "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
         "rpc": {"host": host, "port": port},
