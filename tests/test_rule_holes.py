@@ -29,6 +29,14 @@ except OSError as exc:  # pragma: no cover - depends on the machine
 
 from fleetd.compute.ggml.rules import Refused, Touch, check_node, contiguous_from, row_extent
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_device():
+    """DEVICE starts a fork server at its first run: stop it with the module."""
+    yield
+    DEVICE.close()
+
+
 F32, F16, I32, I64, Q8_0 = GgmlType.F32, GgmlType.F16, GgmlType.I32, GgmlType.I64, GgmlType.Q8_0
 KIB = 1024
 FILL = 0xAB
