@@ -103,3 +103,32 @@ def test_fleetctl_model_make_writes_the_same_model_everywhere(tmp_path, capsys):
     assert any(t.name.startswith("blk.0.") for t in reader.tensors)
     assert main(["model", "make", "--size", "huge", "--dir", str(tmp_path)]) == 2
     assert "unknown size 'huge'" in capsys.readouterr().err
+
+
+def test_status_polls_are_counted_apart_from_the_nodes_commands(fleetd_server, tmp_path):
+    """#18 item 9: every `fleetctl status` HELLOs the RPC port; that is a probe, not traffic."""
+    import time
+
+    from helpers import endpoint
+
+    from fleetd.client.rpc import RpcClient
+    from fleetd.ctl.control_commands import status_and_hello
+    from fleetd.fleet.node import Fleet
+
+    srv = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=n\n")
+    fleet = Fleet.load(nodes)
+    for _ in range(3):
+        fleet.map(status_and_hello).values()
+    with RpcClient(endpoint(srv)) as c:  # a client's session: its HELLO is traffic
+        c.alloc_buffer(4096)
+    for _ in range(200):  # the server sees each close a moment after the client
+        if not srv.state.live_sessions():
+            break
+        time.sleep(0.01)
+    (stats,) = fleet.map(lambda n: n.stats()).values()
+    total = stats.total
+    assert total.commands["HELLO"].count == 1, total.commands["HELLO"]
+    assert total.commands["ALLOC_BUFFER"].count == 1
+    assert total.probe_connections >= 3

@@ -213,6 +213,7 @@ class Counters:
     commands: Mapping[str, CommandCount]
     graph_computes: int
     compute_seconds: float
+    probe_connections: int = 0  # HELLO-only connections (status polls, health checks): not traffic
 
     @classmethod
     def parse(cls, d: _Doc) -> Counters:
@@ -223,7 +224,12 @@ class Counters:
             commands[name] = CommandCount(
                 c.whole("count"), c.whole("request_bytes"), c.whole("response_bytes")
             )
-        return cls(commands, d.whole("graph_computes", 0), d.number("compute_seconds", 0.0))
+        return cls(
+            commands,
+            d.whole("graph_computes", 0),
+            d.number("compute_seconds", 0.0),
+            d.whole("probe_connections", 0),
+        )
 
     @property
     def command_count(self) -> int:

@@ -1,7 +1,9 @@
 """Counters: per command count and bytes, per session, summed into totals when read.
 
 Each session writes only its own counters (no lock on the hot path); readers sum live sessions
-plus what closed sessions left behind.
+plus what closed sessions left behind. A connection that did nothing but HELLO (fleetctl status,
+a deploy's health check, a port probe) is counted apart, in `probe_connections`: polling a node
+must not show up as traffic in its command counters.
 """
 
 from __future__ import annotations
@@ -9,18 +11,26 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from fleetd.wire import COMMANDS, cmd_name
+from fleetd.wire import COMMANDS, Cmd, cmd_name
 
 COMMAND_CODES = sorted(COMMANDS)  # every command code, ascending: the counters' keys
 
 
 @dataclass
 class CommandCounters:
+    """Per command: how many were served and the bytes each way; graph computes and their time."""
+
     count: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
     request_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
     response_bytes: dict[int, int] = field(default_factory=lambda: dict.fromkeys(COMMAND_CODES, 0))
     graph_computes: int = 0
     compute_seconds: float = 0.0
+    probe_connections: int = 0  # connections that sent nothing but HELLO (not in `count`)
+
+    @property
+    def is_probe(self) -> bool:
+        """Nothing but HELLO so far (or nothing at all): a health check, not a client's work."""
+        return sum(self.count.values()) == self.count[Cmd.HELLO] <= 1
 
     def record(self, cmd: int, request_bytes: int, response_bytes: int) -> None:
         """One served command: the session's hot path, so three dict updates and nothing else."""
@@ -35,6 +45,7 @@ class CommandCounters:
             self.response_bytes[c] += other.response_bytes[c]
         self.graph_computes += other.graph_computes
         self.compute_seconds += other.compute_seconds
+        self.probe_connections += other.probe_connections
 
     def as_dict(self) -> dict:
         return {
@@ -48,6 +59,7 @@ class CommandCounters:
             },
             "graph_computes": self.graph_computes,
             "compute_seconds": round(self.compute_seconds, 6),
+            "probe_connections": self.probe_connections,
         }
 
 
@@ -59,15 +71,20 @@ class StatsBook:
         self.closed = CommandCounters()
 
     def fold(self, counters: CommandCounters) -> None:
+        """A closed session's counters into the totals; a probe only adds to probe_connections."""
         with self._lock:
-            self.closed.add(counters)
+            if counters.is_probe:
+                self.closed.probe_connections += 1
+            else:
+                self.closed.add(counters)
 
     def total(self, live: list[CommandCounters]) -> CommandCounters:
         out = CommandCounters()
         with self._lock:
             out.add(self.closed)
         for c in live:
-            out.add(c)
+            if not c.is_probe:  # a poll in flight is not traffic either
+                out.add(c)
         return out
 
     def reset(self, live: list[CommandCounters]) -> None:
