@@ -17,6 +17,7 @@ import time
 
 import pytest
 from rich.console import Console
+from textual.widgets import RichLog
 
 from fleetd import __version__
 from fleetd.client import RpcClient
@@ -389,6 +390,30 @@ def test_fleet_wide_p2p_and_p_on_a_down_node_says_why(fleet, tmp_path):
             fleet[0].set_p2p(True)
 
 
+def test_fleet_wide_p2p_switch_gives_one_notification_not_one_per_node(fleet):
+    """#18 item 9: `P` on a fleet raises one popup with every node's answer."""
+
+    async def scenario():
+        app = FleetApp(fleet, POLL_S)
+        async with app.run_test(size=SIZE) as pilot:
+            table = dashboard(app).query_one(NodeTable)
+            assert await settle(pilot, lambda: all(cell(table, k, "p2p") == "on" for k in ("0", "1")))
+            before = len(app._notifications)
+            await pilot.press("P")
+            assert await settle(pilot, lambda: all(cell(table, k, "p2p") == "off" for k in ("0", "1")))
+            await pilot.pause(0.3)
+            new = [str(n.message) for n in list(app._notifications)[before:]]
+            assert len(new) == 1, new
+            assert new[0].startswith("P2P off on ") and all(n.name in new[0] for n in fleet), new
+            assert [n.p2p().enabled for n in fleet] == [False, False]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for node in fleet:
+            node.set_p2p(True)
+
+
 def test_80x24_keeps_the_essentials_without_horizontal_scroll(fleet):
     async def scenario():
         app = FleetApp(fleet, POLL_S)
@@ -437,7 +462,7 @@ def test_node_screen_shows_one_node_in_detail(fleet):
         asyncio.run(scenario())
 
 
-def test_deploy_screen_dry_run_and_lifecycle_ask_first_and_report(fleet):
+def test_deploy_screen_asks_before_changes_only_and_reports(fleet):
     async def scenario():
         app = FleetApp(fleet, POLL_S)
         async with app.run_test(size=SIZE) as pilot:
@@ -452,16 +477,37 @@ def test_deploy_screen_dry_run_and_lifecycle_ask_first_and_report(fleet):
             assert isinstance(app.screen, ConfirmScreen) and fleet[1].name in app.screen.question
             await pilot.press("n")
             assert screen.results is None  # no stop without a yes
-            await pilot.press("n", "y")  # dry run: the same Deployer.plan as fleetctl deploy --dry-run
+            await pilot.press("n")  # dry run: the same Deployer.plan as fleetctl deploy --dry-run
+            assert app.screen is screen  # read-only: no question (#18 item 9)
             assert await settle(pilot, lambda: screen.outcomes is not None, 120)
             for o in screen.outcomes:  # their RPC ports are held by fleetd that fleetctl did not start
                 assert o.status == "failed" and "which fleetctl did not deploy" in o.detail, o
-            await pilot.press("L", "y")
+            await pilot.press("L")
+            assert app.screen is screen  # logs are read-only: no question either
             assert await settle(pilot, lambda: screen.results is not None, 60)
             # not deployed by fleetctl, but started by it (LocalFleet, --log-file): their logs
             for r in screen.results.values():
                 assert "error" not in r and r["path"].endswith(".log") and r["lines"], r
             assert all(node.status() for node in fleet)  # still running
+
+    asyncio.run(scenario())
+
+
+def test_deploy_log_lines_wrap_at_80x24(fleet):
+    """#18 item 6: a long deploy log line (a failure's reason) is read whole, not cropped."""
+
+    async def scenario():
+        app = FleetApp(fleet, POLL_S)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("d")
+            screen = app.screen
+            assert isinstance(screen, DeployScreen)
+            log = screen.query_one("#deploy-log", RichLog)
+            screen._log("n0: failed: " + "reason " * 30 + "END")
+            await pilot.pause(0.2)
+            lines = [strip.text for strip in log.lines]
+            assert len(lines) > 1 and lines[-1].rstrip().endswith("END"), lines
+            assert max(len(line.rstrip()) for line in lines) <= log.content_size.width, lines
 
     asyncio.run(scenario())
 

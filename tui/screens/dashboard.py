@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar
@@ -331,20 +332,52 @@ class DashboardScreen(Screen):
         self._switch(event.node_key, event.enabled)
 
     def action_toggle_fleet_p2p(self) -> None:
-        """Every node that can switch goes the same way: off when all are on, else on."""
+        """Every node that can switch goes the same way: off when all are on, else on; one
+        notification when every node has answered, not one per node."""
         ready = [k for k in self.nodes if self.why_not_switchable(k) is None]
-        skipped = [self.why_not_switchable(k) for k in self.nodes if k not in ready]
+        skipped = [why for k in self.nodes if k not in ready and (why := self.why_not_switchable(k))]
         if not ready:
             self.notify("no node can switch P2P now:\n" + "\n".join(skipped), severity="warning")
             return
         enabled = not all(self.samples[k].status.p2p.enabled for k in ready)
-        names = ", ".join(self.nodes[k].name for k in ready)
-        self.notify(
-            f"P2P {'on' if enabled else 'off'} on {names}"
-            + ("\nskipped: " + "; ".join(skipped) if skipped else "")
-        )
         for key in ready:
-            self._switch(key, enabled)
+            self.p2p_pending.add(key)
+            self._show(key)
+        self.run_worker(
+            partial(self._switch_fleet_p2p, ready, enabled, skipped),
+            name="p2p fleet",
+            group="p2p:fleet",
+            exclusive=True,
+            thread=True,
+        )
+
+    def _switch_fleet_p2p(self, keys: list[str], enabled: bool, skipped: list[str]) -> None:
+        worker = get_current_worker()
+
+        def one(key: str) -> P2pState | BaseException:
+            try:
+                return self.nodes[key].set_p2p(enabled)
+            except Exception as exc:  # refused, unreachable: named in the notification
+                return exc
+
+        with ThreadPoolExecutor(max_workers=min(len(keys), 16)) as pool:
+            answers = dict(zip(keys, pool.map(one, keys)))
+        if not worker.is_cancelled:
+            self.app.call_from_thread(self._fleet_p2p_switched, answers, enabled, skipped)
+
+    def _fleet_p2p_switched(
+        self, answers: dict[str, P2pState | BaseException], enabled: bool, skipped: list[str]
+    ) -> None:
+        switched = [self.nodes[k].name for k, a in answers.items() if not isinstance(a, BaseException)]
+        failed = [
+            f"{self.nodes[k].name}: {reason(a)}" for k, a in answers.items() if isinstance(a, BaseException)
+        ]
+        for key, answer in answers.items():
+            self._apply_p2p_answer(key, answer)
+        lines = [f"P2P {'on' if enabled else 'off'} on {', '.join(switched)}"] if switched else []
+        lines += ["not switched: " + "; ".join(failed)] if failed else []
+        lines += ["skipped: " + "; ".join(skipped)] if skipped else []
+        self.notify("\n".join(lines), severity="error" if failed else "information")
 
     def _switch(self, key: str, enabled: bool) -> None:
         self.p2p_pending.add(key)
@@ -368,16 +401,21 @@ class DashboardScreen(Screen):
             self.app.call_from_thread(self._p2p_switched, key, answer)
 
     def _p2p_switched(self, key: str, answer: P2pState | BaseException) -> None:
-        self.p2p_pending.discard(key)
         name = self.nodes[key].name
         if isinstance(answer, BaseException):
             self.notify(f"{name}: P2P not switched: {reason(answer)}", severity="error")
         else:
+            self.notify(f"{name}: P2P {'on' if answer.enabled else 'off'}")
+        self._apply_p2p_answer(key, answer)
+
+    def _apply_p2p_answer(self, key: str, answer: P2pState | BaseException) -> None:
+        """A switch answered: the row shows the node's answer now, and the node is polled."""
+        self.p2p_pending.discard(key)
+        if not isinstance(answer, BaseException):
             sample = self.samples.get(key)
-            if sample is not None and isinstance(sample.status, NodeStatus):  # show the answer now
+            if sample is not None and isinstance(sample.status, NodeStatus):
                 p2p = P2pState(answer.enabled, answer.served)
                 self.samples[key] = replace(sample, status=replace(sample.status, p2p=p2p))
-            self.notify(f"{name}: P2P {'on' if answer.enabled else 'off'}")
         self._show(key)
         self.poll(key)
 

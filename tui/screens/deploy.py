@@ -67,7 +67,8 @@ class DeployScreen(Screen):
                     yield ProgressBar(total=len(STEPS), show_eta=False, id=f"bar-{i}")
                     yield Label("", id=f"step-{i}", classes="deploy-step")
         yield Static(id="deploy-summary")
-        yield RichLog(id="deploy-log", wrap=False, max_lines=500)
+        # wrapped: a deploy's failure line or a log line is read whole at 80 columns
+        yield RichLog(id="deploy-log", wrap=True, max_lines=500)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -87,7 +88,7 @@ class DeployScreen(Screen):
                 "target: ",
                 (names, "bold"),
                 (other, "dim"),
-                ("\nD deploy · n dry run · R restart · S stop · L logs (each asks first)", "dim"),
+                ("\nD deploy · R restart · S stop (each asks first) · n dry run · L logs", "dim"),
             )
         )
 
@@ -102,9 +103,13 @@ class DeployScreen(Screen):
     def _index(self, node: Node) -> int:
         return next(i for i, n in enumerate(self.fleet) if n is node)
 
-    def _ask(self, question: str, then: Callable[[], None]) -> None:
+    def _ask(self, question: str | None, then: Callable[[], None]) -> None:
+        """Run `then` after a yes to `question`; no question (a read-only action) runs it now."""
         if self.busy:
             self.notify("a deploy or lifecycle command is still running", severity="warning")
+            return
+        if question is None:
+            then()
             return
         self.app.push_screen(ConfirmScreen(question), lambda yes: then() if yes else None)
 
@@ -112,10 +117,8 @@ class DeployScreen(Screen):
 
     def action_deploy(self, dry_run: bool) -> None:
         names = ", ".join(n.name for n in self.targets)
-        if dry_run:
-            self._ask(
-                f"Plan a deploy (dry run, nothing changes) on {names}?", lambda: self._start_deploy(True)
-            )
+        if dry_run:  # nothing changes on a node: nothing to confirm
+            self._ask(None, lambda: self._start_deploy(True))
         else:
             self._ask(
                 f"Deploy fleetd to {names}? Nodes whose build differs restart.",
@@ -190,7 +193,10 @@ class DeployScreen(Screen):
 
     def action_lifecycle(self, action: str) -> None:
         names = ", ".join(n.name for n in self.targets)
-        self._ask(f"{LIFECYCLE[action].capitalize()} {names}?", lambda: self._start_lifecycle(action))
+        question = (
+            None if action == "logs" else f"{LIFECYCLE[action].capitalize()} {names}?"
+        )  # logs: read-only
+        self._ask(question, lambda: self._start_lifecycle(action))
 
     def _start_lifecycle(self, action: str) -> None:
         self.busy, self.results = True, None
