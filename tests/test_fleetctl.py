@@ -830,3 +830,16 @@ def test_ab_names_a_down_node_and_checks_layers_against_the_stages(fleetd_server
     assert main(["ab", str(nodes), "--steps", "2", "--rows", "2", "--n-embd", "8"]) == 1
     err = capsys.readouterr().err
     assert "node gone is down" in err and f":{dead}" in err and "Traceback" not in err
+
+
+def test_synthetic_ab_runs_the_rounds_asked_in_abba_order(fleetd_server, tmp_path, capsys):
+    """#18 item 9: --rounds drives the synthetic A/B too (it was the model's only)."""
+    srv = fleetd_server(control_port=0)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"localhost rpc_port={srv.address[1]} control_port={srv.control.port} name=n\n")
+    rc, doc = run_json(
+        capsys, "ab", str(nodes), "--steps", "2", "--rows", "2", "--n-embd", "8", "--rounds", "3"
+    )
+    assert rc == 0, doc
+    assert [r["arm"] for r in doc["runs"]] == ["hub", "direct", "direct", "hub", "hub", "direct"]
+    assert doc["rounds"] == 3

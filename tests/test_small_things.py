@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from fleetd.fleet.ab import abba
 from fleetd.fleet.control_docs import P2pState
 from fleetd.fleet.render import ab_verdict, p2p_table, stats_table
 
@@ -47,6 +48,8 @@ def test_synthetic_ab_gives_a_speed_verdict_with_its_spread():
         in ab_verdict(_ab_doc([0.2, 0.22], [0.1, 0.11])).plain
     )
     assert "within the spread" in ab_verdict(_ab_doc([0.2, 0.1], [0.15, 0.12])).plain
+    one = ab_verdict(_ab_doc([0.2], [0.1])).plain  # --rounds 1: nothing to judge a spread by
+    assert "x2.00" in one and "no spread" in one and "beyond" not in one, one
     never = ab_verdict(_ab_doc([0.2, 0.2], [0.1, 0.1], copies=0)).plain
     assert "the direct arm never copied" in never and "no speed verdict" in never and "x2.00" not in never
 
@@ -132,3 +135,8 @@ def test_status_polls_are_counted_apart_from_the_nodes_commands(fleetd_server, t
     assert total.commands["HELLO"].count == 1, total.commands["HELLO"]
     assert total.commands["ALLOC_BUFFER"].count == 1
     assert total.probe_connections >= 3
+
+
+def test_abba_rounds_alternate_which_arm_goes_first():
+    assert abba(1) == ("hub", "direct")
+    assert abba(3) == ("hub", "direct", "direct", "hub", "hub", "direct")

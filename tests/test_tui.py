@@ -238,7 +238,7 @@ def test_a_node_that_does_not_answer_shows_down_with_its_reason(fleet, tmp_path)
 
 def test_ab_screen_runs_keeps_a_history_and_exports_it(fleet, tmp_path):
     async def scenario():
-        app = FleetApp(fleet, POLL_S, AbSettings(rows=4, n_embd=64, steps=3))
+        app = FleetApp(fleet, POLL_S, AbSettings(rows=4, n_embd=64, steps=3, rounds=3))
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("a")
             assert isinstance(app.screen, AbScreen)
@@ -257,7 +257,8 @@ def test_ab_screen_runs_keeps_a_history_and_exports_it(fleet, tmp_path):
             run = screen.history[-1]
             assert run.verdict.startswith("outputs identical; direct vs hub steps/s x")
             assert run.warning == ""  # the direct arm copied: no fallback warning
-            assert [arm for _, arm, _ in run.chart] == ["hub", "direct", "direct", "hub"]
+            # the form's rounds drive the synthetic run too (#18 item 9): 3 rounds, ABBA
+            assert [arm for _, arm, _ in run.chart] == ["hub", "direct", "direct", "hub", "hub", "direct"]
 
             # Enter runs again (the footer says so); the old results dim until the new ones come.
             assert screen.query_one("#ab-run").has_focus

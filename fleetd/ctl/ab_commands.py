@@ -12,7 +12,7 @@ from rich.progress import Progress
 
 from fleetd.ctl.options import fleet_args, open_fleet
 from fleetd.errors import FleetError
-from fleetd.fleet.ab import compare
+from fleetd.fleet.ab import abba, compare
 from fleetd.fleet.chart import write_bar_chart
 from fleetd.fleet.local import START_TIMEOUT_S
 from fleetd.fleet.model_ab import direct_path_problems, run_model_ab
@@ -58,7 +58,12 @@ def configure_ab(p) -> None:
         help="run llama-bench, llama-batched-bench and llama-completion on this model "
         "through the nodes (tools from scripts/build-llama-p2p.sh)",
     )
-    p.add_argument("--rounds", type=int, default=3, help="model: rounds, ABBA order (default 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of both arms, ABBA order (default: 3 for the model, 2 for synthetic)",
+    )
     p.add_argument("--n-prompt", type=int, default=128, help="model: prompt tokens (default 128)")
     p.add_argument("--n-gen", type=int, default=32, help="model: generated tokens (default 32)")
     p.add_argument("--chart", type=Path, metavar="PNG", help="model: also write the chart to this PNG file")
@@ -125,7 +130,8 @@ def cmd_ab(args) -> int:
             for node, exc in down.items():
                 print(f"fleetctl ab: node {node.name} is down: {exc}", file=sys.stderr)
             return 1
-        doc = compare(fleet, args.layers, args.rows, args.n_embd, args.steps, not args.no_local)
+        order = abba(args.rounds or 2)
+        doc = compare(fleet, args.layers, args.rows, args.n_embd, args.steps, not args.no_local, order)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -136,6 +142,7 @@ def cmd_ab(args) -> int:
 def _cmd_model_ab(args) -> int:
     if not args.model.is_file():
         return _usage_error(f"--model {args.model}: no such file")
+    args.rounds = args.rounds or 3
     console = Console(stderr=True)
     with open_fleet(args) as fleet:
         problems = direct_path_problems(fleet)

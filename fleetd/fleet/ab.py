@@ -13,6 +13,14 @@ from fleetd.fleet.node import Fleet
 from fleetd.pipeline import Pipeline, per_step
 
 
+def abba(rounds: int) -> tuple[str, ...]:
+    """The arms' order over `rounds` rounds: (hub, direct), (direct, hub), ... so that drift on a
+    shared machine, and whichever arm runs first in a round, hit both alike."""
+    return tuple(
+        arm for r in range(rounds) for arm in (("hub", "direct") if r % 2 == 0 else ("direct", "hub"))
+    )
+
+
 @dataclass
 class ArmResult:
     arm: str
@@ -110,9 +118,9 @@ def compare(
     n_embd: int = 5120,
     steps: int = 5,
     local_last: bool = True,
-    order: tuple[str, ...] = ("hub", "direct", "direct", "hub"),
+    order: tuple[str, ...] = abba(2),
 ) -> dict:
-    """Both arms, in an ABBA order so drift on a shared machine hits both alike."""
+    """Both arms, in an ABBA order (`abba`) so drift on a shared machine hits both alike."""
     endpoints = [n.spec.rpc_endpoint for n in fleet]
     stages = len(endpoints) + int(local_last)
     layers = layers or 2 * stages
@@ -137,6 +145,7 @@ def compare(
         "rows": rows,
         "n_embd": n_embd,
         "steps": steps,
+        "rounds": len(order) // 2,
         "arms": summary,
         "runs": [r.as_dict() for r in runs],
         "outputs_identical": len(md5s) == 1,

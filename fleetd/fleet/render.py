@@ -363,7 +363,7 @@ def ab_table(doc: dict) -> Table:
 
 def ab_verdict(doc: dict) -> Text:
     """Outputs first (they must match), then the speed: time per step of hub over direct, and
-    whether the runs' ranges overlap (ABBA: two runs per arm)."""
+    whether the runs' ranges overlap (ABBA: one run per arm and round; one round has no spread)."""
     if not doc["outputs_identical"]:
         return Text("outputs of all runs: DIFFERENT", style="bold red")
     per_arm: dict[str, list[float]] = {}
@@ -375,7 +375,9 @@ def ab_verdict(doc: dict) -> Text:
         speed = "; the direct arm never copied (both arms ran the hub path): no speed verdict"
     elif hub and direct and min(direct) > 0:
         ratio = doc["arms"]["hub"]["seconds_per_step"] / doc["arms"]["direct"]["seconds_per_step"]
-        if max(direct) < min(hub):
+        if len(direct) < 2 or len(hub) < 2:
+            spread = "one run per arm: no spread to judge it by"
+        elif max(direct) < min(hub):
             spread = "faster beyond the spread of the runs"
         elif min(direct) > max(hub):
             spread = "slower beyond the spread of the runs"

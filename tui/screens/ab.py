@@ -28,7 +28,7 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, OptionList, Select, Static
 from textual.worker import get_current_worker
 
-from fleetd.fleet.ab import compare
+from fleetd.fleet.ab import abba, compare
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import ab_table, ab_verdict, fmt_count, reason
 
@@ -50,7 +50,7 @@ FIELDS = (
     ("rows", "rows", 1, "synthetic"),
     ("n_embd", "n_embd", 1, "synthetic"),
     ("steps", "steps", 2, "synthetic"),
-    ("rounds", "rounds", 1, "model"),
+    ("rounds", "rounds", 1, "both"),
 )
 WORKLOADS = (("synthetic layer split", "synthetic"), ("model (llama tools)", "model"))
 BAR_WIDTH = 30
@@ -265,7 +265,7 @@ class AbScreen(Screen):
         workload = self.query_one("#workload", Select).value
         values: dict = {"workload": workload}
         for field_id, label, least, used_by in FIELDS:
-            if used_by != workload:
+            if used_by not in (workload, "both"):
                 continue
             text = self.query_one(f"#{field_id}", Input).value.strip()
             try:
@@ -302,7 +302,7 @@ class AbScreen(Screen):
             self.query_one(part).add_class("old")
         if form["workload"] == "synthetic":
             what = (
-                f"running hub, direct, direct, hub: {form['rows']} x {form['n_embd']} f32, "
+                f"running {', '.join(abba(form['rounds']))}: {form['rows']} x {form['n_embd']} f32, "
                 f"{form['steps']} steps per run…"
             )
         else:
@@ -323,7 +323,13 @@ class AbScreen(Screen):
             before = {n.name: v for n, v in self.fleet.map(lambda n: n.stats()).items()}
             if form["workload"] == "synthetic":
                 doc = compare(
-                    self.fleet, None, form["rows"], form["n_embd"], form["steps"], self.settings.local_last
+                    self.fleet,
+                    None,
+                    form["rows"],
+                    form["n_embd"],
+                    form["steps"],
+                    self.settings.local_last,
+                    abba(form["rounds"]),
                 )
             else:
                 from fleetd.fleet.model_ab import run_model_ab  # another part of the fleet library
