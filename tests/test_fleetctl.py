@@ -506,6 +506,28 @@ def test_numeric_options_are_range_checked(argv, message, capsys):
     assert err == f"fleetctl {argv[0]}: error: {message}\n"
 
 
+def test_tui_checks_its_paths_before_taking_the_terminal(tmp_path, capsys):
+    """#18 item 9: a screenshot place that cannot be written, a missing A/B model: exit 2 at start."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("localhost rpc_port=1 control_port=2\n")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [
+        (["--screenshot", str(afile)], "not a directory, and not a file ending in .svg"),
+        (["--screenshot", str(afile / "sub" / "x.svg")], f"{afile} is not a directory"),
+        (["--screenshot", str(tmp_path)], None),  # fine: checked, then the model is
+        (["--ab-model", str(tmp_path / "missing.gguf")], "no such file"),
+    ]
+    for extra, message in cases:
+        argv = ["tui", str(nodes), *extra]
+        if message is None:
+            argv += ["--ab-model", str(tmp_path / "missing.gguf")]
+            message = "--ab-model"
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("fleetctl tui: error: ") and message in err and err.count("\n") == 1, err
+
+
 def test_a_wrong_flag_prints_the_subcommands_usage(capsys):
     assert main(["status", "nodes.txt", "--colour"]) == 2
     err = capsys.readouterr().err

@@ -140,3 +140,27 @@ def test_status_polls_are_counted_apart_from_the_nodes_commands(fleetd_server, t
 def test_abba_rounds_alternate_which_arm_goes_first():
     assert abba(1) == ("hub", "direct")
     assert abba(3) == ("hub", "direct", "direct", "hub", "hub", "direct")
+
+
+def test_chart_title_keeps_underscores_and_the_y_axis_has_values():
+    """#18 item 9: a model file's name keeps its underscores; each panel's axis says its scale."""
+    import numpy as np
+    import pytest
+
+    from fleetd.fleet.chart import INK, render_bar_chart, y_ticks
+
+    assert y_ticks(182) == [0, 50, 100, 150, 200]
+    assert y_ticks(1234) == [0, 500, 1000, 1500]
+    assert y_ticks(0.37) == pytest.approx([0, 0.1, 0.2, 0.3, 0.4])
+    panels = {"decode tok/s": {"hub": (125.0, 120.0, 130.0), "direct": (182.0, 170.0, 190.0)}}
+
+    def ink(img, rows, cols) -> int:
+        return int((img[rows, cols] == INK).all(axis=-1).sum())
+
+    underscored = render_bar_chart("a_b", panels)
+    spaced = render_bar_chart("a b", panels)
+    assert ink(underscored, slice(0, 30), slice(0, 80)) > ink(spaced, slice(0, 30), slice(0, 80))
+    # left of the first panel's axis (x 16..60): the tick values, one per tick, nothing else
+    label_column = ink(underscored, slice(60, 390), slice(16, 58))
+    assert label_column > 5 * 10, label_column
+    assert np.array_equal(underscored[:, 60:], spaced[:, 60:])  # the title is all that differs

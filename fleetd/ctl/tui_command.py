@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 from fleetd.ctl.options import fleet_args, open_fleet
 
 TUI_HELP = "live dashboard: nodes, rates and history, node detail, deploy, P2P switch, A/B runs"
@@ -35,7 +39,43 @@ def configure_tui(p) -> None:
     )
 
 
+def _writable_place(path: Path) -> str | None:
+    """Why screenshots could not be written under `path` (created on the first one), or None."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def tui_args_problem(args) -> str | None:
+    """What is wrong with the paths given, found before the dashboard takes the terminal (the
+    numbers are range-checked with every command's, fleetd.ctl.main.range_error), or None."""
+    if args.screenshot is not None:
+        shot = Path(args.screenshot).expanduser()
+        if shot.suffix.lower() == ".svg":
+            if shot.is_dir():
+                return f"--screenshot {args.screenshot}: is a directory (a file path must end in .svg)"
+            problem = _writable_place(shot.parent)
+        elif shot.exists() and not shot.is_dir():
+            return f"--screenshot {args.screenshot}: not a directory, and not a file ending in .svg"
+        else:
+            problem = _writable_place(shot)
+        if problem:
+            return f"--screenshot {args.screenshot}: {problem}"
+    if args.ab_model and not Path(args.ab_model).expanduser().is_file():
+        return f"--ab-model {args.ab_model}: no such file"
+    return None
+
+
 def cmd_tui(args) -> int:
+    problem = tui_args_problem(args)
+    if problem:
+        print(f"fleetctl tui: error: {problem}", file=sys.stderr)
+        return 2
     # Imported here: textual loads only for this command, not for every fleetctl call.
     from tui.app import FleetApp
     from tui.screens.ab import AbSettings

@@ -1,7 +1,7 @@
 """A grouped bar chart as a PNG file, with numpy and zlib only (no plotting library in the
 venv, and one chart does not justify one): one panel per metric, each with its own scale, one
-bar per arm at the median, a whisker from min to max, the values written above the bars in a
-3x5 pixel font.
+bar per arm at the median, a whisker from min to max, a y axis with round values, the values
+written above the bars in a 3x5 pixel font.
 
     write_bar_chart(path, "title", {"prompt tok/s": {"hub": (m, lo, hi), "direct": (...)}, ...})
 """
@@ -63,6 +63,13 @@ _FONT = {
     ",": "000000000010100",
     "=": "000111000111000",
     "+": "000010111010000",
+    "_": "000000000000111",
+    "'": "010010000000000",
+    "?": "111001011000010",
+    "#": "101111101111101",
+    "<": "001010100010001",
+    ">": "100010001010100",
+    "!": "010010010000010",
 }
 ARM_COLOURS = [(70, 110, 190), (230, 140, 40), (90, 170, 90), (170, 70, 160)]
 INK, GRID, PAPER = (30, 30, 30), (215, 215, 215), (255, 255, 255)
@@ -105,6 +112,21 @@ def _fmt(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
+def y_ticks(peak: float, most: int = 5) -> list[float]:
+    """Round values for a y axis from 0 to at least `peak`: steps of 1, 2 or 5 times a power of
+    ten, at most `most` of them above 0."""
+    if peak <= 0:
+        return [0.0, 1.0]
+    magnitude = 10.0 ** np.floor(np.log10(peak / most))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if peak / (m * magnitude) <= most)
+    count = int(np.ceil(peak / step - 1e-9))
+    return [float(i * step) for i in range(count + 1)]
+
+
+def _tick_label(v: float, step: float) -> str:
+    return f"{v:.0f}" if step >= 1 else f"{v:.{int(np.ceil(-np.log10(step)))}f}"
+
+
 def render_bar_chart(
     title: str,
     panels: Mapping[str, Mapping[str, tuple[float, float, float]]],
@@ -122,17 +144,24 @@ def render_bar_chart(
     panel_w = (width - 32) // max(1, len(panels))
     for p, (label, values) in enumerate(panels.items()):
         left = 16 + p * panel_w
-        peak = max((hi for _, _, hi in values.values()), default=0.0) or 1.0
-        img[bottom, left + 10 : left + panel_w - 10] = INK
-        for frac in (0.25, 0.5, 0.75, 1.0):
-            img[int(bottom - frac * (bottom - top) / 1.15), left + 10 : left + panel_w - 10] = GRID
-        bar_w = (panel_w - 60) // max(1, len(arms))
+        ticks = y_ticks(max((hi for _, _, hi in values.values()), default=0.0))
+        top_value = ticks[-1]
+        scale = (bottom - top) / 1.1 / top_value
+        axis = left + 44  # the y axis: its values right-aligned to its left
+        img[bottom, axis : left + panel_w - 10] = INK
+        img[top : bottom + 1, axis] = INK
+        for v in ticks:
+            y = int(bottom - v * scale)
+            if v > 0:
+                img[y, axis + 1 : left + panel_w - 10] = GRID
+            text = _tick_label(v, ticks[1] - ticks[0])
+            _text(img, axis - 4 - len(text) * 8, y - 5, text, 2)
+        bar_w = (panel_w - 70) // max(1, len(arms))
         for i, arm in enumerate(arms):
             if arm not in values:
                 continue
             median, lo, hi = values[arm]
-            x0 = left + 30 + i * bar_w
-            scale = (bottom - top) / 1.15 / peak
+            x0 = axis + 6 + i * bar_w
             y_med, y_lo, y_hi = (int(bottom - v * scale) for v in (median, lo, hi))
             img[y_med:bottom, x0 + 6 : x0 + bar_w - 6] = ARM_COLOURS[i % len(ARM_COLOURS)]
             cx = x0 + bar_w // 2
