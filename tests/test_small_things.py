@@ -164,3 +164,59 @@ def test_chart_title_keeps_underscores_and_the_y_axis_has_values():
     label_column = ink(underscored, slice(60, 390), slice(16, 58))
     assert label_column > 5 * 10, label_column
     assert np.array_equal(underscored[:, 60:], spaced[:, 60:])  # the title is all that differs
+
+
+def test_stats_watch_with_three_busy_nodes_fits_100x30_with_the_copies_table(fleetd_server, tmp_path):
+    """#18 item 6: where the per-command view would overflow, one row per node, copies below."""
+    from helpers import endpoint
+
+    from fleetd.client.graph import GraphBuilder
+    from fleetd.client.rpc import RpcClient
+    from fleetd.ctl.control_commands import watch_view
+    from fleetd.fleet.node import Fleet
+    from fleetd.wire import GgmlType
+
+    servers = [fleetd_server(control_port=0) for _ in range(3)]
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(
+        "".join(
+            f"localhost rpc_port={s.address[1]} control_port={s.control.port} name=node{i}\n"
+            for i, s in enumerate(servers)
+        )
+    )
+
+    def traffic(rounds: int) -> None:
+        for srv in servers:
+            with RpcClient(endpoint(srv)) as c:
+                handle, _ = c.alloc_buffer(4096)
+                base = c.buffer_get_base(handle)
+                t = GraphBuilder().tensor(GgmlType.F32, (16,), handle, base).rpc()
+                for _ in range(rounds):
+                    c.set_tensor(t, bytes(64))
+                    c.get_tensor(t)
+                c.get_alignment()
+                c.get_max_size()
+                c.get_device_memory()
+                c.buffer_clear(handle, 0)
+                c.free_buffer(handle)
+
+    fleet = Fleet.load(nodes)
+    traffic(2)
+    before = {n.name: v for n, v in fleet.map(lambda n: n.stats()).items()}
+    traffic(5)
+    after = {n.name: v for n, v in fleet.map(lambda n: n.stats()).items()}
+    console = Console(width=100, height=30, record=True, color_system=None)
+    view = watch_view(after, before, 2.0, console)
+    lines = console.render_lines(view, console.options, pad=False)
+    assert len(lines) < 30, len(lines)
+    console.print(view)
+    out = console.export_text()
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "peer copies (COPY_TENSOR_TO)" in out  # the copies table is on screen
+    assert "BUFFER_CLEAR" not in out  # the per-command table would not have fit: the compact one
+    for i in range(3):
+        assert f"node{i}" in out
+    assert "GET_TENSOR 5" in out and "SET_TENSOR 5" in out, out  # busiest since the sample before
+    roomy = Console(width=100, height=200, record=True, color_system=None)
+    roomy.print(watch_view(after, before, 2.0, roomy))
+    assert "BUFFER_CLEAR" in roomy.export_text()  # where it fits: every command, as before

@@ -29,6 +29,7 @@ from fleetd.fleet.render import (
     reason,
     sessions_table,
     stats_table,
+    stats_watch_table,
     status_table,
 )
 
@@ -65,6 +66,7 @@ def status_and_hello(node: Node) -> NodeStatus:
 
 
 def cmd_status(args) -> int:
+    """fleetctl status: every selected node's status and an RPC HELLO; tables or --json."""
     with open_fleet(args) as fleet:
         fleet = _selected(fleet, args)
         result = fleet.map(status_and_hello)
@@ -101,7 +103,19 @@ def _stats_view(answers, previous, interval: float | None) -> Group:
     return Group(*[p for p in parts if p is not None])
 
 
+def watch_view(answers, previous, interval: float, console: Console) -> Group:
+    """The per-command view when it fits the terminal, else one row per node: either way the
+    peer copies table stays on screen."""
+    full = _stats_view(answers, previous, interval)
+    if len(console.render_lines(full, console.options, pad=False)) < console.height:
+        return full
+    parts = [stats_watch_table(answers, previous, interval), activity_table(answers), down_text(answers)]
+    return Group(*[p for p in parts if p is not None])
+
+
 def cmd_stats(args) -> int:
+    """fleetctl stats: one sample of every selected node's counters, or --watch samples until
+    Ctrl-C or --count."""
     if args.count is not None and not args.watch:
         raise UsageError(f"--count {args.count} counts --watch samples: add --watch")
     samples = (args.count or sys.maxsize) if args.watch else 1
@@ -160,7 +174,7 @@ def _watch(fleet: Fleet, args, samples: int) -> int:
             elif lines:
                 sys.stdout.write(stats_line(time.time(), answers, previous, args.interval) + "\n")
             else:
-                live.update(_stats_view(answers, previous, args.interval), refresh=True)
+                live.update(watch_view(answers, previous, args.interval, live.console), refresh=True)
             if lines:
                 sys.stdout.flush()
             previous = answers
@@ -193,6 +207,7 @@ def configure_p2p(p) -> None:
 
 
 def cmd_p2p(args) -> int:
+    """fleetctl p2p: show peer copy on the selected nodes, or switch it on or off."""
     with open_fleet(args) as fleet:
         fleet = _selected(fleet, args)
         if args.action == "status":

@@ -276,6 +276,44 @@ def stats_table(
     return t
 
 
+def stats_watch_table(
+    answers: Mapping[str, NodeStats | BaseException],
+    previous: Mapping[str, NodeStats | BaseException | None] | None = None,
+    interval: float | None = None,
+) -> Table:
+    """One row per node (stats --watch where the per-command table does not fit): commands and
+    bytes since the reset, their rates since the sample before, and the busiest commands."""
+    t = Table(title="RPC commands (busiest since the sample before)", title_justify="left")
+    for col in ("Node", "Commands", "/s", "Bytes", "Bytes/s", "Busiest"):
+        t.add_column(col, justify="left" if col in ("Node", "Busiest") else "right", no_wrap=col != "Busiest")
+    for name, st in answers.items():
+        if isinstance(st, BaseException):
+            t.add_row(name, Text("down", style="bold red"), *[""] * 4)
+            continue
+        before = (previous or {}).get(name)
+        before = before if isinstance(before, NodeStats) and before.since == st.since else None
+        used = st.total.used()
+        if before is not None and interval:
+            delta = {c: v.count - getattr(before.total.commands.get(c), "count", 0) for c, v in used.items()}
+            moved = st.total.bytes_moved - before.total.bytes_moved
+            rates = (
+                fmt_count(max(0, st.total.command_count - before.total.command_count) / interval, 1),
+                f"{fmt_bytes(max(0, moved) / interval)}/s",
+            )
+        else:
+            delta, rates = {c: v.count for c, v in used.items()}, ("", "")
+        busiest = sorted((n, c) for c, n in delta.items() if n > 0)[::-1][:2]
+        t.add_row(
+            name,
+            fmt_count(st.total.command_count),
+            rates[0],
+            fmt_bytes(st.total.bytes_moved),
+            rates[1],
+            ", ".join(f"{c} {fmt_count(n)}" for n, c in busiest) or "-",
+        )
+    return t
+
+
 def command_table(stats: NodeStats, rates: Mapping[str, tuple[float, float]] | None = None) -> Table:
     """One node's commands since the last reset: count, bytes in and out, and with `rates`
     ({command: (count/s, bytes/s)}, from the last two polls) the rate of each."""
