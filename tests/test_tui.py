@@ -602,3 +602,33 @@ def test_80x24_page_down_scrolls_and_the_footer_names_enter(fleet):
             assert "Node" in shown, shown
 
     asyncio.run(scenario())
+
+
+def test_history_panel_grows_to_every_series_when_the_first_points_come():
+    """#18 item 6: the panel mounted empty ("no history yet", one line) kept that height and
+    showed commands/s only, until a resize."""
+    from textual.app import App
+
+    from tui.history import History, Rates
+    from tui.widgets.history_panel import LINES, HistoryPanel
+
+    class One(App):
+        def compose(self):
+            yield HistoryPanel()
+
+    async def scenario():
+        app = One()
+        async with app.run_test(size=(100, 20)) as pilot:
+            panel = app.query_one(HistoryPanel)
+            history = History()
+            panel.history = history  # mounted before the first rate
+            await pilot.pause(0.1)
+            assert panel.size.height == 1
+            for i in range(5):
+                history.add(float(i), Rates(10.0 * i, 1000.0, 2000.0, 0.0))
+                panel.history = history  # the same object, as the dashboard passes it
+                await pilot.pause(0.05)
+            await pilot.pause(0.1)
+            assert panel.size.height == len(LINES), panel.size
+
+    asyncio.run(scenario())

@@ -26,6 +26,8 @@ def spark_width(width: int) -> int:
 
 
 class HistoryPanel(Static):
+    """A node's recent rates, one sparkline per series; redrawn only when what it shows changed."""
+
     DEFAULT_CSS = """
     HistoryPanel { height: auto; }
     """
@@ -38,15 +40,18 @@ class HistoryPanel(Static):
     def watch_history(self, history: History | None) -> None:
         width = self.content_size.width
         tail = spark_width(width)
+        has_points = history is not None and len(history) > 0
         shown = (
             id(history),
             width,
-            None if history is None else tuple(tuple(history.series(series)[-tail:]) for series, *_ in LINES),
+            has_points,
+            tuple(tuple(history.series(series)[-tail:]) for series, *_ in LINES) if has_points else None,
         )
         if shown == self._shown:
             return
-        # Four lines once there is a history: a layout pass only when that changes.
-        layout = self._shown is None or (self._shown[2] is None) != (shown[2] is None)
+        # One line ("no history yet") or four: a layout pass whenever that changes, or the panel
+        # keeps the height of the one line and shows the first series only.
+        layout = self._shown is None or self._shown[2] != has_points
         self._shown = shown
         self.update(self.render_history(history, width), layout=layout)
 
