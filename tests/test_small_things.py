@@ -220,3 +220,27 @@ def test_stats_watch_with_three_busy_nodes_fits_100x30_with_the_copies_table(fle
     roomy = Console(width=100, height=200, record=True, color_system=None)
     roomy.print(watch_view(after, before, 2.0, roomy))
     assert "BUFFER_CLEAR" in roomy.export_text()  # where it fits: every command, as before
+
+
+def test_every_fleetctl_option_says_what_it_does_and_help_names_only_real_devices():
+    """#18 items 8 and 9: options without help text (demo --rows/--steps, logs -n), cuda:0 in
+    --help although fleetd refuses it, via_netns undocumented."""
+    import argparse
+
+    from fleetd.ctl.main import NODES_FILE_HELP, build_parser
+    from fleetd.device_names import DEVICE_NAMES
+
+    _, parsers = build_parser()
+    silent = []
+    todo = list(parsers.items())
+    while todo:
+        name, parser = todo.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):  # lab up|down, model make: each theirs
+                silent += [f"{name} {c.dest}" for c in action._choices_actions if not c.help]
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                silent.append(f"{name} {action.option_strings or action.dest}")
+    assert silent == []
+    assert "cuda" not in NODES_FILE_HELP and "via_netns" in NODES_FILE_HELP
+    assert all(d in NODES_FILE_HELP for d in DEVICE_NAMES)
