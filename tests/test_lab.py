@@ -111,7 +111,7 @@ def test_up_rates_answers_and_down_removes_everything(tmp_path):
 def test_failed_up_leaves_nothing(tmp_path):
     before_ns, before_links = namespaces(), root_links()
     lab = Lab(tmp_path / "lab")
-    with pytest.raises(Exception, match="fleetd exited"):
+    with pytest.raises(Exception, match=r"lab: \S+: fleetd on \S+ exited with 1"):
         lab.up(2, parse_rate("100mbit"), parse_rate("1gbit"), python="/bin/false")
     assert namespaces() == before_ns
     assert root_links() == before_links

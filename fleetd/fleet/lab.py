@@ -34,9 +34,9 @@ from pathlib import Path
 
 from fleetd.client import RpcClient
 from fleetd.errors import FleetError
+from fleetd.fleet.local import PROBE_TIMEOUT, wait_answering
 from fleetd.fleet.node import Fleet
 from fleetd.ports import DEFAULT_CONTROL_PORT, DEFAULT_RPC_PORT
-from fleetd.transport import Timeout
 
 MAX_NODES = 16
 MAX_LABS = 50
@@ -71,6 +71,8 @@ def fmt_rate(bits: int) -> str:
 
 @dataclass
 class LabNode:
+    """One node of the lab: its network namespace, address and the root end of its coordinator link."""
+
     name: str
     netns: str
     address: str
@@ -150,6 +152,8 @@ class Lab:
         threads: int = 1,
         python: str = sys.executable,
     ) -> list[LabNode]:
+        """Build the namespaces and rated links and start a fleetd in each; each step is recorded
+        first, so a failure part way is undone by `down()` before it re-raises."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
         if os.geteuid() != 0:
@@ -284,32 +288,12 @@ class Lab:
         deadline = time.monotonic() + START_TIMEOUT_S
         for node, n, proc in zip(fleet, lab_nodes, self._procs, strict=True):
             endpoint = f"{n.address}:{DEFAULT_RPC_PORT}"
-            for what, check in (
-                ("HELLO", lambda e=endpoint: RpcClient(e, Timeout(connect=1.0, read=2.0)).open().close()),
+            checks = [
+                ("HELLO", lambda e=endpoint: RpcClient(e, PROBE_TIMEOUT).open().close()),
                 ("the control API", node.status),
-            ):
-                while True:
-                    if proc.poll() is not None:
-                        raise FleetError(
-                            f"lab: {n.name}: fleetd exited with {proc.returncode}: {self._log_tail(n)}"
-                        )
-                    try:
-                        check()
-                        break
-                    except Exception as exc:  # not up yet: retried until the deadline
-                        if time.monotonic() > deadline:
-                            raise FleetError(
-                                f"lab: {n.name} ({endpoint}): no answer to {what} within "
-                                f"{START_TIMEOUT_S:g}s: {exc} ({self._log_tail(n)})"
-                            ) from None
-                        time.sleep(0.1)
-
-    def _log_tail(self, n: LabNode) -> str:
-        try:
-            lines = (self.dir / f"{n.name}.log").read_text(errors="replace").strip().splitlines()
-        except OSError:
-            lines = []
-        return lines[-1] if lines else "no output"
+            ]
+            log = self.dir / f"{n.name}.log"
+            wait_answering(proc, checks, deadline, f"lab: {n.name}: fleetd on {endpoint}", log)
 
     # -- down --------------------------------------------------------------------------------
 

@@ -33,6 +33,40 @@ POLL_S = 0.1
 PROBE_TIMEOUT = Timeout(connect=1.0, read=2.0)
 
 
+def last_line(log: Path) -> str:
+    """The last line a started fleetd wrote to its log: what a failed start says."""
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return lines[-1] if lines else "no output"
+
+
+def wait_answering(
+    proc: subprocess.Popen,
+    checks: Sequence[tuple[str, Callable[[], object]]],
+    deadline: float,
+    where: str,
+    log: Path,
+) -> None:
+    """Each (what, check) in turn, retried until it passes: a started fleetd is ready when it
+    answers. A process that exits, or a check still failing at `deadline`, is a FleetError
+    naming `where`, what did not answer, and the last line of its log."""
+    for what, check in checks:
+        while True:
+            if proc.poll() is not None:
+                raise FleetError(f"{where} exited with {proc.returncode}: {last_line(log)}")
+            try:
+                check()
+                break
+            except Exception as exc:  # not up yet: retried until the deadline
+                if time.monotonic() > deadline:
+                    raise FleetError(
+                        f"{where}: no answer to {what} in time: {exc} ({last_line(log)})"
+                    ) from None
+                time.sleep(POLL_S)
+
+
 class LocalFleet:
     """`count` fleetd processes on 127.0.0.1, each with its own RPC and control port.
 
@@ -74,6 +108,8 @@ class LocalFleet:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> LocalFleet:
+        """Start the fleetd processes on free loopback ports, write their nodes file and wait until
+        each answers HELLO (and its control API); on failure all are stopped."""
         try:
             lines = []
             for i in range(self.count):
@@ -135,31 +171,14 @@ class LocalFleet:
             checks = [("HELLO", lambda endpoint=endpoint: RpcClient(endpoint, PROBE_TIMEOUT).open().close())]
             if self.control:
                 checks.append(("the control API", node.status))
-            for what, check in checks:
-                while True:
-                    if proc.poll() is not None:
-                        raise FleetError(
-                            f"{node.name} ({endpoint}) exited with {proc.returncode}: {self._log_tail(i)}"
-                        )
-                    try:
-                        check()
-                        break
-                    except Exception as exc:  # not up yet: retried until the deadline
-                        if time.monotonic() > deadline:
-                            raise FleetError(
-                                f"{node.name} ({endpoint}): no answer to {what} within "
-                                f"{self.start_timeout:g}s: {exc}"
-                            ) from None
-                        time.sleep(POLL_S)
-
-    def _log_tail(self, i: int) -> str:
-        try:
-            lines = (self.workdir / f"node-{i}.log").read_text(errors="replace").strip().splitlines()
-        except OSError:
-            lines = []
-        return lines[-1] if lines else "no output"
+            log = self.workdir / f"node-{i}.log"
+            wait_answering(
+                proc, checks, deadline, f"{node.name} ({endpoint})", lambda log=log: last_line(log)
+            )
 
     def stop(self) -> None:
+        """Close the fleet, terminate the processes (killed after STOP_TIMEOUT_S) and drop a temporary
+        workdir."""
         self.fleet.close()
         for p in self.processes:
             if p.poll() is None:
