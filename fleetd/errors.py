@@ -27,43 +27,43 @@ class FleetdError(Exception):
 
 
 class ProtocolError(FleetdError):
-    pass
+    """A message breaks protocol 7 or fleetd's extension; which side broke it is the subclass."""
 
 
 class LocalProtocolError(ProtocolError):
-    pass
+    """Our own code asked to send what the protocol forbids; the connection stays usable."""
 
 
 class RemoteProtocolError(ProtocolError):
-    pass
+    """The peer sent something malformed or out of order: close that connection."""
 
 
 class TransportError(FleetdError):
-    pass
+    """The stream under a connection failed: connect refused or unreachable, or a socket error."""
 
 
 class ConnectTimeout(TransportError):
-    pass
+    """No connection (or no SSH banner) within the connect timeout."""
 
 
 class ReadTimeout(TransportError):
-    pass
+    """The peer sent nothing within the read timeout."""
 
 
 class PeerClosed(TransportError):
-    pass
+    """The other end closed or reset the connection in the middle of a message."""
 
 
 class ComputeError(FleetdError):
-    pass
+    """A graph fleetd cannot compute (bad indices, a dead or busy worker): close that connection."""
 
 
 class UnsupportedOp(ComputeError):
-    pass
+    """An op, or a combination of types, that fleetd has no kernel for; the message names both."""
 
 
 class FleetError(FleetdError):
-    pass
+    """A fleet operation failed: fleetctl prints one line and exits 1."""
 
 
 class UsageError(FleetError):

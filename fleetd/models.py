@@ -23,6 +23,8 @@ from gguf import quants as gguf_quants
 
 @dataclass(frozen=True)
 class Dims:
+    """A model's shape: widths, heads, layers, context and, for qwen3moe, the experts."""
+
     n_embd: int = 256
     n_head: int = 4
     n_head_kv: int = 2
@@ -129,6 +131,8 @@ FILE_TYPES = {
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types): control tokens, the 256 byte tokens, then letters and words
+    scored by length so whole words win."""
     tokens = ["<unk>", "<s>", "</s>"]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
@@ -232,6 +236,8 @@ def weights(arch: str, n_vocab: int, rng: np.random.Generator, d: Dims) -> dict[
 
 
 def write_model(path: Path, arch: str, type_name: str, d: Dims = TINY) -> None:
+    """Write the GGUF at `path`: `arch`'s hyperparameters from `d`, the tokenizer, and weights
+    seeded per family and stored as `type_name`."""
     qtype, file_type = FILE_TYPES[type_name]
     tokens, scores, types = vocabulary()
     rng = np.random.default_rng(sum(map(ord, arch)))  # per family, same for every weight type

@@ -17,6 +17,8 @@ WINDOW_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run COMMAND, restarting it after an abnormal exit with a doubling delay; give up after
+    MAX_RESTARTS within WINDOW_S, and stop with it on SIGTERM or SIGINT."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]

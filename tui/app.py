@@ -24,6 +24,8 @@ from tui.screens.dashboard import DashboardScreen
 
 
 class FleetApp(App):
+    """The dashboard app: polls the fleet, pushes the screens, writes screenshots where asked."""
+
     CSS_PATH = "fleet.tcss"
     TITLE = "fleetd"
     BINDINGS: ClassVar[list[BindingType]] = [

@@ -23,12 +23,16 @@ HISTORY_POINTS = 300
 
 @dataclass(frozen=True)
 class CommandRate:
+    """One command's rate between two polls."""
+
     count_per_s: float
     bytes_per_s: float  # request and response bytes of this command together
 
 
 @dataclass(frozen=True)
 class Rates:
+    """A node's rates between two polls: commands, bytes each way, peer copy, and per command."""
+
     commands_per_s: float
     request_bytes_per_s: float  # into the node (what clients sent)
     response_bytes_per_s: float  # out of the node (what it answered)

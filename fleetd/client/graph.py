@@ -39,6 +39,9 @@ def f32_bits(x: float) -> int:
 
 @dataclass(eq=False)
 class Tensor:
+    """A graph tensor on the client side: sources and view links are Python objects, `id` a fake
+    address; `rpc()` gives its wire form."""
+
     type: int
     ne: tuple[int, int, int, int]
     nb: tuple[int, int, int, int]
@@ -58,6 +61,7 @@ class Tensor:
         return nbytes(self.type, self.ne, self.nb)
 
     def rpc(self, use_count: int = 0) -> RpcTensor:
+        """The wire record: links become ids, missing sources 0, the name cut to 63 bytes."""
         srcs = tuple(s.id for s in self.src) + (0,) * (10 - len(self.src))
         return RpcTensor(
             id=self.id,
@@ -83,6 +87,8 @@ def _ne4(ne) -> tuple[int, int, int, int]:
 
 
 class GraphBuilder:
+    """Makes leaf tensors and op nodes and serializes the graph as a GRAPH_COMPUTE request."""
+
     def tensor(self, type_: int, ne, buffer: int = 0, data: int = 0, name: str = "") -> Tensor:
         ne4 = _ne4(ne)
         return Tensor(type_, ne4, contiguous_strides(type_, ne4), buffer=buffer, data=data, name=name)
@@ -132,6 +138,8 @@ class GraphBuilder:
         return t
 
     def view_of(self, a: Tensor, ne, nb, offset: int, op: GgmlOp = GgmlOp.VIEW) -> Tensor:
+        """A view of `a` at byte `offset`, linked to the tensor that owns the memory (a view of a view
+        points at the root); VIEW nodes also carry the offset in op_params[0:2]."""
         root = a.view_src or a
         base_offs = a.view_offs if a.view_src else 0
         t = Tensor(
@@ -158,6 +166,8 @@ class GraphBuilder:
     # -- serialization ----------------------------------------------------------------------
 
     def serialize(self, nodes: list[Tensor], device: int = 0) -> GraphCompute:
+        """The GRAPH_COMPUTE request computing `nodes` on `device`: every reachable tensor once, sources
+        before users, use counts filled and `nodes` flagged COMPUTE."""
         order: list[Tensor] = []
         seen: set[int] = set()
 

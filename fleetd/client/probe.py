@@ -30,6 +30,7 @@ def probe(endpoint: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: one probe, its JSON answer printed; exit 1 on an error."""
     p = argparse.ArgumentParser(prog="python -m fleetd.client.probe", description=__doc__.splitlines()[0])
     p.add_argument("endpoint", metavar="HOST:PORT")
     p.add_argument(

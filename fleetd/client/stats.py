@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ClientCounters:
+    """Per command, as one client sees it: requests sent and bytes each way."""
+
     count: Counter = field(default_factory=Counter)
     request_bytes: Counter = field(default_factory=Counter)
     response_bytes: Counter = field(default_factory=Counter)

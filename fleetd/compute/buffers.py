@@ -56,6 +56,8 @@ class Memory(Protocol):
 
 @dataclass(eq=False)
 class Buffer:
+    """One remote buffer: its handle, its range in our address space and the device array behind it."""
+
     handle: int
     device: int
     base: int
@@ -77,6 +79,9 @@ class Buffer:
 
 
 class BufferRegistry:
+    """Every live buffer of the daemon, shared by all sessions: handles, address ranges and the
+    bytes each owner holds, under one lock."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_handle: dict[int, Buffer] = {}
@@ -150,6 +155,8 @@ class BufferRegistry:
         return self._by_handle.get(handle)
 
     def free(self, buf: Buffer) -> None:
+        """Take `buf` out of the registry (a second free does nothing), then tell the free hooks and
+        its device."""
         with self._lock:
             if self._by_handle.pop(buf.handle, None) is None:
                 return

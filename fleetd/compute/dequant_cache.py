@@ -108,6 +108,8 @@ class _BufferEntries:
 
 
 class DequantCache:
+    """One device's f32 copies of weight regions, within its budget (see the module docstring)."""
+
     def __init__(self, budget: CacheBudget | str | None = None) -> None:
         self.budget = CacheBudget.parse(budget)
         self._lock = threading.Lock()

@@ -184,6 +184,8 @@ class NumpyDevice:
 def make_device(
     spec: str, dequant_cache: CacheBudget | str | int | None = None, threads: int | None = None
 ) -> Device:
+    """The device a `--device` spec names: "cpu" (ggml's kernels, or numpy with a warning when the
+    library does not load) or "numpy"; ValueError for anything else."""
     kind = spec.strip().lower()
     if kind == "cpu":  # ggml's CPU kernels where the library loads, else numpy with one warning
         from fleetd.compute.ggml.device import load_device

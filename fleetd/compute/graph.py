@@ -23,6 +23,8 @@ from fleetd.wire import METADATA_OPS, GraphCompute, RpcTensor, TensorFlag, op_na
 
 @dataclass(slots=True)
 class Step:
+    """One node bound to its kernel: views of its result and sources, and the result's byte range."""
+
     kernel: Kernel
     dst: object
     srcs: list
@@ -36,12 +38,17 @@ class Step:
 
 @dataclass(slots=True)
 class Plan:
+    """A graph's bound steps in run order; a session keeps its last one per device for
+    GRAPH_RECOMPUTE."""
+
     device: int
     steps: list[Step]
     n_nodes: int
     caches: list[DequantCache]  # of the devices whose buffers the plan reads
 
     def run(self, xp) -> None:
+        """Run the steps in order; a kernel's failure comes out as one ComputeError naming the op and
+        the node."""
         for cache in self.caches:
             cache.start_run()
         for s in self.steps:

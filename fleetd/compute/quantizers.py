@@ -245,6 +245,7 @@ def quietly(quantizer):
 
 @quietly
 def quant_q2_k(values: np.ndarray) -> np.ndarray:
+    """f32 -> Q2_K blocks, 84 bytes per 256 values, as ggml's reference quantizer writes them."""
     # quantize_row_q2_K_ref: 16 groups of 16, levels 0..3 with scale and min (weights |x|),
     # both coded in 4 bits against fp16 super-scales max/15.
     blocks = as_blocks(values, QK_K)
@@ -276,6 +277,7 @@ def quant_q2_k(values: np.ndarray) -> np.ndarray:
 
 @quietly
 def quant_q3_k(values: np.ndarray) -> np.ndarray:
+    """f32 -> Q3_K blocks, 110 bytes per 256 values, as ggml's reference quantizer writes them."""
     # quantize_row_q3_K_ref: 16 groups of 16, symmetric levels -4..3; group scales coded in
     # 6 bits (signed, -32..31) against the fp16 super-scale, then every level requantized.
     blocks = as_blocks(values, QK_K)
@@ -327,6 +329,7 @@ def quant_q4_k(values: np.ndarray) -> np.ndarray:
 
 @quietly
 def quant_q5_k(values: np.ndarray) -> np.ndarray:
+    """f32 -> Q5_K blocks, 176 bytes per 256 values, as ggml's reference quantizer writes them."""
     # quantize_row_q5_K_ref: as q4_K with levels 0..31; the fifth bits go to qh.
     blocks = as_blocks(values, QK_K)
     n = blocks.shape[0]
@@ -344,6 +347,7 @@ def quant_q5_k(values: np.ndarray) -> np.ndarray:
 
 @quietly
 def quant_q6_k(values: np.ndarray) -> np.ndarray:
+    """f32 -> Q6_K blocks, 210 bytes per 256 values, as ggml's reference quantizer writes them."""
     # quantize_row_q6_K_ref: 16 groups of 16, symmetric levels -32..31, int8 group scales
     # against the fp16 super-scale; a block whose group scales are all ~0 is all zero bytes.
     blocks = as_blocks(values, QK_K)
@@ -371,6 +375,8 @@ def quant_q6_k(values: np.ndarray) -> np.ndarray:
 
 @quietly
 def quant_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """f32 -> IQ4_XS blocks, 136 bytes per 256 values, as ggml's quantizer writes them without
+    importance weights."""
     # quantize_iq4_xs without importance weights (quantize_row_iq4_nl_impl, super-block 256,
     # ntry 7): per group of 32 the best non-linear-grid scale over 15 trial scales (weights
     # x^2), then 6-bit group scales against d = -max/32 and every index chosen again.

@@ -99,6 +99,8 @@ def SCMP_ACT_ERRNO(e: int) -> int:  # noqa: N802 (libseccomp's macro name)
 
 
 class ScmpArgCmp(ctypes.Structure):
+    """`struct scmp_arg_cmp`: a condition on one syscall argument in a seccomp rule."""
+
     _fields_ = [
         ("arg", ctypes.c_uint),
         ("op", ctypes.c_int),
@@ -108,7 +110,7 @@ class ScmpArgCmp(ctypes.Structure):
 
 
 class SandboxError(OSError):
-    pass
+    """A wall could not go up: the worker user is missing or root, or prctl or libseccomp failed."""
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -44,6 +44,7 @@ AB_HELP = (
 
 
 def configure_ab(p) -> None:
+    """The flags of `fleetctl ab`: the nodes file, the workload and each workload's sizes."""
     fleet_args(p)
     p.add_argument(
         "--workload",
@@ -107,6 +108,8 @@ def _usage_error(message: str) -> int:
 
 
 def cmd_ab(args) -> int:
+    """fleetctl ab: the synthetic A/B on the fleet, or the model one with --model; exit 1 when a node
+    is down or the two paths' outputs differ."""
     for flag, attr, low, high in AB_RANGES:
         value = getattr(args, attr)
         if value is not None and not low <= value <= high:

@@ -59,6 +59,8 @@ def _wait_for_ctrl_c(console: Console, local: LocalFleet) -> None:
 
 
 def cmd_demo(args) -> int:
+    """fleetctl demo: a local fleet, llama-completion against the stock server, the A/B and the
+    stats; exit 1 when either comparison differs."""
     console = Console(stderr=args.json)
     report: dict = {}
     console.print(f"starting {args.nodes} fleetd nodes on loopback")

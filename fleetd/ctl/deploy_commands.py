@@ -81,6 +81,8 @@ def _warn(command: str, warning: str | None) -> None:
 
 
 def cmd_deploy(args) -> int:
+    """fleetctl deploy: build the wheels once, deploy (or --dry-run plan) every node in parallel,
+    one outcome per node; exit 1 unless every node deployed, was unchanged or was planned."""
     console = Console(stderr=True)
     with _load(args) as fleet:
         with console.status("building wheels"):
@@ -211,6 +213,7 @@ def configure_wheels(p) -> None:
 
 
 def cmd_wheels(args) -> int:
+    """fleetctl wheels: the wheels deploy would ship, copied into DIR, and the ansible line to use them."""
     b = build(source=args.source, ggml_lib=args.ggml_lib)
     _warn("wheels", b.warning)
     try:

@@ -12,6 +12,7 @@ DEFAULT_DIR = Path("/tmp/fleetd-lab")
 
 
 def configure_lab(p) -> None:
+    """The flags of `fleetctl lab up` and `fleetctl lab down`."""
     sub = p.add_subparsers(dest="lab_command", metavar="up|down", required=True)
     up = sub.add_parser("up", help="build the namespaces and links, start fleetd in each, write a nodes file")
     up.add_argument("--nodes", type=int, default=3, help=f"fleetd nodes, 1..{MAX_NODES} (default 3)")
@@ -44,6 +45,7 @@ def _usage_error(message: str) -> int:
 
 
 def cmd_lab(args) -> int:
+    """fleetctl lab up (check the numbers and rates, build the lab, print its nodes) or lab down."""
     lab = Lab(args.dir)
     if args.lab_command == "down":
         removed = lab.down()

@@ -37,6 +37,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 @dataclass(frozen=True)
 class Subcommand:
+    """One row of SUBCOMMANDS: the name, the help line, what adds its flags, what runs it."""
+
     name: str
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
@@ -111,6 +113,7 @@ def range_error(args: argparse.Namespace) -> str | None:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """fleetctl's parser and each subcommand's own, by name (for a usage line of the right one)."""
     p = argparse.ArgumentParser(
         prog="fleetctl",
         description="Run fleets of fleetd nodes.",
@@ -134,6 +137,8 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, range-check, run the subcommand; our errors become one line and an exit code
+    (fleetctl(1)), tracebacks only with --debug."""
     parser, parsers = build_parser()
     # parse_known_args: a flag the subcommand does not know is reported with *its* usage,
     # not the top-level one argparse would print.

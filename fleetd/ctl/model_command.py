@@ -14,6 +14,7 @@ DEFAULT_DIR = Path.home() / ".cache" / "fleetd" / "models"
 
 
 def configure_model(p) -> None:
+    """The flags of `fleetctl model make`."""
     sub = p.add_subparsers(dest="model_action", metavar="ACTION", required=True)
     make = sub.add_parser("make", help=MODEL_HELP, description=MODEL_HELP)
     make.add_argument("--arch", default="llama", help=f"one of {', '.join(ARCHS)} (default llama)")

@@ -18,6 +18,8 @@ from fleetd.fleet.ssh import SshOptions
 
 
 def fleet_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
+    """The nodes file argument and the flags every fleet subcommand shares (SSH keys, known_hosts,
+    timeouts, and --json unless `json_output` is False)."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = NODES_FILE_HELP
     p.add_argument("nodes", metavar="NODES", help="nodes file (format below)")
@@ -55,6 +57,7 @@ def fleet_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
 
 
 def open_fleet(args) -> Fleet:
+    """The fleet of the nodes file, with the SSH options of `fleet_args`' flags."""
     if args.debug:
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for flag, v in (("--connect-timeout", args.connect_timeout), ("--timeout", args.timeout)):

@@ -12,6 +12,7 @@ TUI_HELP = "live dashboard: nodes, rates and history, node detail, deploy, P2P s
 
 
 def configure_tui(p) -> None:
+    """The flags of `fleetctl tui`: the nodes file, the poll interval, screenshots, the A/B screen."""
     fleet_args(p, json_output=False)
     p.add_argument(
         "--interval",
@@ -72,6 +73,8 @@ def tui_args_problem(args) -> str | None:
 
 
 def cmd_tui(args) -> int:
+    """fleetctl tui: the paths checked (exit 2, one line), then the dashboard over the fleet until
+    the operator quits."""
     problem = tui_args_problem(args)
     if problem:
         print(f"fleetctl tui: error: {problem}", file=sys.stderr)

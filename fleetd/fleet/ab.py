@@ -23,6 +23,9 @@ def abba(rounds: int) -> tuple[str, ...]:
 
 @dataclass
 class ArmResult:
+    """One arm of a synthetic A/B: its per-step accounting, output md5, time per step, and the
+    peer copies and fallbacks the nodes counted meanwhile."""
+
     arm: str
     per_step: dict
     md5: str

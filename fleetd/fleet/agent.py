@@ -78,6 +78,8 @@ def _port_state(host, port, ours):
 
 
 def op_inspect(p):
+    """What deploy's check step decides on: interpreter, free disk, releases, what runs and the
+    RPC port's state, the config and unit in place, the uploaded wheels."""
     root = _root(p)
     unit = _unit_path()
     current = os.path.join(root, "current")
@@ -157,6 +159,8 @@ def op_install(p):
 
 
 def op_configure(p):
+    """Write fleetd.toml when it differs (None removes it: a roll-back to no config); says whether
+    it changed."""
     root = _root(p)
     path = os.path.join(root, "fleetd.toml")
     if p["config"] is None:  # back to no configuration (a roll-back on a fresh node)
@@ -294,6 +298,8 @@ def op_link(p):
 
 
 def op_stop(p):
+    """Stop fleetd: systemd's unit, and the supervisor's process group (SIGTERM, SIGKILL after
+    `timeout`); says whether a supervised fleetd was running."""
     root = _root(p)
     if _use_systemd(p):
         _systemctl("stop", UNIT)
@@ -314,6 +320,8 @@ def op_stop(p):
 
 
 def op_start(p):
+    """Start the release: as a systemd unit where systemd runs (written, enabled, restarted), else
+    under fleetd.supervise in its own session with the pid file written."""
     root = _root(p)
     release = p["release"]
     venv = os.path.join(root, "releases", release)
@@ -492,6 +500,7 @@ def op_remove_release(p):
 
 
 def op_uninstall(p):
+    """Stop fleetd, disable the unit, remove a service user this agent created, then all of ROOT."""
     import shutil
 
     op_stop(p)

@@ -133,6 +133,7 @@ def render_bar_chart(
     width: int = 960,
     height: int = 440,
 ) -> np.ndarray:
+    """An RGB image of one panel per metric, a bar per arm at its median with a min..max whisker."""
     img = np.full((height, width, 3), PAPER, np.uint8)
     _text(img, 16, 12, title, 2)
     arms = list(dict.fromkeys(a for p in panels.values() for a in p))

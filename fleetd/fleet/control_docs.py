@@ -80,6 +80,8 @@ def _names(types) -> str:
 
 @dataclass(frozen=True)
 class Device:
+    """One device of the node as /v1/status lists it: its index, name, free and total bytes."""
+
     index: int
     name: str
     free: int
@@ -105,6 +107,9 @@ class Session:
 
 @dataclass(frozen=True)
 class P2pState:
+    """Peer copy on one node (/v1/p2p, or the `p2p` part of /v1/status): on or off, and where
+    COPY_TENSOR_TO may push."""
+
     enabled: bool
     served: bool = True  # False: this daemon does not serve COPY_TENSOR_TO at all
     was: bool | None = None  # PUT /v1/p2p only: the state before the switch
@@ -141,6 +146,8 @@ class P2pState:
 
 @dataclass(frozen=True)
 class NodeStatus:
+    """A node's /v1/status answer: its version, RPC address, devices, uptime, P2P and open sessions."""
+
     version: str
     protocol: str
     features: int
@@ -155,6 +162,8 @@ class NodeStatus:
 
     @classmethod
     def parse(cls, doc: Any, where: str = "/v1/status") -> NodeStatus:
+        """The /v1/status document; fields added after the first release have defaults, anything of
+        another shape raises ControlError naming the field."""
         d = _Doc(doc, where)
         rpc = d.obj("rpc")
         features = d.obj("features", None)
@@ -201,6 +210,8 @@ class NodeStatus:
 
 @dataclass(frozen=True)
 class CommandCount:
+    """One command's count and bytes each way, as /v1/stats reports it."""
+
     count: int
     request_bytes: int
     response_bytes: int
@@ -217,6 +228,8 @@ class Counters:
 
     @classmethod
     def parse(cls, d: _Doc) -> Counters:
+        """The counters of /v1/stats `total` or of one session; a key added later (probe_connections)
+        is 0 from an older daemon."""
         cmds = d.obj("commands")
         commands = {}
         for name in cmds.doc:
@@ -275,6 +288,8 @@ class PeerCopyTotals:
 
 @dataclass(frozen=True)
 class SessionCounters:
+    """The counters of one open RPC connection (/v1/stats `sessions`)."""
+
     id: int
     peer: str
     counters: Counters
@@ -282,6 +297,8 @@ class SessionCounters:
 
 @dataclass(frozen=True)
 class NodeStats:
+    """A node's /v1/stats answer: totals since `since`, the peer copy totals, per-session counters."""
+
     since: float  # when the counters were last reset (the daemon's clock)
     total: Counters
     peer: PeerCopyTotals

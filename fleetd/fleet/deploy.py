@@ -282,6 +282,9 @@ def _operator_address(host: str) -> str | None:
 
 @dataclass
 class NodeOutcome:
+    """What deploy (or a lifecycle command) did on one node: a status, the releases, each step's
+    result and any warnings."""
+
     node: str
     status: str  # deployed | unchanged | rolled-back | failed | planned
     release: str | None = None
@@ -328,6 +331,8 @@ Progress = Callable[[Node, str], None]
 
 
 class Deployer:
+    """Deploys one build to the nodes of a fleet, and runs the lifecycle commands on them."""
+
     def __init__(
         self,
         fleet: Fleet,
@@ -407,6 +412,8 @@ class Deployer:
         )
 
     def deploy(self, node: Node) -> NodeOutcome:
+        """The deploy steps on one node (see the module docstring): unchanged when that build already
+        runs healthy with this config, rolled back when configure, start or health fails."""
         b = self.build
         ag = self.agent(node)
         self.progress(node, "check")

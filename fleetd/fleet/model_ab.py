@@ -94,6 +94,8 @@ class ArmSummary:
 
 @dataclass
 class ModelAbResult:
+    """A whole model A/B: the settings, every round's cells, each arm's summary and the verdict."""
+
     model: str
     stages: int
     settings: dict

@@ -57,6 +57,8 @@ _HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 @dataclass(frozen=True)
 class NodeSpec:
+    """One line of the nodes file: how to reach the node and the ports and devices its fleetd uses."""
+
     host: str
     user: str | None = None
     ssh_port: int = DEFAULT_SSH_PORT
@@ -86,7 +88,7 @@ class NodeSpec:
 
 
 class NodesFileError(FleetError):
-    pass
+    """A bad line in the nodes file; the message names the file, the line number and the value."""
 
 
 def _port(where: str, key: str, value: str) -> int:

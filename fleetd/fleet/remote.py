@@ -17,6 +17,8 @@ from fleetd.fleet.ssh import NodeError
 
 @dataclass(frozen=True)
 class Completed:
+    """A finished command on a node: its exit code and output."""
+
     command: str
     rc: int
     stdout: str
@@ -46,10 +48,14 @@ class Shell:
 
 
 class SshShell(Shell):
+    """Runs commands over SSH exec channels and puts files by SFTP."""
+
     def __init__(self, node: Node) -> None:
         self.node = node
 
     def run(self, command: str, stdin: str | None = None, timeout: float = 300) -> Completed:
+        """`command` on an SSH exec channel, `stdin` written then closed; an SSH failure is a
+        NodeError, a non-zero exit only the Completed's `rc`."""
         client = self.node.ssh()
         try:
             chan_in, chan_out, chan_err = client.exec_command(command, timeout=timeout)
@@ -76,6 +82,8 @@ class SshShell(Shell):
 
 
 class LocalShell(Shell):
+    """Runs commands with /bin/sh and copies files on this machine, for a local node."""
+
     def run(self, command: str, stdin: str | None = None, timeout: float = 300) -> Completed:
         try:
             p = subprocess.run(

@@ -437,6 +437,7 @@ OUTCOME_STYLE = {
 
 
 def outcome_table(outcomes: list[NodeOutcome]) -> Table:
+    """deploy's table: one row per node, its status, releases, steps, detail and warnings."""
     table = Table(title="fleetctl deploy")
     for col in ("Node", "Status", "Release", "Previous", "Steps"):
         table.add_column(col, overflow="fold")

@@ -34,11 +34,12 @@ class NodeError(FleetError):
 
 
 class SshError(NodeError):
-    pass
+    """SSH to the node failed: refused, unreachable, authentication, or an unknown host key."""
 
 
 class ControlUnreachable(NodeError):
-    pass
+    """The node's control API or RPC port did not open (directly or through SSH) or gave no
+    whole answer."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ def stats_from_env() -> bool:
 
 
 class Pipeline:
+    """The coordinator of one layer split: a client per remote stage, the stages' graphs and weights
+    placed at start, one `step()` per decode step."""
+
     def __init__(
         self,
         endpoints: list[str],
@@ -96,6 +99,8 @@ class Pipeline:
     # -- one step ----------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """One decode step: the input into stage 0, every stage's graph, each boundary moved (direct
+        or hub), the last stage's output read back."""
         index = len(self.steps)
         first = index == 0
         before = self.counters.snapshot()

@@ -10,6 +10,8 @@ from fleetd.client.stats import ClientCounters
 
 @dataclass
 class StepResult:
+    """One pipeline step: its output bytes, the coordinator's counters over it, how each boundary moved."""
+
     step: int
     output: bytes
     counters: ClientCounters  # this step's commands and bytes at the coordinator

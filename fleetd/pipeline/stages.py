@@ -22,6 +22,8 @@ LOCAL_GRAPH_TIMEOUT = 600.0  # seconds one graph of the local device may take (f
 
 
 class RemoteStage:
+    """A stage on an RPC server, through its own client; it can send or receive a COPY_TENSOR_TO."""
+
     def __init__(
         self, endpoint: str, counters: ClientCounters, timeout: Timeout, peer_endpoint: str | None = None
     ) -> None:

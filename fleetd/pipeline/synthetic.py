@@ -23,6 +23,8 @@ F32 = 4
 
 @dataclass(frozen=True)
 class Workload:
+    """The synthetic model: layer count, hidden state shape and the seed of every weight and input."""
+
     layers: int
     rows: int = 32
     n_embd: int = 5120
@@ -71,6 +73,7 @@ class StageLayout:
 
 
 def layout_stage(work: Workload, layers: range, alignment: int) -> StageLayout:
+    """The offsets of a stage's layers, input and activations in its one buffer, each aligned."""
     lay = StageLayout()
     at = 0
 
@@ -91,6 +94,8 @@ def layout_stage(work: Workload, layers: range, alignment: int) -> StageLayout:
 
 @dataclass
 class StageGraph:
+    """A stage's graph, its input and output tensors, and the weights still to upload."""
+
     graph: GraphCompute
     hidden_in: Tensor
     hidden_out: Tensor
@@ -102,6 +107,8 @@ class StageGraph:
 def build_stage(
     work: Workload, layers: range, lay: StageLayout, buffer: int, base: int, device: int = 0
 ) -> StageGraph:
+    """The stage's graph over `layers`: per layer RMS_NORM, MUL, MUL_MAT and the residual ADD, placed
+    in `buffer` by `lay`."""
     g = GraphBuilder()
     x = g.tensor(GgmlType.F32, (work.n_embd, work.rows), buffer, base + lay.hidden_in, "hidden_in")
     hidden_in = x

@@ -75,6 +75,9 @@ def parse_budget(raw, free: int) -> int:
 
 
 class CacheDir:
+    """The cache directory of one daemon: its files by name and size, stored, looked up and evicted
+    within `max_bytes` (see the module docstring)."""
+
     def __init__(self, path: Path, max_bytes=None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,8 @@ def parse_size(raw) -> int:
 
 @dataclass
 class ServerConfig:
+    """Everything a daemon is started with: what the config file and the flags resolve to."""
+
     host: str = "127.0.0.1"
     port: int = DEFAULT_RPC_PORT
     devices: list[str] = field(default_factory=lambda: ["cpu"])

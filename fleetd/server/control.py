@@ -61,6 +61,8 @@ _DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII only: "²".isdigit() is True, int(
 
 
 class HttpError(Exception):
+    """A control API request refused: answered with `status` and {"error": message}."""
+
     def __init__(self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
@@ -75,6 +77,8 @@ def _bytes_moved(c: CommandCounters) -> tuple[int, int]:
 
 
 def status_doc(state: ServerState) -> dict:
+    """The /v1/status document: version, protocol, features, RPC address, devices, health, P2P
+    and the open sessions."""
     now = time.time()
     features = state.features()
     sessions = []
@@ -433,6 +437,7 @@ class ControlAPI:
         return f"<ControlAPI {self.host}:{self.port or self.requested_port}>"
 
     def start(self) -> None:
+        """Bind the loopback port (an OSError that says which one) and serve it on a daemon thread."""
         handler = type("Handler", (_Handler,), {"api": self})
         try:
             self._httpd = _HTTPServer((self.host, self.requested_port), handler)

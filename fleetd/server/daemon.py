@@ -45,6 +45,8 @@ class ClientPolicy:
         self.wildcard = self.default and listen_network(listen_host) is None
 
     def allows(self, sock: socket.socket, ip: str) -> bool:
+        """Whether `ip` (the peer of `sock`) may open an RPC connection; IPv4-mapped addresses count
+        as IPv4."""
         addr = ipaddress.ip_address(ip)
         if getattr(addr, "ipv4_mapped", None):
             addr = addr.ipv4_mapped
@@ -76,6 +78,8 @@ class RateLimitedLog:
 
 
 class Server:
+    """One fleetd daemon: the RPC listener and its accept loop, the shared state, the control API."""
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.state = ServerState(config)
@@ -107,6 +111,8 @@ class Server:
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> tuple[str, int]:
+        """Bind the RPC port, drop to the service user (when configured), start compute and the
+        control API, then listen and accept; returns the bound address."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -150,6 +156,8 @@ class Server:
         return self.address
 
     def stop(self) -> None:
+        """Stop accepting, shut down every live session's socket, wait for the accept loop and close
+        the state."""
         self._stopping.set()
         if self.control is not None:
             self.control.stop()

@@ -219,6 +219,8 @@ def _set_threads(n: int | None) -> None:
 
 
 def fleetd_main(argv: list[str] | None = None) -> int:
+    """The fleetd command: settings resolved, logging set up, then serve until stopped; exit 2 for
+    bad settings, 1 when it cannot serve."""
     args = _fleetd_parser().parse_args(argv)
     try:
         settings = resolve_settings(args)

@@ -101,6 +101,9 @@ class StoredGraph:
 
 
 class Session:
+    """One RPC connection: its socket, its ServerConnection, its counters and stored graphs, its
+    peer links. `run()` serves it on its own thread."""
+
     def __init__(self, state: ServerState, sock: socket.socket, peer: tuple, sid: int) -> None:
         self.state = state
         self.sock = sock
@@ -131,6 +134,8 @@ class Session:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        """Serve the connection until the client leaves or breaks a rule: every way out is one log
+        line (a traceback only for our own bug) and close()."""
         # Log the text of an error, never the exception: a handler that keeps records would
         # keep its traceback's frames, and with them the buffers of a closed session.
         try:
@@ -272,6 +277,8 @@ class Session:
                 self.graphs.pop(device, None)
 
     def close(self) -> None:
+        """Close the socket and the peer links, free the buffers this session allocated and fold its
+        counters into the daemon's."""
         try:
             self.sock.close()
         except OSError:
@@ -340,6 +347,8 @@ def on_device_count(s: Session, ev: DeviceCount) -> int:
 
 
 def on_alloc_buffer(s: Session, ev: AllocBuffer) -> int:
+    """ALLOC_BUFFER within the daemon's and the session's memory limits; a refusal is logged and
+    answered with pointer 0, as a full device answers."""
     dev = s.device(ev.device, "ALLOC_BUFFER")
     buf = s.state.registry.alloc(
         ev.device, dev, ev.size, s.id, limit=s.state.max_memory, owner_limit=s.state.max_session_memory
@@ -368,6 +377,8 @@ def on_get_max_size(s: Session, ev: GetMaxSize) -> int:
 
 
 def on_get_device_memory(s: Session, ev: GetDeviceMemory) -> int:
+    """GET_DEVICE_MEMORY: `free` is what ALLOC_BUFFER would grant now (device, daemon and session
+    limits); `total` is the device's."""
     free, total = s.device(ev.device, "GET_DEVICE_MEMORY").memory()
     # What ALLOC_BUFFER would really grant: the device, the daemon's limit, this session's.
     # The total stays the device's, as the stock server reports it.
@@ -414,6 +425,8 @@ def layer_of(name: bytes) -> int | None:
 
 
 def on_set_tensor(s: Session, ev: SetTensor) -> int:
+    """SET_TENSOR: the region checked, the data read from the socket straight into the buffer, then
+    stored in the cache directory when the flag asks."""
     buf, start = s.region(ev.tensor, ev.offset, ev.size, "SET_TENSOR")
     if (layer := layer_of(ev.tensor.name)) is not None:  # what status says this node holds
         s.layers.add(layer)
@@ -432,6 +445,8 @@ def on_set_tensor(s: Session, ev: SetTensor) -> int:
 
 
 def on_set_tensor_hash(s: Session, ev: SetTensorHash) -> int:
+    """SET_TENSOR_HASH: the cached file read straight into the region; 0 when there is no such
+    file or it was cut short while read."""
     # As the stock server: the file's size is the region's, the bytes are not verified.
     f = s.state.cache_open(ev.hash)
     if f is None:
@@ -463,6 +478,8 @@ def on_get_tensor(s: Session, ev: GetTensor) -> int:
 
 
 def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
+    """COPY_TENSOR: src's nbytes copied into dst under the execution lock; 0 for a
+    zero-size destination buffer, as stock."""
     src_buf, src_start = s.tensor_buffer(ev.src, "COPY_TENSOR")
     dst_buf, dst_start = s.tensor_buffer(ev.dst, "COPY_TENSOR")
     n = ev.src.nbytes
@@ -484,6 +501,8 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
 
 
 def on_graph_compute(s: Session, ev: GraphCompute) -> int:
+    """GRAPH_COMPUTE: bounds checked, plan built and run, then kept for GRAPH_RECOMPUTE with the
+    buffers it reaches."""
     dev = s.device(ev.device, "GRAPH_COMPUTE")
     limits = s.limits
     check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
@@ -500,6 +519,8 @@ def on_graph_compute(s: Session, ev: GraphCompute) -> int:
 
 
 def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
+    """GRAPH_RECOMPUTE: the stored plan run again, unless a buffer it reaches has been freed since
+    (then the connection closes, as stock)."""
     dev = s.device(ev.device, "GRAPH_RECOMPUTE")
     graph = s.graphs.get(ev.device)
     if graph is None:

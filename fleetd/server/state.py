@@ -102,6 +102,9 @@ class ReceiveBudget:
 
 
 class ServerState:
+    """What every session of one daemon shares: devices, the buffer registry, the execution lock,
+    counters, the cache directory, P2P settings and limits."""
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.devices: list[Device] = [

@@ -48,6 +48,7 @@ class CommandCounters:
         self.probe_connections += other.probe_connections
 
     def as_dict(self) -> dict:
+        """The counters as /v1/stats sends them: per command by name, then the graph and probe totals."""
         return {
             "commands": {
                 cmd_name(c): {

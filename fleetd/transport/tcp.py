@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Timeout:
+    """A client's timeouts in seconds: for the connect, and for each wait on a reply."""
+
     connect: float | None = 10.0
     read: float | None = None  # None: wait as long as the server computes
 

@@ -47,6 +47,8 @@ MAX_ENDPOINT_LEN = 260
 
 
 class Cmd(enum.IntEnum):
+    """The command byte that opens every request frame: protocol 7's values, then fleetd's extension."""
+
     ALLOC_BUFFER = 0
     GET_ALIGNMENT = 1
     GET_MAX_SIZE = 2
@@ -89,6 +91,8 @@ _U64 = struct.Struct("<Q")
 
 
 class Request:
+    """Base of the request events: `cmd` is the command byte, `encode`/`decode` the payload."""
+
     cmd: ClassVar[Cmd]
 
     def encode(self) -> bytes:
@@ -123,6 +127,8 @@ def _fixed(fmt: str):
 @_fixed("24s")
 @dataclass(frozen=True, slots=True)
 class Hello(Request):
+    """HELLO, the first command: | conn_caps 24 bytes |, all zero for plain TCP."""
+
     cmd: ClassVar[Cmd] = Cmd.HELLO
     conn_caps: bytes = bytes(24)
 
@@ -130,12 +136,16 @@ class Hello(Request):
 @_fixed("")
 @dataclass(frozen=True, slots=True)
 class DeviceCount(Request):
+    """DEVICE_COUNT: an empty payload; the reply says how many devices the server serves."""
+
     cmd: ClassVar[Cmd] = Cmd.DEVICE_COUNT
 
 
 @_fixed("IQ")
 @dataclass(frozen=True, slots=True)
 class AllocBuffer(Request):
+    """ALLOC_BUFFER: | device u32 | size u64 |, a new buffer of `size` bytes on that device."""
+
     cmd: ClassVar[Cmd] = Cmd.ALLOC_BUFFER
     device: int
     size: int
@@ -144,6 +154,8 @@ class AllocBuffer(Request):
 @_fixed("I")
 @dataclass(frozen=True, slots=True)
 class GetAlignment(Request):
+    """GET_ALIGNMENT: | device u32 |, the alignment the device's buffers need."""
+
     cmd: ClassVar[Cmd] = Cmd.GET_ALIGNMENT
     device: int
 
@@ -151,6 +163,8 @@ class GetAlignment(Request):
 @_fixed("I")
 @dataclass(frozen=True, slots=True)
 class GetMaxSize(Request):
+    """GET_MAX_SIZE: | device u32 |, the largest single buffer the device allocates."""
+
     cmd: ClassVar[Cmd] = Cmd.GET_MAX_SIZE
     device: int
 
@@ -158,6 +172,8 @@ class GetMaxSize(Request):
 @_fixed("I")
 @dataclass(frozen=True, slots=True)
 class GetDeviceMemory(Request):
+    """GET_DEVICE_MEMORY: | device u32 |, the device's free and total memory."""
+
     cmd: ClassVar[Cmd] = Cmd.GET_DEVICE_MEMORY
     device: int
 
@@ -165,6 +181,8 @@ class GetDeviceMemory(Request):
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class BufferGetBase(Request):
+    """BUFFER_GET_BASE: | remote_ptr u64 |, the address of byte 0 of that buffer."""
+
     cmd: ClassVar[Cmd] = Cmd.BUFFER_GET_BASE
     remote_ptr: int
 
@@ -172,6 +190,8 @@ class BufferGetBase(Request):
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class FreeBuffer(Request):
+    """FREE_BUFFER: | remote_ptr u64 |; no response. Stored graphs are discarded with it."""
+
     cmd: ClassVar[Cmd] = Cmd.FREE_BUFFER
     remote_ptr: int
 
@@ -179,6 +199,8 @@ class FreeBuffer(Request):
 @_fixed("QB")
 @dataclass(frozen=True, slots=True)
 class BufferClear(Request):
+    """BUFFER_CLEAR: | remote_ptr u64 | value u8 |, the whole buffer filled with `value`; no response."""
+
     cmd: ClassVar[Cmd] = Cmd.BUFFER_CLEAR
     remote_ptr: int
     value: int
@@ -187,6 +209,8 @@ class BufferClear(Request):
 @_fixed("I")
 @dataclass(frozen=True, slots=True)
 class GraphRecompute(Request):
+    """GRAPH_RECOMPUTE: | device u32 |, that device's stored graph run again; no response."""
+
     cmd: ClassVar[Cmd] = Cmd.GRAPH_RECOMPUTE
     device: int
 
@@ -194,6 +218,8 @@ class GraphRecompute(Request):
 @_fixed("")
 @dataclass(frozen=True, slots=True)
 class PeerBarrier(Request):
+    """PEER_BARRIER (fleetd): an empty payload, answered once every earlier command has been served."""
+
     cmd: ClassVar[Cmd] = Cmd.PEER_BARRIER
 
 
@@ -250,6 +276,9 @@ def _tensor_and(fmt: str):
 @_tensor_and("QQ")
 @dataclass(frozen=True, slots=True)
 class SetTensorHash(Request):
+    """SET_TENSOR_HASH: | rpc_tensor | offset u64 | hash u64 |, the cached file named by the
+    FNV-1a `hash` written at `offset` in the tensor."""
+
     cmd: ClassVar[Cmd] = Cmd.SET_TENSOR_HASH
     SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
@@ -260,6 +289,8 @@ class SetTensorHash(Request):
 @_tensor_and("QQ")
 @dataclass(frozen=True, slots=True)
 class GetTensor(Request):
+    """GET_TENSOR: | rpc_tensor | offset u64 | size u64 |, `size` bytes read from `offset` in the tensor."""
+
     cmd: ClassVar[Cmd] = Cmd.GET_TENSOR
     SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
@@ -270,6 +301,9 @@ class GetTensor(Request):
 @_tensor_and("QQB")
 @dataclass(frozen=True, slots=True)
 class MemsetTensor(Request):
+    """MEMSET_TENSOR: | rpc_tensor | offset u64 | size u64 | value u8 |, `size` bytes from `offset`
+    set to `value`; no response."""
+
     cmd: ClassVar[Cmd] = Cmd.MEMSET_TENSOR
     SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
@@ -281,6 +315,8 @@ class MemsetTensor(Request):
 @_tensor_and("")
 @dataclass(frozen=True, slots=True)
 class InitTensor(Request):
+    """INIT_TENSOR: | rpc_tensor |, the buffer type's init hook for the tensor; no response."""
+
     cmd: ClassVar[Cmd] = Cmd.INIT_TENSOR
     SIZE: ClassVar[int]  # set by _tensor_and
     tensor: RpcTensor
@@ -356,6 +392,7 @@ class GraphCompute(Request):
 
     @classmethod
     def decode(cls, payload):
+        """n_nodes and n_tensors are checked against the payload before either list is read."""
         size = len(payload)
         if size < 8:
             raise RemoteProtocolError(f"GRAPH_COMPUTE: payload of {size} bytes, need at least 8")
@@ -407,6 +444,8 @@ class CopyTensorTo(Request):
 
 @dataclass(frozen=True, slots=True)
 class CommandSpec:
+    """One row of `COMMANDS`: a command's event class, its payload size rule and its reply."""
+
     request: type[Request]
     size: int | None  # exact payload size, None = variable
     min_size: int = 0  # variable-size requests

@@ -83,6 +83,8 @@ class ServerConnection:
         return self._buf.held
 
     def next_event(self):
+        """The next whole request as an event, or NEED_DATA. A SET_TENSOR's data is left in the stream
+        (`body_remaining`); anything malformed is a RemoteProtocolError and fails the connection."""
         if self.body_remaining:
             raise LocalProtocolError("next_event() while a streamed request body is pending")
         buf = self._buf

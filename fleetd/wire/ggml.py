@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 
 class GgmlType(enum.IntEnum):
+    """`ggml_type` values (`rpc_tensor.type`); the removed values are left out."""
+
     F32 = 0
     F16 = 1
     Q4_0 = 2
@@ -52,6 +54,8 @@ GGML_TYPE_COUNT = 43
 
 @dataclass(frozen=True, slots=True)
 class TypeTraits:
+    """A type's block: `blck_size` elements stored in `type_size` bytes."""
+
     blck_size: int  # elements per block
     type_size: int  # bytes per block
 
@@ -115,6 +119,8 @@ def op_name(op: int) -> str:
 
 
 class GgmlOp(enum.IntEnum):
+    """`ggml_op` values (`rpc_tensor.op`), in header order up to GGML_OP_COUNT."""
+
     NONE = 0
     DUP = 1
     ADD = 2
@@ -225,6 +231,8 @@ METADATA_OPS = frozenset({GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMU
 
 
 class UnaryOp(enum.IntEnum):
+    """`ggml_unary_op` values, in `op_params[0]` of a UNARY node."""
+
     ABS = 0
     SGN = 1
     NEG = 2
@@ -250,6 +258,8 @@ class UnaryOp(enum.IntEnum):
 
 
 class GluOp(enum.IntEnum):
+    """`ggml_glu_op` values, in `op_params[0]` of a GLU node."""
+
     REGLU = 0
     GEGLU = 1
     SWIGLU = 2
@@ -260,6 +270,8 @@ class GluOp(enum.IntEnum):
 
 
 class TensorFlag(enum.IntFlag):
+    """`rpc_tensor.flags` bits; a graph node without COMPUTE is not computed."""
+
     INPUT = 1
     OUTPUT = 2
     PARAM = 4

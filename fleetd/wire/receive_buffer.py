@@ -12,6 +12,8 @@ import struct
 
 
 class ReceiveBuffer:
+    """Received bytes not consumed yet; the connection parses frames from them in place."""
+
     __slots__ = ("_data", "_pos")
 
     def __init__(self) -> None:

@@ -21,6 +21,8 @@ _U64 = struct.Struct("<Q")
 
 
 class Reply:
+    """Base of the reply events: `frame()` gives the response bytes, `decode` reads a payload back."""
+
     layout: ClassVar[struct.Struct | None] = None
     streamed: ClassVar[bool] = False  # the payload is data the shell reads in place
 
@@ -64,6 +66,8 @@ def _fixed(fmt: str):
 @_fixed("QQ")
 @dataclass(frozen=True, slots=True)
 class AllocBufferReply(Reply):
+    """ALLOC_BUFFER's reply: | remote_ptr u64 | remote_size u64 |, the new buffer's handle and size."""
+
     remote_ptr: int  # 0: the server could not allocate
     remote_size: int
 
@@ -71,36 +75,48 @@ class AllocBufferReply(Reply):
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class GetAlignmentReply(Reply):
+    """GET_ALIGNMENT's reply: | alignment u64 |, in bytes."""
+
     alignment: int
 
 
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class GetMaxSizeReply(Reply):
+    """GET_MAX_SIZE's reply: | max_size u64 |; the client splits larger allocations."""
+
     max_size: int
 
 
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class BufferGetBaseReply(Reply):
+    """BUFFER_GET_BASE's reply: | base_ptr u64 |, 0 for a zero-size buffer."""
+
     base: int
 
 
 @_fixed("B")
 @dataclass(frozen=True, slots=True)
 class SetTensorHashReply(Reply):
+    """SET_TENSOR_HASH's reply: | result u8 |; 0 sends the client back to SET_TENSOR."""
+
     found: int  # 1: the cache held the data and it was written
 
 
 @_fixed("B")
 @dataclass(frozen=True, slots=True)
 class CopyTensorReply(Reply):
+    """COPY_TENSOR's reply: | result u8 |, 1 when the destination buffer made the copy."""
+
     copied: int
 
 
 @_fixed("QQ")
 @dataclass(frozen=True, slots=True)
 class GetDeviceMemoryReply(Reply):
+    """GET_DEVICE_MEMORY's reply: | free u64 | total u64 |, in bytes."""
+
     free: int
     total: int
 
@@ -108,24 +124,32 @@ class GetDeviceMemoryReply(Reply):
 @_fixed("Q")
 @dataclass(frozen=True, slots=True)
 class GetAllocSizeReply(Reply):
+    """GET_ALLOC_SIZE's reply: | alloc_size u64 |, the bytes the tensor needs in its buffer."""
+
     size: int
 
 
 @_fixed("I")
 @dataclass(frozen=True, slots=True)
 class DeviceCountReply(Reply):
+    """DEVICE_COUNT's reply: | device_count u32 |."""
+
     count: int
 
 
 @_fixed("B")
 @dataclass(frozen=True, slots=True)
 class CopyTensorToReply(Reply):
+    """COPY_TENSOR_TO's reply (fleetd): | result u8 |; 0 tells the client to fall back to GET+SET."""
+
     landed: int  # 1 only after the destination's PEER_BARRIER proved the write
 
 
 @_fixed("B")
 @dataclass(frozen=True, slots=True)
 class PeerBarrierReply(Reply):
+    """PEER_BARRIER's reply (fleetd): | result u8 |, sent once every earlier write has landed."""
+
     landed: int  # 0 when the destination's P2P is switched off
 
 

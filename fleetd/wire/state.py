@@ -17,12 +17,16 @@ KNOWN_FEATURES = sum(Feature)
 
 
 class State(enum.Enum):
+    """Where a connection stands in the HELLO gate; ERROR is final."""
+
     AWAIT_HELLO = "await-hello"
     READY = "ready"
     ERROR = "error"
 
 
 class HelloGate:
+    """One connection's handshake state, for either role, and what the client's HELLO negotiated."""
+
     __slots__ = ("state", "version", "features")
 
     def __init__(self) -> None:

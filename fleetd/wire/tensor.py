@@ -43,6 +43,9 @@ _ZERO_PARAMS = (0,) * 16
 
 @dataclass(frozen=True, slots=True)
 class RpcTensor:
+    """One decoded `rpc_tensor`: its id, type, buffer handle, shape, strides, op and links to other
+    tensors by id. `use_count` is not part of equality."""
+
     id: int
     type: int
     buffer: int
@@ -59,6 +62,7 @@ class RpcTensor:
     use_count: int = field(default=0, compare=False)
 
     def pack(self) -> bytes:
+        """The 296 wire bytes; a name is cut to 63 bytes so its NUL fits."""
         return RPC_TENSOR.pack(
             self.id,
             self.type,
@@ -78,6 +82,7 @@ class RpcTensor:
 
     @classmethod
     def unpack_from(cls, buf, offset: int = 0) -> RpcTensor:
+        """The tensor at `offset` in `buf`, its name cut at the first NUL; nothing is validated here."""
         v = RPC_TENSOR.unpack_from(buf, offset)
         return cls(
             id=v[0],

@@ -204,6 +204,8 @@ def chart_table(run: AbRun) -> Table:
 
 
 class AbScreen(Screen):
+    """Hub vs direct on the fleet: the form, the run in a thread worker, its chart and the runs so far."""
+
     BINDINGS: ClassVar[list[BindingType]] = [
         ("escape", "app.pop_screen", "Back"),
         Binding("enter", "run", "Run", priority=True),

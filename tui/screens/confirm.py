@@ -14,6 +14,8 @@ from textual.widgets import Button, Static
 
 
 class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; dismisses with True only on `y` or Yes."""
+
     BINDINGS: ClassVar[list[BindingType]] = [
         ("y", "answer(True)", "Yes"),
         ("n,escape", "answer(False)", "No"),

@@ -58,6 +58,8 @@ class Sample:
 
 
 class DashboardScreen(Screen):
+    """Every node at a glance: the node table, the selected node's counters, last minutes and P2P switch."""
+
     BINDINGS: ClassVar[list[BindingType]] = [
         # the counters box scrolls at 80x24 (the copies table below the fold), whatever has the focus
         Binding("pagedown", "scroll_screen(1)", "Page down", show=False, priority=True),

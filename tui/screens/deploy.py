@@ -31,6 +31,8 @@ LOG_TAIL = 30
 
 
 class DeployScreen(Screen):
+    """fleetctl deploy, restart, stop and logs from the TUI: per-node progress, a log, the outcome table."""
+
     BINDINGS: ClassVar[list[BindingType]] = [
         ("escape", "app.pop_screen", "Back"),
         ("t", "toggle_target", "Target"),

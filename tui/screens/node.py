@@ -63,6 +63,8 @@ LOG_REFRESH_S = 5.0
 
 
 class NodeScreen(Screen):
+    """One node in detail, from the dashboard's samples; its log fetched on demand."""
+
     BINDINGS: ClassVar[list[BindingType]] = [
         ("escape", "app.pop_screen", "Back"),
         ("l", "refresh_log", "Reload log"),

@@ -26,6 +26,8 @@ SPARK_WIDTH = 10
 
 @dataclass(frozen=True)
 class Column:
+    """A NodeTable column: its key, header, width and priority (lower stays longer when narrow)."""
+
     key: str  # what tests and update_cell use
     label: str
     priority: int  # 1 is kept longest when the terminal is narrow
@@ -68,6 +70,8 @@ def fit_columns(width: int) -> tuple[Column, ...]:
 
 @dataclass(frozen=True)
 class NodeRow:
+    """What one row shows, already formatted: the table only places it."""
+
     name: str
     host: str = ""
     status: NodeStatus | BaseException | None = None  # None: no answer yet

@@ -15,6 +15,8 @@ from textual.widget import Widget
 
 
 class PeerToggle(Widget):
+    """The selected node's P2P switch: shows on/off/pending, posts Changed on a user toggle."""
+
     DEFAULT_CSS = """
     PeerToggle { height: 1; width: auto; }
     """

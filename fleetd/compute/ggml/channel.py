@@ -31,10 +31,11 @@ REPLY_READY = 103  # sent once, after the sandbox is up: what it is ("uid=... se
 
 
 class ChannelClosed(EOFError):
-    pass
+    """The other end closed the channel before a whole message arrived."""
 
 
 def send_message(sock: socket.socket, kind: int, payload: bytes, fds=()) -> None:
+    """One message, `fds` as SCM_RIGHTS on its header; past MAX_FDS, each further batch on one byte."""
     fds = list(fds)
     header = HEADER.pack(kind, len(fds), len(payload))
     if not fds:

@@ -47,6 +47,8 @@ def _child(sock: socket.socket, keep: int, lib, identity, seccomp_lib, threads: 
 
 
 def main(argv: list[str]) -> int:
+    """Load the libraries, report READY on CTL_FD, then fork a worker per SPAWN and report each
+    exit on EVENTS_FD until CTL_FD closes."""
     ctl_fd, events_fd, threads, user = int(argv[0]), int(argv[1]), int(argv[2]), argv[3] or None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
     null = os.open(os.devnull, os.O_RDWR)

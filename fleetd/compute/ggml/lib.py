@@ -35,11 +35,13 @@ GGML_STATUS_SUCCESS = 0
 
 
 class GgmlInitParams(ctypes.Structure):
+    """`struct ggml_init_params`, the argument of ggml_init."""
+
     _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
 
 
 class GgmlTensor(ctypes.Structure):
-    pass
+    """`struct ggml_tensor`, the fields in header order; load() checks its size against the library."""
 
 
 GgmlTensor._fields_ = [
@@ -61,6 +63,8 @@ GgmlTensor._fields_ = [
 
 
 class GgmlTypeTraits(ctypes.Structure):
+    """`struct ggml_type_traits` (libggml-base): which types can convert to f32."""
+
     _fields_ = [
         ("type_name", c_char_p),
         ("blck_size", c_int64),
@@ -73,6 +77,8 @@ class GgmlTypeTraits(ctypes.Structure):
 
 
 class GgmlTypeTraitsCpu(ctypes.Structure):
+    """`struct ggml_type_traits_cpu` (libggml-cpu): which types the CPU kernels can dot or quantize to."""
+
     _fields_ = [
         ("from_float", c_void_p),
         ("vec_dot", c_void_p),

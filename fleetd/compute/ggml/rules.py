@@ -111,7 +111,7 @@ def overlaps(a: RpcTensor, b: RpcTensor) -> bool:
 
 
 class Refused(UnsupportedOp):
-    pass
+    """A node the ggml device will not hand to ggml's kernels: the message says what it breaks."""
 
 
 Rule = Callable[[RpcTensor, list, TypeCaps], "list[IndexUse | PaddedRead | Touch] | None"]
@@ -317,6 +317,7 @@ GLU_TYPES = {
 
 @rule(GgmlOp.GLU, flat=(-1, 0, 1))  # row i1 at i1*nb1 of each
 def glu(node, srcs, caps):
+    """GLU: a GLU op the kernels have, for the types they take, over packed rows of matching shapes."""
     # ggml_glu_impl: one src split in halves (swapped or not), or two srcs of one shape.
     a, b = src(node, srcs, 0), opt_src(srcs, 1)
     need(0 <= node.op_params[0] < len(GluOp), node, srcs, f"glu op {node.op_params[0]}")
@@ -337,6 +338,8 @@ HINT_SRC0_IS_HADAMARD = 1  # op_params[1] of MUL_MAT (ggml_mul_mat_set_hint)
 
 @rule(GgmlOp.MUL_MAT)
 def mul_mat(node, srcs, caps):
+    """MUL_MAT: ggml_mul_mat's shapes, packed rows, and a src0 type with a CPU dot product that
+    takes src1's type (or the Hadamard hint's own case)."""
     # ggml_mul_mat: ggml_can_mul_mat(a, b), !transposed(a), result [a.ne1, b.ne1, b.ne2, b.ne3]
     # f32; the kernel: packed rows, src0 with a vec_dot, src1 f32, that dot's own type, or f16/bf16
     # widened into the f32 work buffer when the dot is f32's own.
@@ -368,6 +371,7 @@ def mul_mat(node, srcs, caps):
 
 @rule(GgmlOp.MUL_MAT_ID)
 def mul_mat_id(node, srcs, caps):
+    """MUL_MAT_ID: ggml_mul_mat_id's shapes and types; the expert ids are checked against n_expert."""
     # ggml_mul_mat_id: as [k, m, n_as], b [k, n_used or 1, n_tokens], ids i32 [n_used, n_tokens]
     a, b, ids = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
     need(ids.type == I32, node, srcs, "ids must be i32")
@@ -405,6 +409,8 @@ def get_rows(node, srcs, caps):
 
 @rule(GgmlOp.SET_ROWS, strided=(1,))
 def set_rows(node, srcs, caps):
+    """SET_ROWS: row ids that broadcast over src0, f32/f16 rows, a result type the CPU can write;
+    the ids are checked against the result's rows."""
     # ggml_set_rows(a, b, c): the node is a view of a; b f32/f16 rows, c i64/i32 row numbers.
     b, c = src(node, srcs, 0), src(node, srcs, 1)
     need(
@@ -430,6 +436,8 @@ def set_rows(node, srcs, caps):
 
 @rule(GgmlOp.CPY, GgmlOp.DUP, GgmlOp.CONT, strided=ANY_STRIDES)  # ops/dup walks any strides
 def copy(node, srcs, caps):
+    """CPY, DUP, CONT: equal element counts and a conversion ops/dup has, at strides its path for
+    those types can walk."""
     # ggml_cpy/ggml_cont: same element count; ops/dup: float <-> float at any strides, same type
     # bytes (below), f32 -> a quantized type into packed rows, quantized -> f32 (below).
     a = src(node, srcs, 0)
@@ -500,6 +508,8 @@ TYPE_NOT_QUANT = frozenset({F32, F16, BF16, I32, I64, GgmlType.I8, GgmlType.I16,
 
 @rule(GgmlOp.ROPE, GgmlOp.ROPE_BACK)  # one kernel, run backwards for ROPE_BACK
 def rope(node, srcs, caps):
+    """ROPE, ROPE_BACK: a known mode, n_dims and offset within ne0, positions per token, f32/f16;
+    the touches cover the pairs past odd rows, a short freq-factor list is padded."""
     # ggml_rope_impl / ggml_rope_multi: positions i32, one per token (4 for the mrope modes);
     # n_dims <= ne0; freq factors f32, n_dims/2 of them.
     a, pos, freq = src(node, srcs, 0), src(node, srcs, 1), opt_src(srcs, 2)
@@ -556,6 +566,8 @@ def soft_max(node, srcs, caps):
 
 @rule(GgmlOp.FLASH_ATTN_EXT)
 def flash_attn_ext(node, srcs, caps):
+    """FLASH_ATTN_EXT: ggml_flash_attn_ext's shapes, types the CPU kernel can read, an f32 result
+    whose strides ascend, a known precision."""
     # ggml_flash_attn_ext: q [d, n_q, h, b] f32, k [d, n_kv, h_kv, b], v [dv, n_kv, h_kv, b],
     # mask f16 contiguous [>= n_kv, >= n_q, ...] -> [dv, h, n_q, b] f32.
     q, k, v = src(node, srcs, 0), src(node, srcs, 1), src(node, srcs, 2)
@@ -681,6 +693,8 @@ def add_id(node, srcs, caps):
 
 @rule(GgmlOp.ARGSORT, flat=(-1, 0))  # row i at i*nb1 / i*nb01
 def argsort(node, srcs, caps):
+    """ARGSORT: i32 result of src0's shape; result rows apart from each other and from src0, since
+    the sort runs in place."""
     a = src(node, srcs, 0)
     need(node.op_params[0] in (0, 1), node, srcs, f"sort order {node.op_params[0]}")
     check_types(node, srcs, {I32}, {F32})
@@ -790,6 +804,8 @@ def arange(node, srcs, caps):
 
 @rule(GgmlOp.SET, GgmlOp.ACC)
 def set_acc(node, srcs, caps):
+    """SET, ACC: contiguous tensors of one type, and a view of src1 whose last element ends inside
+    the result."""
     # ggml_set/ggml_acc(a, b, nb1, nb2, nb3, offset): the result is a (copied unless inplace),
     # b written into (SET) or added to (ACC) the view of it the op_params describe.
     a, b = src(node, srcs, 0), src(node, srcs, 1)

@@ -151,6 +151,7 @@ class WorkerPlan:
             lib.ggml_graph_add_node(self.graph, ctypes.cast(a, ggml.ggml_tensor_p))
 
     def run(self, backend: int) -> tuple[int, str]:
+        """Refresh the private copies, check the row ids, compute: (REPLY_* kind, text) for the daemon."""
         for data, padded in self.padded:
             padded[: len(data)] = data
         for source, copy, view, bound, what in self.checks:

@@ -119,6 +119,7 @@ class ForkServer:
         self._reader.start()
 
     def spawn(self, threads: int) -> Worker:
+        """A new worker, forked by the fork server and up (READY received); ComputeError if not."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with self._lock:
@@ -188,6 +189,7 @@ class Worker:
         self._client_fd = -1  # the client socket the poller also watches for a hang-up
 
     def wait_ready(self) -> None:
+        """Wait for the worker's READY and keep what it says of its walls; WorkerDied if it does not come."""
         set_recv_timeout(self.sock, READY_TIMEOUT)
         try:
             kind, payload, _ = recv_message(self.sock, MAX_REPLY)
@@ -215,6 +217,7 @@ class Worker:
         return f"its channel closed ({exc})" if exc else "its channel closed"
 
     def kill(self) -> None:
+        """SIGKILL the worker and drop what it held; the pool's clean-up runs once."""
         if self.on_kill is not None:
             self.on_kill(self)
             self.on_kill = None
@@ -400,6 +403,8 @@ class WorkerPool:
             return {sid: w.pid for sid, w in self._by_session.items() if isinstance(w, Worker)}
 
     def compute(self, session_id: int, plan, deadline: float, client: socket.socket | None) -> None:
+        """Run `plan` on the session's worker (spawned when it has none) with its share of the threads;
+        a worker that died on the way is forgotten and the error re-raised."""
         worker = self._acquire(session_id, deadline)
         try:
             with self._cond:

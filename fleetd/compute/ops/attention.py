@@ -56,6 +56,7 @@ def bind_head_slopes(xp, node, src_tensors):
 
 @register(GgmlOp.SOFT_MAX, bind=bind_head_slopes)
 def op_soft_max(xp, dst, srcs, node, src_tensors):
+    """SOFT_MAX of f32 rows: scaled, plus the ALiBi-sloped mask and per-head sinks; sums in f64."""
     # w = a*scale + slope(h)*mask; dst = exp(w - M) / (Σ exp(w - M) + exp(sink - M))
     at = src_tensors[0]
     if at.type != GgmlType.F32 or node.type != GgmlType.F32:
@@ -86,6 +87,8 @@ def op_soft_max(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.FLASH_ATTN_EXT, bind=bind_head_slopes)
 def op_flash_attn_ext(xp, dst, srcs, node, src_tensors):
+    """FLASH_ATTN_EXT: softmax(scale * Q K^T + mask) V, grouped heads, optional softcap and sinks;
+    an f16 V with few queries takes the CPU's f16 online path, bit for bit."""
     qt, kt, vt = src_tensors[0], src_tensors[1], src_tensors[2]
     k_ok = kt.type in FLOAT_TYPES or kt.type in dequant.DEQUANTIZABLE
     v_ok = vt.type in FLOAT_TYPES or vt.type in dequant.DEQUANTIZABLE

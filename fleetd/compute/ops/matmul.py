@@ -94,6 +94,8 @@ def _overlaps(xp, dst, srcs) -> bool:
 
 @register(GgmlOp.MUL_MAT)
 def op_mul_mat(xp, dst, srcs, node, src_tensors):
+    """MUL_MAT: x times the f32 form of the weights (cached), broadcast over batches; one GEMM
+    when a single weight matrix serves every batch."""
     # dst[b3, b2, n, m] = sum_k x[b3, b2, n, k] * w[b3 // r3, b2 // r2, m, k]
     _check_types(node, src_tensors)
     wt, xt = src_tensors[0], src_tensors[1]
@@ -118,6 +120,7 @@ def op_mul_mat(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.MUL_MAT_ID)
 def op_mul_mat_id(xp, dst, srcs, node, src_tensors):
+    """MUL_MAT_ID: each token's rows times the experts `ids` picks, one GEMM per expert used."""
     # dst[t, e, :] = experts[ids[t, e]] @ x[t, e % n_b1, :]; experts (1, n_expert, M, K),
     # x (1, n_tok, n_b1, K), ids (1, 1, n_tok, n_used), dst (1, n_tok, n_used, M)
     _check_types(node, src_tensors)

@@ -44,6 +44,7 @@ def op_l2_norm(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.GROUP_NORM)
 def op_group_norm(xp, dst, srcs, node, src_tensors):
+    """GROUP_NORM: mean and variance per group of channels (dim 2), accumulated in f64."""
     # Groups partition dim 2 (channels); mean and variance over (ne0, ne1, channels of group).
     require_types(node, src_tensors, F32, F32)
     x = srcs[0]  # (ne3, ne2, ne1, ne0)

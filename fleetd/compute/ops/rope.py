@@ -54,6 +54,8 @@ class RopeParams:
 
 
 def bind_rope(xp, node, src_tensors) -> RopeParams | None:
+    """ROPE and ROPE_BACK: the RopeParams of the node's op_params and src0's shape, or None for a
+    mode or n_dims the kernel refuses (it says why)."""
     n_dims, mode, n_ctx_orig = i32_param(node, 1), i32_param(node, 2), i32_param(node, 4)
     freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = (
         np.float32(f32_param(node, i)) for i in range(5, 11)

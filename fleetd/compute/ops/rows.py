@@ -17,6 +17,7 @@ INDEX_TYPES = frozenset({GgmlType.I32, GgmlType.I64})
 
 @register(GgmlOp.GET_ROWS)
 def op_get_rows(xp, dst, srcs, node, src_tensors):
+    """GET_ROWS: the rows `idx` names, broadcast over dims 2 and 3; only those rows are converted."""
     # dst[:, i, i2, i3] = a[:, idx[i, i2, i3], i2, i3]; a (A3, A2, n_rows, ·), idx (1, A3, A2, n_idx)
     a, idx = srcs
     at = src_tensors[0]
@@ -36,6 +37,8 @@ def op_get_rows(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.SET_ROWS)
 def op_set_rows(xp, dst, srcs, node, src_tensors):
+    """SET_ROWS: the rows of src0 stored at the row numbers in src1, converted to the destination's
+    type (a raw copy when the types match)."""
     # src0 = new rows b (B3, B2, n_set, n), src1 = idx (1, I2, I1, n_set), src2 = a (the target):
     # dst[:, idx[i, i2 % I1, i3 % I2], i2, i3] = b[:, i, i2, i3]
     b, idx = srcs[0], srcs[1]

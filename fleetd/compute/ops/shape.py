@@ -23,6 +23,7 @@ def _axis(dim: int) -> int:
 
 @register(GgmlOp.CONCAT)
 def op_concat(xp, dst, srcs, node, src_tensors):
+    """CONCAT of src0 and src1 along dim op_params[0]; all three of one type."""
     a, b = srcs
     at, bt = src_tensors
     if not at.type == bt.type == node.type:
@@ -39,6 +40,7 @@ def op_concat(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.PAD)
 def op_pad(xp, dst, srcs, node, src_tensors):
+    """PAD with zeros by the left and right amounts per dim, or circularly (op_params[8])."""
     # slots 0-7: lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3; slot 8: circular
     require_types(node, src_tensors, F32, F32)
     a = srcs[0]
@@ -81,6 +83,8 @@ def op_fill(xp, dst, srcs, node, src_tensors):
 
 @register(GgmlOp.SET, GgmlOp.ACC)
 def op_set(xp, dst, srcs, node, src_tensors):
+    """SET and ACC: src1 stored into, or added to, the strided window op_params give of the
+    result (a copy of src0 unless in place)."""
     # Copy a (unless in place), then store (SET) or add (ACC) b into the strided window of dst
     # given by op_params nb1, nb2, nb3, offset.
     require_types(

@@ -156,6 +156,7 @@ GLU_FNS = {
 
 @register(GgmlOp.GLU, bind=lambda xp, node, src_tensors: GLU_FNS.get(i32_param(node, 0)))
 def op_glu(xp, dst, srcs, node, src_tensors):
+    """GLU: act(x) * g, from two sources or the halves of one (swapped by op_params[1])."""
     fn = node.bound or GLU_FNS.get(i32_param(node, 0))
     if fn is None:
         raise unsupported(node, src_tensors, f"glu op {i32_param(node, 0)}")
