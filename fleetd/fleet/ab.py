@@ -78,31 +78,20 @@ def run_arm(
     steps: int,
     local_last: bool,
 ) -> ArmResult:
+    """One arm: `steps` pipeline steps (the first, which uploads the graph, left out of the
+    time), the nodes' peer counters around it; a node lost mid-arm is named (node_lost)."""
     try:
-        return _run_arm(fleet, endpoints, arm, layers, rows, n_embd, steps, local_last)
+        before = _peer_totals(fleet)
+        with Pipeline(
+            endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct", stats=False
+        ) as p:
+            results = [p.step()]  # GRAPH_COMPUTE: left out of the per-step window
+            t0 = time.perf_counter()
+            results += [p.step() for _ in range(steps - 1)]
+            elapsed = time.perf_counter() - t0
+        after = _peer_totals(fleet)
     except TransportError as exc:
         raise node_lost(fleet, exc, arm) from exc
-
-
-def _run_arm(
-    fleet: Fleet,
-    endpoints: list[str],
-    arm: str,
-    layers: int,
-    rows: int,
-    n_embd: int,
-    steps: int,
-    local_last: bool,
-) -> ArmResult:
-    before = _peer_totals(fleet)
-    with Pipeline(
-        endpoints, layers, rows, n_embd, local_last=local_last, p2p=arm == "direct", stats=False
-    ) as p:
-        results = [p.step()]  # GRAPH_COMPUTE: left out of the per-step window
-        t0 = time.perf_counter()
-        results += [p.step() for _ in range(steps - 1)]
-        elapsed = time.perf_counter() - t0
-    after = _peer_totals(fleet)
     window = results[1:] or results
     return ArmResult(
         arm,
