@@ -172,9 +172,7 @@ class LocalFleet:
             if self.control:
                 checks.append(("the control API", node.status))
             log = self.workdir / f"node-{i}.log"
-            wait_answering(
-                proc, checks, deadline, f"{node.name} ({endpoint})", lambda log=log: last_line(log)
-            )
+            wait_answering(proc, checks, deadline, f"{node.name} ({endpoint})", log)
 
     def stop(self) -> None:
         """Close the fleet, terminate the processes (killed after STOP_TIMEOUT_S) and drop a temporary
