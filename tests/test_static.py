@@ -1,5 +1,5 @@
-"""Static checks: mypy over the ggml binding (fleetd/compute/ggml) and the wire (fleetd/wire),
-with the settings of [tool.mypy] in pyproject.toml, and ruff (lint and format, [tool.ruff]) over
+"""Static checks: mypy over the files [tool.mypy] in pyproject.toml lists (the ggml binding, the
+wire, the transport, the local fleet), with its settings, and ruff (lint and format, [tool.ruff]) over
 all the Python code. Both are in the `test` extra, which scripts/bootstrap.sh installs: without
 them these fail, they do not skip."""
 
@@ -8,12 +8,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ["fleetd/compute/ggml", "fleetd/wire"]
+with open(ROOT / "pyproject.toml", "rb") as f:
+    CHECKED = tomllib.load(f)["tool"]["mypy"]["files"]
 
 
 LINTED = ["fleetd", "tui", "tests", "scripts", "benchmarks"]
@@ -36,7 +38,7 @@ def test_ruff_is_clean(check):
     assert r.returncode == 0, f"ruff {' '.join(check)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
 
 
-def test_mypy_is_clean_on_the_ggml_binding_and_the_wire():
+def test_mypy_is_clean_on_the_files_pyproject_lists():
     _require("mypy")
     r = subprocess.run(
         [sys.executable, "-m", "mypy", *CHECKED], cwd=ROOT, capture_output=True, text=True, timeout=240

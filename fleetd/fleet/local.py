@@ -95,8 +95,11 @@ class LocalFleet:
         self.log_level = log_level
         self.start_timeout = start_timeout
         self.preexec_fn = preexec_fn
-        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="fleetd-local-")
-        self.workdir = Path(workdir) if workdir is not None else Path(self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fleetd-local-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
         self.processes: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
         self.nodes_file = self.workdir / "nodes.txt"
