@@ -1,14 +1,15 @@
-"""Hub vs direct stage boundaries on a local fleet: per-step commands, coordinator bytes and
-wall time, with the stock ggml-rpc-server's hub path side by side when it is built.
+"""Hub vs direct (synchronous and asynchronous) stage boundaries on a local fleet: per-step
+commands, coordinator bytes and wall time, with the stock ggml-rpc-server's hub path side by
+side when it is built.
 
     .venv/bin/python benchmarks/p2p.py                       # seed shape: 3 stages, 32 x 5120
     .venv/bin/python benchmarks/p2p.py --rows 4 --n-embd 256 --steps 5 --json-out /tmp/p2p.json
 
 Servers run on loopback (fleetd and stock alike as processes), so wall times say
-little about a real network; the command and byte columns are exact either way. The hub and
-direct arms are two pipelines open side by side on the same fleetd servers, timed in
+little about a real network; the command and byte columns are exact either way. The hub,
+direct and async arms are three pipelines open side by side on the same fleetd servers, timed in
 alternating rounds (--rounds; the order flips every round) so that drift on a shared machine
-hits both alike; the ratio direct / hub is taken per round and given as median and range.
+hits both alike; the ratios direct / hub and async / hub are taken per round and given as median and range.
 Then boundary 0 -> 1 is timed alone (--boundary moves per arm, alternating move by move): the
 direct path's own cost against the hub's, without the stages' compute around it.
 """
@@ -51,7 +52,7 @@ def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
     return procs, eps
 
 
-def open_pipeline(endpoints: list[str], args, p2p: bool) -> Pipeline:
+def open_pipeline(endpoints: list[str], args, p2p: bool, async_copy: bool = False) -> Pipeline:
     p = Pipeline(
         endpoints,
         args.layers or args.stages,
@@ -60,6 +61,7 @@ def open_pipeline(endpoints: list[str], args, p2p: bool) -> Pipeline:
         local_last=args.local_last,
         p2p=p2p,
         stats=False,
+        async_copy=async_copy,
     )
     try:
         p.step()  # GRAPH_COMPUTE; not in the window
@@ -87,8 +89,9 @@ def column(p: Pipeline, seconds: list[float]) -> dict:
 
 def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
     """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
-    SET_TENSOR, direct COPY_TENSOR_TO, each followed by one round trip to the destination (what
-    the destination's next command waits for anyway: the hub's SET is pipelined, not landed)."""
+    SET_TENSOR, direct COPY_TENSOR_TO, async COPY_TENSOR_TO_ASYNC + PEER_WAIT, each followed by
+    one round trip to the destination (what the destination's next command waits for anyway:
+    the hub's SET is pipelined, not landed)."""
     seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
     arms = list(pipes)
     for i in range(moves):
@@ -98,19 +101,22 @@ def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[f
             how = p._move(0)
             p.stages[1].client.sync()
             seconds[arm].append(time.perf_counter() - t0)
-            if how != arm:
+            if how != ("direct" if arm == "async" else arm):
                 raise SystemExit(f"boundary: the {arm} arm moved by {how}")
     return seconds
 
 
 def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, list[float]]]:
-    """hub and direct on the same servers, in alternating rounds; then the boundary alone."""
+    """hub, direct and async on the same servers, in alternating rounds (ABC CBA ...); then the
+    boundary alone."""
     pipes = {"hub": open_pipeline(endpoints, args, False)}
     try:
         pipes["direct"] = open_pipeline(endpoints, args, True)
+        pipes["async"] = open_pipeline(endpoints, args, True, async_copy=True)
         seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
+        arms = list(pipes)
         for r in range(args.rounds):
-            for arm in ("hub", "direct") if r % 2 == 0 else ("direct", "hub"):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
                 seconds[arm].append(timed(pipes[arm], args.steps))
         cols = {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
         remote = [s for s in pipes["direct"].stages if s.client is not None]
@@ -186,22 +192,25 @@ def main() -> int:
         + "  ".join(f"{c['seconds_per_step']:.4f}" for c in cols.values())
     )
     direct_over_hub = ratio(cols["direct"]["seconds_per_round"], cols["hub"]["seconds_per_round"])
-    print(
-        f"direct / hub time per step: median {direct_over_hub['median']:.3f} "
-        f"(rounds {direct_over_hub['min']:.3f} .. {direct_over_hub['max']:.3f})"
-    )
+    async_over_hub = ratio(cols["async"]["seconds_per_round"], cols["hub"]["seconds_per_round"])
+    for name, r in (("direct", direct_over_hub), ("async", async_over_hub)):
+        print(
+            f"{name} / hub time per step: median {r['median']:.3f} (rounds {r['min']:.3f} .. {r['max']:.3f})"
+        )
     boundary = {}
     if moves:
         boundary = {arm: quartiles(v) for arm, v in moves.items()}
         boundary["direct_over_hub"] = boundary["direct"]["median"] / boundary["hub"]["median"]
+        boundary["async_over_hub"] = boundary["async"]["median"] / boundary["hub"]["median"]
         print(
             f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
             + "  ".join(
                 f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
                 for arm, b in boundary.items()
-                if arm != "direct_over_hub"
+                if not arm.endswith("_over_hub")
             )
             + f"  direct / hub {boundary['direct_over_hub']:.3f}"
+            + f"  async / hub {boundary['async_over_hub']:.3f}"
         )
     for arm, c in cols.items():
         print(f"md5 {arm}: {c['md5']}")
@@ -212,13 +221,14 @@ def main() -> int:
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "arms": cols,
                 "direct_over_hub": direct_over_hub,
+                "async_over_hub": async_over_hub,
                 "boundary": boundary,
             },
             indent=2,
         )
     )
     print(f"wrote {args.json_out}")
-    return 0 if cols["hub"]["md5"] == cols["direct"]["md5"] else 1
+    return 0 if cols["hub"]["md5"] == cols["direct"]["md5"] == cols["async"]["md5"] else 1
 
 
 if __name__ == "__main__":

@@ -254,6 +254,7 @@ def test_fallback_destination_bounds_violated(fleetd_server):
         "bytes_pushed": 0,
         "bytes_confirmed": 0,
         "links_opened": 0,
+        "copies_taken": 0,
         "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0),
     }
 

@@ -13,12 +13,14 @@ from fleetd.wire import (
     COMMANDS,
     NEED_DATA,
     PROTOCOL_VERSION,
+    PUSH_FAILED,
     RPC_TENSOR,
     AllocBuffer,
     AllocBufferReply,
     ClientConnection,
     Cmd,
     CopyTensorTo,
+    CopyTensorToAsync,
     DataReply,
     DeviceCount,
     DeviceCountReply,
@@ -32,6 +34,13 @@ from fleetd.wire import (
     HelloReply,
     PeerBarrier,
     PeerBarrierReply,
+    PeerPush,
+    PeerPushReply,
+    PeerStream,
+    PeerStreamReply,
+    PeerTake,
+    PeerWait,
+    PeerWaitReply,
     RpcTensor,
     ServerConnection,
     SetTensor,
@@ -200,6 +209,45 @@ def test_copy_tensor_to_endpoint_length_must_match():
         CopyTensorTo.decode(memoryview(bytes(bad)))
 
 
+def test_async_peer_copy_commands_round_trip_through_both_connections():
+    """The asynchronous copy's five commands, client bytes in, server events out, replies back."""
+    copy = CopyTensorToAsync(t(), t(id=2), 16, 0xDEADBEEF, 7, "10.0.0.2:50052")
+    assert CopyTensorToAsync.decode(memoryview(copy.encode())) == copy
+    bad = bytearray(copy.encode())
+    struct.pack_into("<I", bad, 2 * 296 + 24, 2)
+    with pytest.raises(RemoteProtocolError, match="endpoint_len 2"):
+        CopyTensorToAsync.decode(memoryview(bytes(bad)))
+
+    client, server = ClientConnection(), ServerConnection()
+    server.receive_data(client.send(Hello()))
+    assert isinstance(server.next_event(), Hello)
+    client.receive_data(server.send(HelloReply(PROTOCOL_VERSION, 3)))
+    assert client.next_event().features == 3
+    push = PeerPush(0xDEADBEEF, 7, t(id=2), 16, 0)
+    data = bytes(range(16))
+    wire = b"".join(
+        [client.send(copy), client.send(PeerStream()), client.send(push) + data]
+        + [client.send(PeerWait(0xDEADBEEF, 7)), client.send(PeerTake(0xDEADBEEF, 7, 16))]
+    )
+    server.receive_data(wire)
+    assert server.next_event() == copy
+    assert server.next_event() == PeerStream()
+    got = server.next_event()
+    assert got == push and server.body_remaining == 16
+    body = bytearray(16)
+    assert server.read_body_into(memoryview(body)) == 16 and bytes(body) == data
+    assert server.next_event() == PeerWait(0xDEADBEEF, 7)
+    assert server.next_event() == PeerTake(0xDEADBEEF, 7, 16)
+    assert server.next_event() is NEED_DATA
+    replies = [PeerStreamReply(0xDEADBEEF), PeerPushReply(1), PeerWaitReply(0)]
+    client.receive_data(b"".join(server.send(r) for r in replies) + DataReply.header(16) + data)
+    assert [client.next_event() for _ in replies] == replies
+    assert bytes(client.next_event().data) == data  # PEER_TAKE's bytes, sized by its request
+    failed = PeerPush(1, 2, t(), 0, PUSH_FAILED)
+    header = client.send(failed)
+    assert header[0] == Cmd.PEER_PUSH and len(header) == 9 + PeerPush.HEADER_SIZE
+
+
 def test_pipelined_requests_split_mid_request_keep_the_buffer_bounded():
     # Every write ends in the middle of a request, so a read never ends on a request boundary:
     # consumed bytes must still be dropped, or the buffer grows with everything ever received.
@@ -324,7 +372,7 @@ def test_every_command_with_a_response_has_a_reply_event():
             assert spec.response.streamed or spec.response.layout is not None, cmd
     assert COMMANDS[Cmd.GET_TENSOR].response is DataReply
     assert [c for c, s in COMMANDS.items() if s.handshake] == [Cmd.HELLO]
-    assert [c for c, s in COMMANDS.items() if s.streamed_body] == [Cmd.SET_TENSOR]
+    assert [c for c, s in COMMANDS.items() if s.streamed_body] == [Cmd.SET_TENSOR, Cmd.PEER_PUSH]
 
 
 def test_nbytes_matches_protocol_examples():

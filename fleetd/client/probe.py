@@ -2,7 +2,7 @@
 
     python -m fleetd.client.probe HOST:PORT [--timeout S]
 
-prints {"version": "7.0.0", "features": 1} and exits 0 when the server answered HELLO within
+prints {"version": "7.0.0", "features": 3} and exits 0 when the server answered HELLO within
 the timeout (`features`: the bits of fleetd.wire.Feature it advertised), else prints
 {"error": "..."} and exits 1. Deploy health checks call it on the node.
 """

@@ -23,6 +23,7 @@ from fleetd.wire import (
     ClientConnection,
     CopyTensor,
     CopyTensorTo,
+    CopyTensorToAsync,
     DeviceCount,
     Feature,
     FreeBuffer,
@@ -37,6 +38,9 @@ from fleetd.wire import (
     InitTensor,
     MemsetTensor,
     PeerBarrier,
+    PeerStream,
+    PeerTake,
+    PeerWait,
     Reply,
     Request,
     RpcTensor,
@@ -190,6 +194,27 @@ class RpcClient:
 
     def peer_barrier(self) -> bool:
         return bool(self._call(PeerBarrier()).landed)
+
+    # -- the asynchronous peer copy (fleetd.server.peer_async) -------------------------------
+
+    def peer_stream(self) -> int:
+        """A stream id for asynchronous copies into this server (its PEER_WAITs are ours)."""
+        return self._call(PeerStream()).stream
+
+    def copy_tensor_to_async(
+        self, src: RpcTensor, dst: RpcTensor, size: int, endpoint: str, stream: int, seq: int
+    ) -> None:
+        """Ask this server (the source) to push `src` into `dst` at `endpoint` as copy `seq` of
+        the destination's `stream`; no answer: the destination's PEER_WAIT tells."""
+        self._send(CopyTensorToAsync(src, dst, size, stream, seq, endpoint))
+
+    def peer_wait(self, stream: int, seq: int) -> bool:
+        """On the destination: True once copy `seq` is written; False: take it from the source."""
+        return bool(self._call(PeerWait(stream, seq)).landed)
+
+    def peer_take(self, stream: int, seq: int, size: int) -> bytearray:
+        """On the source: the bytes of a copy whose push failed (after PEER_WAIT said 0)."""
+        return self._call(PeerTake(stream, seq, size)).data
 
     def sync(self) -> None:
         """Wait until every pipelined command so far has been executed (a cheap round trip)."""

@@ -11,6 +11,9 @@ after), and each boundary moves the hidden state to the next stage:
           (a remote-to-local boundary is always just the GET_TENSOR);
 - direct: one COPY_TENSOR_TO to the source, when both ends advertised Feature.PEER_COPY and
           GGML_RPC_P2P is not "0"; an answer of 0 falls back to the hub path for that step.
+          With `async_copy` (and both ends advertising Feature.PEER_COPY_ASYNC): a
+          COPY_TENSOR_TO_ASYNC to the source, not answered, then PEER_WAIT on the destination;
+          a wait of 0 takes the source's kept bytes (PEER_TAKE) and SETs them.
 
 The last stage's output comes back with one GET_TENSOR (or a local read). All counters are the
 coordinator's (ClientCounters, shared by every stage's client); GGML_RPC_STATS=1 prints one line
@@ -56,10 +59,12 @@ class Pipeline:
         peer_endpoints: list[str] | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
         stats: bool | None = None,
+        async_copy: bool = False,
     ) -> None:
         self.work = Workload(layers, rows, n_embd, seed)
         self.p2p = p2p_from_env() if p2p is None else p2p
         self.print_stats = stats_from_env() if stats is None else stats
+        self.async_copy = async_copy
         self.counters = ClientCounters()
         self.steps: list[StepResult] = []
         self.stages: list[RemoteStage | LocalStage] = []
@@ -126,6 +131,18 @@ class Pipeline:
         src = self.graphs[i].hidden_out.rpc()
         dst = self.graphs[i + 1].hidden_in.rpc()
         how = "hub"
+        if (
+            self.direct_boundary(i)
+            and self.async_copy
+            and src_stage.peer_copy_async
+            and dst_stage.peer_copy_async
+        ):
+            stream, seq = dst_stage.next_copy()
+            src_stage.client.copy_tensor_to_async(src, dst, src.nbytes, dst_stage.peer_endpoint, stream, seq)
+            if dst_stage.client.peer_wait(stream, seq):
+                return "direct"
+            dst_stage.set_tensor(dst, src_stage.client.peer_take(stream, seq, src.nbytes))
+            return "fallback"
         if self.direct_boundary(i):
             if src_stage.client.copy_tensor_to(src, dst, src.nbytes, dst_stage.peer_endpoint):
                 return "direct"

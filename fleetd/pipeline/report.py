@@ -9,7 +9,15 @@ from fleetd.pipeline.results import StepResult
 from fleetd.wire import Cmd
 
 # Row order of the tables: the data movers first, as in the seed's PR description.
-ROW_ORDER = (Cmd.GET_TENSOR, Cmd.SET_TENSOR, Cmd.COPY_TENSOR_TO, Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE)
+ROW_ORDER = (
+    Cmd.GET_TENSOR,
+    Cmd.SET_TENSOR,
+    Cmd.COPY_TENSOR_TO,
+    Cmd.COPY_TENSOR_TO_ASYNC,
+    Cmd.PEER_WAIT,
+    Cmd.GRAPH_COMPUTE,
+    Cmd.GRAPH_RECOMPUTE,
+)
 
 
 def per_step(results: list[StepResult]) -> dict:

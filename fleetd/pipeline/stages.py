@@ -32,10 +32,23 @@ class RemoteStage:
         # The address servers use to reach this one (the coordinator's view by default).
         self.peer_endpoint = peer_endpoint or endpoint
         self.name = f"RPC[{endpoint}]"
+        self._stream = 0  # PEER_STREAM, asked at the first asynchronous copy into this stage
+        self._seq = 0
 
     @property
     def peer_copy(self) -> bool:
         return bool(self.client.features & Feature.PEER_COPY)
+
+    @property
+    def peer_copy_async(self) -> bool:
+        return bool(self.client.features & Feature.PEER_COPY_ASYNC)
+
+    def next_copy(self) -> tuple[int, int]:
+        """(stream, seq) for the next asynchronous copy into this stage."""
+        if not self._stream:
+            self._stream = self.client.peer_stream()
+        self._seq += 1
+        return self._stream, self._seq
 
     def alignment(self) -> int:
         return self.client.get_alignment()
@@ -67,6 +80,7 @@ class LocalStage:
     """The coordinator's own CPU device (ggml kernels, or numpy where they do not load), as fleetd runs."""
 
     peer_copy = False
+    peer_copy_async = False
     client = None
 
     def __init__(self) -> None:

@@ -41,6 +41,9 @@ class ServerLimits:
     request_timeout: float = 10.0
     min_request_rate: int = 4 * KIB
     max_peer_links: int = 16  # COPY_TENSOR_TO destinations one session keeps open
+    # Asynchronous peer copies' bytes a daemon holds: staged until their PEER_WAIT, read and not
+    # yet pushed, kept after a failed push until PEER_TAKE.
+    max_peer_held_bytes: int = 256 * MIB
     # Contained compute (the ggml device): live worker processes, one per computing session;
     # a worker idle this long is reaped (the next graph starts another); a graph still
     # computing after graph_timeout is killed with its worker (no real model comes near it).

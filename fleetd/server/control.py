@@ -103,7 +103,11 @@ def status_doc(state: ServerState) -> dict:
         "version": __version__,
         "pid": os.getpid(),  # which process answers: a supervisor's restart changes it
         "protocol": ".".join(map(str, PROTOCOL_VERSION)),
-        "features": {"bits": int(features), "peer_copy": bool(features & Feature.PEER_COPY)},
+        "features": {
+            "bits": int(features),
+            "peer_copy": bool(features & Feature.PEER_COPY),
+            "peer_copy_async": bool(features & Feature.PEER_COPY_ASYNC),
+        },
         "rpc": {"host": host, "port": port},
         "devices": [
             {
@@ -137,7 +141,7 @@ def stats_doc(state: ServerState, reset_at: float) -> dict:
     return {
         "since": reset_at,
         "total": state.total_counters().as_dict(),
-        "peer": state.peer_stats.as_dict(),
+        "peer": state.peer_stats.as_dict() | {"held_bytes": state.peer_memory.held},
         "sessions": sessions,
     }
 
@@ -191,7 +195,20 @@ class FleetdCollector:
         # PeerCounters totals; fallbacks by the closed reason set (FALLBACK_REASONS)
         peer = state.peer_stats.as_dict()
         yield CounterMetricFamily(
-            "fleetd_peer_copies", "COPY_TENSOR_TO pushes confirmed by PEER_BARRIER", value=peer["copies_ok"]
+            "fleetd_peer_copies",
+            "peer copies that landed (COPY_TENSOR_TO confirmed by PEER_BARRIER, "
+            "COPY_TENSOR_TO_ASYNC staged by the destination)",
+            value=peer["copies_ok"],
+        )
+        yield CounterMetricFamily(
+            "fleetd_peer_copies_taken",
+            "asynchronous copies whose push failed and whose bytes the client took (PEER_TAKE)",
+            value=peer["copies_taken"],
+        )
+        yield GaugeMetricFamily(
+            "fleetd_peer_held_bytes",
+            "asynchronous copies' bytes held now (staged, queued, kept)",
+            value=state.peer_memory.held,
         )
         yield CounterMetricFamily(
             "fleetd_peer_pushed_bytes",
@@ -208,7 +225,7 @@ class FleetdCollector:
         )
         fam = CounterMetricFamily(
             "fleetd_peer_copy_fallbacks",
-            "COPY_TENSOR_TO answered 0 (the client falls back), by reason",
+            "peer copies that did not land (the client falls back), by reason",
             labels=["reason"],
         )
         for reason, n in peer["fallbacks"].items():

@@ -55,6 +55,7 @@ LIMIT_HELP = {
     "--min-request-rate applies (default 10)",
     "min_request_rate": "bytes/s a request must arrive at after the grace (default 4K)",
     "max_peer_links": "COPY_TENSOR_TO destinations one session keeps linked (default 16)",
+    "max_peer_held_bytes": "asynchronous peer copies' bytes held daemon-wide (default 256M)",
     "max_workers": "compute worker processes alive at once, one per computing session; at the "
     "cap the least recently used idle one makes room (default 64)",
     "worker_idle_timeout": "seconds a compute worker may idle before it is reaped (default 300)",

@@ -99,10 +99,13 @@ class PeerLink:
     """A client connection from this daemon to a destination daemon: HELLO, then pushes, on
     the one RpcChannel (blocking, bounded by SO_RCVTIMEO / SO_SNDTIMEO as a session is)."""
 
-    def __init__(self, endpoint: str, addr: tuple[str, int], timeouts: PeerTimeouts) -> None:
+    def __init__(
+        self, endpoint: str, addr: tuple[str, int], timeouts: PeerTimeouts, need: Feature = Feature.PEER_COPY
+    ) -> None:
         self.endpoint = endpoint
         self.addr = addr
         self.timeouts = timeouts
+        self.need = need  # the feature bit the destination must advertise
         self.channel = RpcChannel(self._connect(addr), timeouts.hello)
         try:
             self._hello()
@@ -140,8 +143,9 @@ class PeerLink:
             raise PeerFailure("refused", f"HELLO: {exc}") from exc
         except TransportError as exc:
             raise PeerFailure("unreachable", f"HELLO: {exc}") from exc
-        if not self.channel.conn.features & Feature.PEER_COPY:
-            raise PeerFailure("refused", "destination does not advertise peer copy")
+        if not self.channel.conn.features & self.need:
+            what = "asynchronous peer copy" if self.need & Feature.PEER_COPY_ASYNC else "peer copy"
+            raise PeerFailure("refused", f"destination does not advertise {what}")
 
     def stale(self) -> bool:
         """A cached link the destination closed meanwhile (restart, idle close): reconnect."""
@@ -208,11 +212,12 @@ class PeerLinks:
 # -- the command ------------------------------------------------------------------------------------
 
 
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+def copy_endpoint(endpoint: str, what: str = "COPY_TENSOR_TO") -> tuple[str, int]:
+    """(host, port) of a copy's destination; a malformed one is the request's fault."""
     try:
         return parse_endpoint(endpoint)
     except ValueError as exc:
-        raise RemoteProtocolError(f"COPY_TENSOR_TO: {exc}") from None
+        raise RemoteProtocolError(f"{what}: {exc}") from None
 
 
 def _link_for(
@@ -240,7 +245,7 @@ def serve_copy(
     this daemon on (the default allow list uses it on a wildcard bind); `who` names the client
     session in the log."""
     buf, start = region(state.registry, ev.src, 0, ev.size, "COPY_TENSOR_TO")
-    host, port = _parse_endpoint(ev.endpoint)
+    host, port = copy_endpoint(ev.endpoint)
     try:
         if not state.p2p_enabled:
             raise PeerFailure("disabled", "peer copy is switched off on this daemon")

@@ -30,6 +30,9 @@ class PeerTimeouts:
     connect: float = 2.0
     hello: float = 2.0
     transfer: float = 60.0
+    # PEER_WAIT: how long a destination waits for an asynchronous copy that has not started
+    # arriving (one that is arriving gets `transfer` more); then the client takes it.
+    wait: float = 10.0
 
 
 class PeerCounters:
@@ -44,6 +47,7 @@ class PeerCounters:
         self.bytes_pushed = 0  # SET_TENSOR data written to destinations, landed or not
         self.bytes_confirmed = 0  # data whose PEER_BARRIER answered 1
         self.links_opened = 0
+        self.copies_taken = 0  # asynchronous copies that failed and the client took (PEER_TAKE)
         self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
 
     def reset(self) -> None:
@@ -63,6 +67,10 @@ class PeerCounters:
         with self._lock:
             self.links_opened += 1
 
+    def taken(self) -> None:
+        with self._lock:
+            self.copies_taken += 1
+
     def fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] += 1
@@ -74,6 +82,7 @@ class PeerCounters:
                 "bytes_pushed": self.bytes_pushed,
                 "bytes_confirmed": self.bytes_confirmed,
                 "links_opened": self.links_opened,
+                "copies_taken": self.copies_taken,
                 "fallbacks": dict(self.fallbacks),
             }
 

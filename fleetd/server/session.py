@@ -23,6 +23,7 @@ from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
 from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
+from fleetd.server.peer_async import AsyncCopies
 from fleetd.server.stats import CommandCounters
 from fleetd.transport.stream import set_recv_timeout, set_send_timeout
 from fleetd.wire import (
@@ -36,6 +37,7 @@ from fleetd.wire import (
     CopyTensor,
     CopyTensorReply,
     CopyTensorTo,
+    CopyTensorToAsync,
     CopyTensorToReply,
     DataReply,
     DeviceCount,
@@ -58,6 +60,13 @@ from fleetd.wire import (
     MemsetTensor,
     PeerBarrier,
     PeerBarrierReply,
+    PeerPush,
+    PeerPushReply,
+    PeerStream,
+    PeerStreamReply,
+    PeerTake,
+    PeerWait,
+    PeerWaitReply,
     Reply,
     RpcTensor,
     ServerConnection,
@@ -127,6 +136,8 @@ class Session:
         self.peer_links = PeerLinks(
             state.limits.max_peer_links
         )  # this session's links to COPY_TENSOR_TO destinations
+        # this session's COPY_TENSOR_TO_ASYNC copies: pushers, unsettled and kept copies
+        self.async_copies = AsyncCopies(state, f"session {sid} {self.peer}")
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._local_addr: str | None | object = _UNKNOWN
@@ -284,6 +295,8 @@ class Session:
         except OSError:
             pass
         self.peer_links.close()
+        self.async_copies.close()
+        self.state.peer_streams.close_owner(self.id)
         for dev in self.state.devices:
             dev.session_ended(self.id)
         self.graphs.clear()
@@ -316,6 +329,31 @@ class Session:
 
     def region(self, t: RpcTensor, offset: int, size: int, what: str) -> tuple[Buffer, int]:
         return regions.region(self.state.registry, t, offset, size, what)
+
+    def read_body(self, dst: memoryview, what: str) -> None:
+        """A streamed request body (SET_TENSOR's, PEER_PUSH's data) read straight into `dst`."""
+        got = self.conn.read_body_into(dst)
+        while got < len(dst):
+            n = self.recv_in_request(dst[got:])
+            if n == 0:
+                raise ConnectionError(f"peer closed in the middle of {what} data")
+            self.conn.body_received(n)
+            got += n
+
+    def discard_body(self, what: str) -> None:
+        """A streamed request body read and dropped (a refused PEER_PUSH)."""
+        while self.conn.body_remaining:
+            chunk = self._scratch_view[: min(RECV_CHUNK, self.conn.body_remaining)]
+            self.read_body(chunk, what)
+
+    def client_gone(self) -> bool:
+        """The client closed its end (a peek, no byte consumed); bytes waiting mean it is there."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def local_addr(self) -> str | None:
         """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair);
@@ -431,13 +469,7 @@ def on_set_tensor(s: Session, ev: SetTensor) -> int:
     if (layer := layer_of(ev.tensor.name)) is not None:  # what status says this node holds
         s.layers.add(layer)
     dst = memoryview(buf.array)[start : start + ev.size]
-    got = s.conn.read_body_into(dst)
-    while got < ev.size:
-        n = s.recv_in_request(dst[got:])
-        if n == 0:
-            raise ConnectionError("peer closed in the middle of SET_TENSOR data")
-        s.conn.body_received(n)
-        got += n
+    s.read_body(dst, "SET_TENSOR")
     buf.touched()
     if ev.cache_flag and s.state.cache_dir is not None:  # even 0 bytes, as stock: an empty file
         s.state.cache_store(dst)
@@ -596,6 +628,70 @@ def on_peer_barrier(s: Session, ev: PeerBarrier) -> int:
     return s.respond(PeerBarrierReply(1 if s.state.p2p_enabled else 0))
 
 
+def on_copy_tensor_to_async(s: Session, ev: CopyTensorToAsync) -> int:
+    """COPY_TENSOR_TO_ASYNC: src read now, pushed by this session's pusher for the destination;
+    no response (a failed push keeps the bytes for PEER_TAKE)."""
+    s.async_copies.submit(ev, s.local_addr())
+    return 0
+
+
+def on_peer_stream(s: Session, ev: PeerStream) -> int:
+    return s.respond(PeerStreamReply(s.state.peer_streams.open(s.id)))
+
+
+def on_peer_push(s: Session, ev: PeerPush) -> int:
+    """PEER_PUSH (from a source daemon): the data staged for the stream's PEER_WAIT, or read and
+    dropped with an answer of 0. A destination region out of bounds closes this link, after
+    the stream's wait was told (it answers 0)."""
+    streams = s.state.peer_streams
+    refusal = streams.admit(ev, s.state.p2p_enabled)
+    if refusal is not None:
+        s.discard_body("PEER_PUSH")
+        log.info("session %d %s: PEER_PUSH seq %d refused: %s", s.id, s.peer, ev.seq, refusal)
+        return s.respond(PeerPushReply(0))
+    try:
+        s.region(ev.dst, 0, ev.size, "PEER_PUSH")
+        data = bytearray(ev.size)
+        s.read_body(memoryview(data), "PEER_PUSH")
+    except BaseException:
+        streams.refuse(ev.stream, ev.seq, ev.size)
+        raise
+    streams.stage(ev.stream, ev.seq, ev.dst, data)
+    return s.respond(PeerPushReply(1))
+
+
+def on_peer_wait(s: Session, ev: PeerWait) -> int:
+    """PEER_WAIT: the staged copy written into its tensor here, in this connection's command
+    order (1), or 0 when it was refused, did not come in time or its buffer is gone."""
+    state = s.state
+    t = state.peer_timeouts
+    staged = state.peer_streams.wait(ev.stream, ev.seq, s.id, t.wait, t.transfer, s.client_gone)
+    if staged is None:
+        log.info("session %d %s: PEER_WAIT seq %d -> 0: not staged in time or refused", s.id, s.peer, ev.seq)
+        return s.respond(PeerWaitReply(0))
+    n = len(staged.data)
+    try:
+        buf, start = s.region(staged.dst, 0, n, "PEER_WAIT")
+        buf.array[start : start + n] = np.frombuffer(staged.data, np.uint8)
+        buf.touched()
+    except RemoteProtocolError as exc:  # freed since the push: the client's own doing
+        log.info("session %d %s: PEER_WAIT seq %d -> 0: %s", s.id, s.peer, ev.seq, str(exc))
+        return s.respond(PeerWaitReply(0))
+    finally:
+        state.peer_memory.release(n)
+    return s.respond(PeerWaitReply(1))
+
+
+def on_peer_take(s: Session, ev: PeerTake) -> int:
+    """PEER_TAKE: the bytes a failed asynchronous copy kept, as GET_TENSOR's reply."""
+    data = s.async_copies.take(ev.stream, ev.seq, ev.size)
+    header = DataReply.header(len(data))
+    s.sock.sendall(header + data if len(data) <= SMALL_RESPONSE else header)
+    if len(data) > SMALL_RESPONSE:
+        s.sock.sendall(data)
+    return len(header) + len(data)
+
+
 HANDLERS = {
     Hello: on_hello,
     DeviceCount: on_device_count,
@@ -617,4 +713,9 @@ HANDLERS = {
     MemsetTensor: on_memset_tensor,
     CopyTensorTo: on_copy_tensor_to,
     PeerBarrier: on_peer_barrier,
+    CopyTensorToAsync: on_copy_tensor_to_async,
+    PeerStream: on_peer_stream,
+    PeerPush: on_peer_push,
+    PeerWait: on_peer_wait,
+    PeerTake: on_peer_take,
 }

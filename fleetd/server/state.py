@@ -19,6 +19,7 @@ from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
 from fleetd.server.cache_dir import CacheDir
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
+from fleetd.server.peer_async import PeerMemory, PeerStreams
 from fleetd.server.peer_policy import PeerCounters, PeerPolicy, PeerTimeouts
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
@@ -126,6 +127,8 @@ class ServerState:
         self.peer_timeouts = PeerTimeouts()
         self.peer_stats = PeerCounters()
         self.limits = config.limits
+        self.peer_memory = PeerMemory(self.limits.max_peer_held_bytes)
+        self.peer_streams = PeerStreams(self.peer_memory)  # asynchronous copies' destinations
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         self.max_memory = self.limits.max_memory or physical * 9 // 10
         self.max_session_memory = min(self.limits.max_session_memory or self.max_memory, self.max_memory)
@@ -166,11 +169,11 @@ class ServerState:
 
     def set_p2p(self, enabled: bool) -> None:
         """Switch peer copy at runtime: off clears the HELLO bit for new connections and makes
-        COPY_TENSOR_TO and PEER_BARRIER answer 0."""
+        COPY_TENSOR_TO and PEER_BARRIER answer 0, asynchronous copies fail (the client takes them)."""
         self.p2p_enabled = enabled
 
     def features(self) -> int:
-        return int(Feature.PEER_COPY) if self.p2p_enabled else 0
+        return int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC) if self.p2p_enabled else 0
 
     # -- sessions and their counters --------------------------------------------------------
 

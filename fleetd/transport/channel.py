@@ -17,7 +17,7 @@ import contextlib
 
 from fleetd.errors import PeerClosed, ReadTimeout, TransportError
 from fleetd.transport.stream import Stream
-from fleetd.wire import NEED_DATA, ClientConnection, GetTensor, Hello, Reply, Request
+from fleetd.wire import COMMANDS, NEED_DATA, ClientConnection, DataReply, Hello, Reply, Request
 
 # One read of a reply: every fixed-size reply and a small GET_TENSOR fit; a larger GET_TENSOR's
 # data goes with recv_into straight into its destination.
@@ -90,10 +90,15 @@ class RpcChannel:
         return event
 
     def _read_size(self) -> int:
-        # A large GET_TENSOR reply: its 8-byte size prefix alone, so that all of its data can
+        # A large GET_TENSOR (or PEER_TAKE) reply: its 8-byte size prefix alone, so that all of its data can
         # then go straight into the destination.
         request = self.conn.oldest_awaiting
-        if not self.conn.buffered and isinstance(request, GetTensor) and request.size > RECV_CHUNK - 8:
+        if (
+            not self.conn.buffered
+            and request is not None
+            and COMMANDS[request.cmd].response is DataReply
+            and request.size > RECV_CHUNK - 8  # type: ignore[attr-defined]  # a DataReply's request has a size
+        ):
             return 8
         return RECV_CHUNK
 

@@ -30,6 +30,9 @@ from fleetd.wire.replies import (
     GetMaxSizeReply,
     HelloReply,
     PeerBarrierReply,
+    PeerPushReply,
+    PeerStreamReply,
+    PeerWaitReply,
     Reply,
     SetTensorHashReply,
 )
@@ -70,12 +73,19 @@ class Cmd(enum.IntEnum):
     # fleetd's extension, far from upstream's growing enum (DESIGN.md "Peer copy").
     COPY_TENSOR_TO = 0x40
     PEER_BARRIER = 0x41
+    # the asynchronous peer copy (DESIGN.md "Asynchronous peer copy")
+    COPY_TENSOR_TO_ASYNC = 0x42
+    PEER_STREAM = 0x43
+    PEER_PUSH = 0x44
+    PEER_WAIT = 0x45
+    PEER_TAKE = 0x46
 
 
 class Feature(enum.IntFlag):
     """Bits of the HELLO response byte that stock servers send as padding (always 0 there)."""
 
     PEER_COPY = 1  # COPY_TENSOR_TO / PEER_BARRIER served and enabled now
+    PEER_COPY_ASYNC = 2  # COPY_TENSOR_TO_ASYNC, PEER_STREAM/PUSH/WAIT/TAKE served and enabled now
 
 
 def cmd_name(byte: int) -> str:
@@ -442,6 +452,107 @@ class CopyTensorTo(Request):
         return cls(RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T), size, endpoint)
 
 
+_COPY_ASYNC_HEADER = struct.Struct("<QQQI")
+
+
+@dataclass(frozen=True, slots=True)
+class CopyTensorToAsync(Request):
+    """COPY_TENSOR_TO_ASYNC (fleetd), to the source; no response:
+    | src rpc_tensor | dst rpc_tensor | size u64 | stream u64 | seq u64 | endpoint_len u32 |
+    endpoint "host:port" |. The source reads `size` bytes of src now and pushes them to `dst` on
+    the destination as copy `seq` of the destination's `stream` (PEER_STREAM)."""
+
+    cmd: ClassVar[Cmd] = Cmd.COPY_TENSOR_TO_ASYNC
+    MIN_SIZE: ClassVar[int] = 2 * _T + _COPY_ASYNC_HEADER.size
+    src: RpcTensor
+    dst: RpcTensor
+    size: int
+    stream: int
+    seq: int
+    endpoint: str
+
+    def encode(self) -> bytes:
+        ep = self.endpoint.encode()
+        if len(ep) > MAX_ENDPOINT_LEN:
+            raise LocalProtocolError(f"COPY_TENSOR_TO_ASYNC: endpoint of {len(ep)} bytes")
+        header = _COPY_ASYNC_HEADER.pack(self.size, self.stream, self.seq, len(ep))
+        return self.src.pack() + self.dst.pack() + header + ep
+
+    @classmethod
+    def decode(cls, payload):
+        size, stream, seq, ep_len = _COPY_ASYNC_HEADER.unpack_from(payload, 2 * _T)
+        if cls.MIN_SIZE + ep_len != len(payload):
+            raise RemoteProtocolError(
+                f"COPY_TENSOR_TO_ASYNC: endpoint_len {ep_len} does not match payload {len(payload)}"
+            )
+        try:
+            endpoint = bytes(payload[cls.MIN_SIZE :]).decode("ascii")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("COPY_TENSOR_TO_ASYNC: endpoint is not ASCII") from None
+        src, dst = RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T)
+        return cls(src, dst, size, stream, seq, endpoint)
+
+
+@_fixed("")
+@dataclass(frozen=True, slots=True)
+class PeerStream(Request):
+    """PEER_STREAM (fleetd), to the destination: an empty payload; the reply is a new stream id
+    that this connection owns (its PEER_WAITs) and sources push to (PEER_PUSH)."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_STREAM
+
+
+_PUSH_HEADER = struct.Struct("<QQB")
+PUSH_FAILED = 1  # PEER_PUSH flag: the source could not read or send the copy; no data follows
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPush(Request):
+    """PEER_PUSH (fleetd), source to destination: | stream u64 | seq u64 | flags u8 |
+    dst rpc_tensor | data... |; the data is a streamed body, as SET_TENSOR's. The destination
+    stages it until the stream owner's PEER_WAIT(seq) writes it into `dst`."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_PUSH
+    HEADER_SIZE: ClassVar[int] = _PUSH_HEADER.size + _T
+    stream: int
+    seq: int
+    dst: RpcTensor
+    size: int
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return _PUSH_HEADER.pack(self.stream, self.seq, self.flags) + self.dst.pack()
+
+    @classmethod
+    def decode_header(cls, header: memoryview, size: int) -> PeerPush:
+        stream, seq, flags = _PUSH_HEADER.unpack_from(header)
+        return cls(stream, seq, RpcTensor.unpack_from(header, _PUSH_HEADER.size), size, flags)
+
+
+@_fixed("QQ")
+@dataclass(frozen=True, slots=True)
+class PeerWait(Request):
+    """PEER_WAIT (fleetd), to the destination, by the stream's owner: | stream u64 | seq u64 |.
+    Answered once copy `seq` is written into its destination tensor (1), or did not come in time
+    or was refused (0: the client takes the bytes from the source and writes them itself)."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_WAIT
+    stream: int
+    seq: int
+
+
+@_fixed("QQQ")
+@dataclass(frozen=True, slots=True)
+class PeerTake(Request):
+    """PEER_TAKE (fleetd), to the source: | stream u64 | seq u64 | size u64 |; the reply is the
+    `size` bytes the source read for that copy and kept because its push failed."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_TAKE
+    stream: int
+    seq: int
+    size: int
+
+
 @dataclass(frozen=True, slots=True)
 class CommandSpec:
     """One row of `COMMANDS`: a command's event class, its payload size rule and its reply."""
@@ -485,6 +596,18 @@ COMMANDS: dict[int, CommandSpec] = {
         response=CopyTensorToReply,
     ),
     Cmd.PEER_BARRIER: CommandSpec(PeerBarrier, 0, response=PeerBarrierReply),
+    Cmd.COPY_TENSOR_TO_ASYNC: CommandSpec(
+        CopyTensorToAsync,
+        None,
+        min_size=CopyTensorToAsync.MIN_SIZE,
+        max_size=CopyTensorToAsync.MIN_SIZE + MAX_ENDPOINT_LEN,
+    ),
+    Cmd.PEER_STREAM: CommandSpec(PeerStream, 0, response=PeerStreamReply),
+    Cmd.PEER_PUSH: CommandSpec(
+        PeerPush, None, min_size=PeerPush.HEADER_SIZE, streamed_body=True, response=PeerPushReply
+    ),
+    Cmd.PEER_WAIT: CommandSpec(PeerWait, 16, response=PeerWaitReply),
+    Cmd.PEER_TAKE: CommandSpec(PeerTake, 24, response=DataReply),
 }
 
 for _cmd, _spec in COMMANDS.items():

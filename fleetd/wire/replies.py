@@ -153,6 +153,31 @@ class PeerBarrierReply(Reply):
     landed: int  # 0 when the destination's P2P is switched off
 
 
+@_fixed("Q")
+@dataclass(frozen=True, slots=True)
+class PeerStreamReply(Reply):
+    """PEER_STREAM's reply (fleetd): | stream u64 |, never 0, unguessable."""
+
+    stream: int
+
+
+@_fixed("B")
+@dataclass(frozen=True, slots=True)
+class PeerPushReply(Reply):
+    """PEER_PUSH's reply (fleetd): | result u8 |; 1 staged for the stream's PEER_WAIT, 0 refused
+    (unknown stream, a seq already waited for, P2P off, no room): the source keeps the bytes."""
+
+    staged: int
+
+
+@_fixed("B")
+@dataclass(frozen=True, slots=True)
+class PeerWaitReply(Reply):
+    """PEER_WAIT's reply (fleetd): | result u8 |; 1 the copy is written, 0 it is not (take it)."""
+
+    landed: int
+
+
 _HELLO = struct.Struct("<BBBB24s")
 _HELLO_SIZE = _U64.pack(_HELLO.size)
 
@@ -177,7 +202,7 @@ class HelloReply(Reply):
 
 @dataclass(frozen=True, slots=True)
 class DataReply(Reply):
-    """GET_TENSOR: the region's bytes, as many as the request asked for."""
+    """GET_TENSOR's (and PEER_TAKE's) reply: the bytes, as many as the request asked for."""
 
     streamed: ClassVar[bool] = True
     data: Buffer  # a bytearray, or the writable buffer the caller asked the data into

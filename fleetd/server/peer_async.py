@@ -1,0 +1,466 @@
+"""The asynchronous peer copy (DESIGN.md "Asynchronous peer copy"): both ends of it.
+
+    client --PEER_STREAM--> destination            (once: a stream id the client's connection owns)
+    client --COPY_TENSOR_TO_ASYNC(src, dst, size, stream, seq, "host:port")--> source   (no answer)
+    source: reads src now, hands the bytes to its pusher for that destination, serves its next command
+    source pusher --PEER_PUSH(stream, seq, dst, data)--> destination: staged, answered 1 or 0
+    client --PEER_WAIT(stream, seq)--> destination: the staged bytes written into dst, answered 1;
+                                       0 when they did not come or were refused
+    after a 0: client --PEER_TAKE(stream, seq, size)--> source: the bytes it kept; the client
+                                       writes them with SET_TENSOR (the hub path, never stale)
+
+Why the write happens at PEER_WAIT and not when the push arrives: PEER_WAIT sits in the client's
+own command order on the destination, so the copy lands exactly where a SET_TENSOR from the
+client would have (after the graphs before it have read the old bytes, before the graph that
+reads the new ones), whatever order pushes from several sources arrive in. The cost is one
+memcpy of the staged bytes on the destination.
+
+Why the source reads at once: the client's next command on the source (the next micro-batch's
+graph) may overwrite src; the bytes read in command order are the ones the copy means.
+
+Memory: staged bytes (destination), read-but-not-yet-pushed and kept-after-a-failure bytes
+(source) all count against one daemon-wide budget (`max_peer_held_bytes`). A push that does not
+fit is refused (the client then takes the bytes from the source); a copy whose bytes the source
+cannot hold within the transfer timeout closes the client's connection on the source.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fleetd.errors import FleetdError, PeerClosed, ReadTimeout, RemoteProtocolError, TransportError
+from fleetd.server.peer import PeerFailure, PeerLink, copy_endpoint, resolve
+from fleetd.server.regions import region
+from fleetd.wire import PUSH_FAILED, CopyTensorToAsync, Feature, PeerPush, RpcTensor
+from fleetd.wire.text import client_text
+
+if TYPE_CHECKING:
+    from fleetd.server.state import ServerState
+
+log = logging.getLogger("fleetd.peer")
+
+MAX_STREAMS_PER_SESSION = 64  # one per destination connection of a client is all it needs
+STREAMS_REMEMBERED = 1024  # a source's last seq per stream, for this many streams
+
+
+class PeerMemory:
+    """Bytes of asynchronous copies a daemon holds (staged, queued, kept), against one cap."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._cond = threading.Condition()
+
+    def reserve(self, n: int, timeout: float = 0.0) -> bool:
+        """Take `n` bytes of the budget, waiting up to `timeout` for room; False if there is none."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.held + n > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0 or n > self.limit:
+                    return False
+                self._cond.wait(left)
+            self.held += n
+            return True
+
+    def release(self, n: int) -> None:
+        if n:
+            with self._cond:
+                self.held -= n
+                self._cond.notify_all()
+
+
+# -- the destination: streams, staged pushes, waits ---------------------------------------------
+
+ARRIVING = "arriving"  # the push's header came, its data is streaming in
+REFUSED = "refused"  # the push was refused or failed: the wait answers 0 at once
+
+
+@dataclass
+class Staged:
+    """A pushed copy waiting for its PEER_WAIT: where it goes and its bytes."""
+
+    dst: RpcTensor
+    data: bytearray
+
+
+@dataclass
+class _Stream:
+    owner: int  # the session id whose PEER_WAITs it serves
+    waited: int = 0  # the highest seq a PEER_WAIT answered: later pushes for it are late
+    slots: dict[int, Staged | str] = field(default_factory=dict)  # seq -> Staged, ARRIVING, REFUSED
+
+
+class PeerStreams:
+    """The destination side, daemon-wide: streams by id, each owned by one client session."""
+
+    def __init__(self, memory: PeerMemory) -> None:
+        self.memory = memory
+        self._streams: dict[int, _Stream] = {}
+        self._cond = threading.Condition()
+
+    def open(self, owner: int) -> int:
+        """A new stream owned by session `owner` (PEER_STREAM)."""
+        with self._cond:
+            if sum(1 for s in self._streams.values() if s.owner == owner) >= MAX_STREAMS_PER_SESSION:
+                raise RemoteProtocolError(
+                    f"PEER_STREAM: this connection already owns {MAX_STREAMS_PER_SESSION} streams"
+                )
+            while True:
+                sid = secrets.randbits(64)
+                if sid and sid not in self._streams:
+                    break
+            self._streams[sid] = _Stream(owner)
+            return sid
+
+    def admit(self, push: PeerPush, p2p_enabled: bool) -> str | None:
+        """May `push` be staged? None (its bytes are reserved; the caller reads them, then calls
+        `stage`, or `refuse` on any failure) or the reason it is refused (the caller discards
+        its data and answers 0; a known stream's wait for it then answers 0 at once)."""
+        with self._cond:
+            stream = self._streams.get(push.stream)
+            if stream is None:
+                return "unknown stream"
+            if push.seq <= stream.waited or push.seq in stream.slots:
+                return f"seq {push.seq} late or repeated"
+            reason = None
+            if push.flags & PUSH_FAILED:
+                reason = "the source failed this copy"
+            elif not p2p_enabled:
+                reason = "peer copy is off on this daemon"
+            elif not self.memory.reserve(push.size):
+                reason = f"no room: {self.memory.held} of {self.memory.limit} peer-copy bytes held"
+            stream.slots[push.seq] = REFUSED if reason else ARRIVING
+            self._cond.notify_all()
+            return reason
+
+    def stage(self, stream_id: int, seq: int, dst: RpcTensor, data: bytearray) -> None:
+        with self._cond:
+            stream = self._streams.get(stream_id)
+            if stream is None or stream.slots.get(seq) is not ARRIVING:
+                self.memory.release(len(data))  # the owner left while the data came in
+                return
+            stream.slots[seq] = Staged(dst, data)
+            self._cond.notify_all()
+
+    def refuse(self, stream_id: int, seq: int, reserved: int) -> None:
+        """An admitted push failed while its data came in (bad region, the source went away)."""
+        self.memory.release(reserved)
+        with self._cond:
+            stream = self._streams.get(stream_id)
+            if stream is not None and stream.slots.get(seq) is ARRIVING:
+                stream.slots[seq] = REFUSED
+                self._cond.notify_all()
+
+    def wait(
+        self, stream_id: int, seq: int, owner: int, timeout: float, transfer: float, gone
+    ) -> Staged | None:
+        """PEER_WAIT: the staged copy `seq` (its bytes still reserved: the caller writes them,
+        then releases), or None if it was refused or did not start arriving within `timeout`
+        (one that is arriving gets `transfer` more). `gone()` is asked every half second:
+        a client that left ends the wait with ConnectionError."""
+        start = time.monotonic()
+        with self._cond:
+            stream = self._streams.get(stream_id)
+            if stream is None or stream.owner != owner:
+                raise RemoteProtocolError(f"PEER_WAIT: stream {stream_id:#x} is not this connection's")
+            if seq <= stream.waited:
+                raise RemoteProtocolError(
+                    f"PEER_WAIT: seq {seq} after seq {stream.waited}: waits follow the copies' order"
+                )
+            while True:
+                slot = stream.slots.get(seq)
+                if slot is not None and slot is not ARRIVING:
+                    break
+                limit = timeout + (transfer if slot is ARRIVING else 0.0)
+                left = start + limit - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+                if gone():
+                    raise ConnectionError("client left while waiting for a peer copy")
+            # Everything up to seq is settled now: a later push for it is late, and copies the
+            # client skipped are dropped unwritten.
+            stream.waited = seq
+            for s in [s for s in stream.slots if s <= seq]:
+                dropped = stream.slots.pop(s)
+                if isinstance(dropped, Staged) and s != seq:
+                    self.memory.release(len(dropped.data))
+        return slot if isinstance(slot, Staged) else None
+
+    def close_owner(self, owner: int) -> None:
+        """A client session ended: its streams and their staged bytes go."""
+        with self._cond:
+            for sid in [sid for sid, s in self._streams.items() if s.owner == owner]:
+                for slot in self._streams.pop(sid).slots.values():
+                    if isinstance(slot, Staged):
+                        self.memory.release(len(slot.data))
+            self._cond.notify_all()
+
+    def staged_bytes(self) -> int:
+        with self._cond:
+            return sum(
+                len(s.data)
+                for st in self._streams.values()
+                for s in st.slots.values()
+                if isinstance(s, Staged)
+            )
+
+
+# -- the source: read now, push from a worker per destination, keep what failed -------------------
+
+
+@dataclass
+class _Job:
+    stream: int
+    seq: int
+    dst: RpcTensor
+    data: bytes
+    endpoint: str
+
+
+class AsyncCopies:
+    """The source side of one client session: a pusher thread per destination address, the
+    copies not yet settled, and the bytes of those whose push failed (until PEER_TAKE)."""
+
+    def __init__(self, state: ServerState, who: str) -> None:
+        self.state = state
+        self.who = who
+        self._pushers: dict[tuple[str, int], _Pusher] = {}  # insertion order = use order
+        self._pending: set[tuple[int, int]] = set()
+        self._kept: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
+        # the last seq sent per stream (session thread only): a stream's seqs increase
+        self._last_seq: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # -- the session thread ----------------------------------------------------------------
+
+    def submit(self, ev: CopyTensorToAsync, local_addr: str | None) -> None:
+        """COPY_TENSOR_TO_ASYNC: the source region read now and queued for its destination. A
+        malformed request, an out-of-bounds source, a repeated (stream, seq) or bytes this
+        daemon cannot hold in time raise RemoteProtocolError (the connection closes)."""
+        buf, start = region(self.state.registry, ev.src, 0, ev.size, "COPY_TENSOR_TO_ASYNC")
+        host, port = copy_endpoint(ev.endpoint, "COPY_TENSOR_TO_ASYNC")
+        key = (ev.stream, ev.seq)
+        last = self._last_seq.pop(ev.stream, 0)
+        if ev.seq <= last:
+            raise RemoteProtocolError(
+                f"COPY_TENSOR_TO_ASYNC: seq {ev.seq} after seq {last} of this stream: seqs must increase"
+            )
+        self._last_seq[ev.stream] = ev.seq
+        while len(self._last_seq) > STREAMS_REMEMBERED:
+            self._last_seq.popitem(last=False)
+        if not self.state.peer_memory.reserve(ev.size, self.state.peer_timeouts.transfer):
+            raise RemoteProtocolError(
+                f"COPY_TENSOR_TO_ASYNC: {ev.size} bytes do not fit the peer-copy memory "
+                f"({self.state.peer_memory.held} of {self.state.peer_memory.limit} held)"
+            )
+        job = _Job(ev.stream, ev.seq, ev.dst, buf.array[start : start + ev.size].tobytes(), ev.endpoint)
+        with self._cond:
+            self._pending.add(key)
+        try:
+            addr = resolve(host, port)
+            if not self.state.peer_policy.allows(addr[0], local_addr):
+                raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
+            if not self.state.p2p_enabled and addr not in self._pushers:
+                raise PeerFailure("disabled", "peer copy is switched off on this daemon")
+        except PeerFailure as exc:
+            self.failed(job, exc)
+            return
+        # P2P off with a pusher there: it refuses the job and tells the destination at once.
+        self._pusher_for(addr).put(job)
+
+    def _pusher_for(self, addr):
+        pusher = self._pushers.pop(addr, None)
+        if pusher is None:
+            while len(self._pushers) >= self.state.limits.max_peer_links:
+                self._pushers.pop(next(iter(self._pushers))).stop()
+            pusher = _Pusher(self, addr)
+        self._pushers[addr] = pusher  # most recently used last
+        return pusher
+
+    def take(self, stream: int, seq: int, size: int) -> bytes:
+        """PEER_TAKE: the kept bytes of copy (stream, seq), once it is settled. RemoteProtocolError
+        when there are none of that size (it landed, it never was, or it was dropped)."""
+        key = (stream, seq)
+        timeouts = self.state.peer_timeouts
+        deadline = time.monotonic() + timeouts.connect + timeouts.hello + timeouts.transfer
+        with self._cond:
+            while key in self._pending and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            data = self._kept.pop(key, None)
+        if data is None or len(data) != size:
+            if data is not None:
+                self.state.peer_memory.release(len(data))
+            raise RemoteProtocolError(
+                f"PEER_TAKE: no kept copy of {size} bytes for seq {seq} "
+                "(it landed, was never sent here, or is still in flight)"
+            )
+        self.state.peer_memory.release(len(data))
+        self.state.peer_stats.taken()
+        return data
+
+    def close(self) -> None:
+        """The client session ended: pushers stop, unsent and kept bytes are let go."""
+        with self._cond:
+            self._closed = True
+            kept = sum(len(d) for d in self._kept.values())
+            self._kept.clear()
+            self._cond.notify_all()
+        self.state.peer_memory.release(kept)
+        for pusher in self._pushers.values():
+            pusher.stop()
+        self._pushers.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the pushers --------------------------------------------------------------------------
+
+    def landed(self, job: _Job) -> None:
+        self.state.peer_memory.release(len(job.data))
+        self.state.peer_stats.ok(len(job.data))
+        with self._cond:
+            self._pending.discard((job.stream, job.seq))
+            self._cond.notify_all()
+
+    def failed(self, job: _Job, exc: PeerFailure) -> None:
+        """The push did not land: the bytes are kept for PEER_TAKE (none once the session ended)."""
+        self.state.peer_stats.fallback(exc.reason)
+        log.info(
+            "%s: COPY_TENSOR_TO_ASYNC %s seq %d kept (%s): %s",
+            self.who,
+            client_text(job.endpoint),
+            job.seq,
+            exc.reason,
+            client_text(str(exc), 200),
+        )
+        key = (job.stream, job.seq)
+        with self._cond:
+            self._pending.discard(key)
+            keep = not self._closed
+            if keep:  # its bytes stay reserved with the kept copy
+                self._kept[key] = job.data
+            self._cond.notify_all()
+        if not keep:
+            self.state.peer_memory.release(len(job.data))
+
+    def dropped(self, job: _Job) -> None:
+        """A queued job after the session ended: nothing to do but let its bytes go."""
+        self.state.peer_memory.release(len(job.data))
+        with self._cond:
+            self._pending.discard((job.stream, job.seq))
+
+
+class _Pusher:
+    """One destination's worker thread for one client session: pushes in queue order over its
+    own link (never the session thread's), so the session goes on with its next command."""
+
+    IDLE_S = 30.0  # a link unused this long is closed (the thread stays, it is cheap)
+
+    def __init__(self, copies: AsyncCopies, addr: tuple[str, int]) -> None:
+        self.copies = copies
+        self.addr = addr
+        self.link: PeerLink | None = None
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"fleetd-push-{addr[0]}:{addr[1]}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, job: _Job) -> None:
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        copies = self.copies
+        try:
+            while True:
+                try:
+                    job = self._queue.get(timeout=self.IDLE_S)
+                except queue.Empty:
+                    self._drop_link()
+                    continue
+                if job is None:
+                    break
+                if copies.closed:
+                    copies.dropped(job)
+                    continue
+                try:
+                    self._push(job)
+                except PeerFailure as exc:
+                    self._notify_failed(job)
+                    copies.failed(job, exc)
+                except FleetdError as exc:  # anything else on the peer side is still the peer's
+                    self._drop_link()
+                    copies.failed(job, PeerFailure("unreachable", str(exc)))
+                else:
+                    copies.landed(job)
+        except Exception:  # our own bug: never leave a copy pending
+            log.exception("%s: peer pusher to %s:%d failed", copies.who, *self.addr)
+        finally:
+            self._drop_link()
+            while True:  # what is left (stopped, or our bug) settles as failed or dropped
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    copies.dropped(job)
+
+    def _push(self, job: _Job) -> None:
+        state = self.copies.state
+        if not state.p2p_enabled:
+            raise PeerFailure("disabled", "peer copy is switched off on this daemon")
+        link = self._link(job.endpoint)
+        try:
+            link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
+            state.peer_stats.pushed(len(job.data))
+            staged = link.channel.reply("PEER_PUSH").staged
+        except ReadTimeout as exc:
+            self._drop_link()
+            raise PeerFailure("timeout", str(exc)) from exc
+        except (PeerClosed, TransportError, RemoteProtocolError) as exc:
+            self._drop_link()
+            raise PeerFailure("write_rejected", str(exc)) from exc
+        if not staged:
+            raise PeerFailure("refused", "the destination refused the push (see its log)")
+
+    def _link(self, endpoint: str) -> PeerLink:
+        if self.link is not None and self.link.stale():
+            self._drop_link()
+        if self.link is None:
+            state = self.copies.state
+            self.link = PeerLink(endpoint, self.addr, state.peer_timeouts, Feature.PEER_COPY_ASYNC)
+            log.info(
+                "peer link to %s (%s:%d) opened for asynchronous copies", client_text(endpoint), *self.addr
+            )
+            state.peer_stats.link_opened()
+        return self.link
+
+    def _notify_failed(self, job: _Job) -> None:
+        """Tell the destination at once that this copy will not come, over a link already open
+        (never a new one: a refusal must not cause traffic), so its PEER_WAIT answers 0 now."""
+        if self.link is None:
+            return
+        try:
+            self.link.channel.send(PeerPush(job.stream, job.seq, job.dst, 0, PUSH_FAILED))
+            self.link.channel.reply("PEER_PUSH")
+        except FleetdError:
+            self._drop_link()
+
+    def _drop_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None

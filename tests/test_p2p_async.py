@@ -1,0 +1,363 @@
+"""The asynchronous peer copy (COPY_TENSOR_TO_ASYNC, PEER_STREAM/PUSH/WAIT/TAKE): real servers on
+loopback in this process, fleetd's own client. Every failure the protocol names ends in a
+PEER_WAIT of 0 and the source's kept bytes, never a hang and never a stale result; every wait
+is bounded (the pytest timeout fails a hang)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+from helpers import endpoint, needs_tool, rpc_tensor
+
+from fleetd.client import RpcClient
+from fleetd.errors import FleetdError
+from fleetd.server.peer import FALLBACK_REASONS
+from fleetd.transport import Timeout
+from fleetd.wire import Cmd, Feature, GgmlType, hello_response
+
+pytestmark = pytest.mark.timeout(60)
+
+BOUNDED = Timeout(connect=5.0, read=30.0)
+N = 256  # f32 elements per tensor
+NB = 4 * N
+
+
+def f32(ptr: int, base: int, offset: int = 0):
+    return rpc_tensor(GgmlType.F32, (N,), buffer=ptr, data=base + offset)
+
+
+def values(seed: int) -> bytes:
+    return (np.arange(N, dtype=np.float32) + 1000 * seed).tobytes()
+
+
+class Pair:
+    """A client's connections to a source and a destination, one tensor on each."""
+
+    def __init__(self, src, dst) -> None:
+        self.src_srv, self.dst_srv = src, dst
+        self.cs = RpcClient(endpoint(src), BOUNDED).open()
+        self.cd = RpcClient(endpoint(dst), BOUNDED).open()
+        ps, _ = self.cs.alloc_buffer(NB)
+        pd, _ = self.cd.alloc_buffer(NB)
+        self.ts = f32(ps, self.cs.buffer_get_base(ps))
+        self.base_d = self.cd.buffer_get_base(pd)
+        self.pd = pd
+        self.td = f32(pd, self.base_d)
+        self.cd.set_tensor(self.td, bytes(NB))
+        self.stream = self.cd.peer_stream()
+        self.seq = 0
+
+    def copy(self, data: bytes, dst=None, to: str | None = None) -> int:
+        """src := data, then an asynchronous copy of it; returns its seq."""
+        self.cs.set_tensor(self.ts, data)
+        self.seq += 1
+        target = endpoint(self.dst_srv) if to is None else to
+        self.cs.copy_tensor_to_async(self.ts, dst or self.td, NB, target, self.stream, self.seq)
+        return self.seq
+
+    def close(self) -> None:
+        self.cs.close()
+        self.cd.close()
+
+
+@pytest.fixture
+def pair(fleetd_server):
+    made = []
+
+    def make(src_kw=None, dst_kw=None) -> Pair:
+        p = Pair(fleetd_server(**(src_kw or {})), fleetd_server(**(dst_kw or {})))
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def short_waits(srv, seconds: float = 0.5) -> None:
+    """The destination gives up on a copy that has not started arriving after `seconds`."""
+    srv.state.peer_timeouts = dataclasses.replace(srv.state.peer_timeouts, wait=seconds)
+
+
+def held(*servers) -> list[int]:
+    return [s.state.peer_memory.held for s in servers]
+
+
+def test_hello_advertises_both_bits_and_p2p_off_clears_them(fleetd_server):
+    srv = fleetd_server()
+    with RpcClient(endpoint(srv), BOUNDED) as c:
+        assert c.features == Feature.PEER_COPY | Feature.PEER_COPY_ASYNC
+    srv.state.set_p2p(False)
+    with RpcClient(endpoint(srv), BOUNDED) as c:
+        assert c.features == Feature(0)
+
+
+def test_the_copy_carries_the_bytes_of_its_turn_and_lands_at_the_wait(pair):
+    p = pair()
+    a, b = values(1), values(2)
+    seq = p.copy(a)
+    p.cs.set_tensor(p.ts, b)  # the source's next command overwrites src: the copy still carries a
+    p.cs.sync()
+    # Staged, not written: the destination's own order puts the write at PEER_WAIT.
+    assert p.cd.get_tensor(p.td) == bytes(NB)
+    assert p.cd.peer_wait(p.stream, seq) is True
+    assert p.cd.get_tensor(p.td) == a
+    assert p.cd.peer_wait(p.stream, p.copy(b)) is True
+    assert p.cd.get_tensor(p.td) == b
+    # the source counts a copy once it has read the destination's ack, just after the wait
+    _settled(lambda: p.src_srv.state.peer_stats.as_dict()["copies_ok"] == 2)
+    stats = p.src_srv.state.peer_stats.as_dict()
+    assert (stats["bytes_confirmed"], stats["links_opened"]) == (2 * NB, 1)
+    assert p.cs.counters.count[Cmd.COPY_TENSOR_TO_ASYNC] == 2
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+def test_copies_from_two_sources_apply_in_the_clients_order(fleetd_server):
+    """Pushes may arrive in any order; each is written at its own PEER_WAIT, so the destination
+    tensor goes through exactly the client's sequence."""
+    s1, s2, dst = fleetd_server(), fleetd_server(), fleetd_server()
+    with (
+        RpcClient(endpoint(s1), BOUNDED) as c1,
+        RpcClient(endpoint(s2), BOUNDED) as c2,
+        RpcClient(endpoint(dst), BOUNDED) as cd,
+    ):
+        srcs = []
+        for c in (c1, c2):
+            ptr, _ = c.alloc_buffer(NB)
+            srcs.append(f32(ptr, c.buffer_get_base(ptr)))
+        pd, _ = cd.alloc_buffer(NB)
+        td = f32(pd, cd.buffer_get_base(pd))
+        stream = cd.peer_stream()
+        order = [(c1, srcs[0]), (c2, srcs[1])] * 4
+        for seq, (c, ts) in enumerate(order, 1):
+            c.set_tensor(ts, values(seq))
+            c.copy_tensor_to_async(ts, td, NB, endpoint(dst), stream, seq)
+        c1.sync()
+        c2.sync()
+        for seq in range(1, len(order) + 1):
+            assert cd.peer_wait(stream, seq) is True
+            assert cd.get_tensor(td) == values(seq)
+    _settled(lambda: held(s1, s2, dst) == [0, 0, 0])  # the source lets go once the ack is read
+
+
+def _take_and_set(p: Pair, seq: int, data: bytes) -> None:
+    """The client's fallback after a PEER_WAIT of 0: the source's kept bytes, written by SET_TENSOR."""
+    kept = p.cs.peer_take(p.stream, seq, NB)
+    assert bytes(kept) == data  # the bytes of the copy's turn, never what src holds now
+    p.cd.set_tensor(p.td, kept)
+    assert p.cd.get_tensor(p.td) == data
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("dst_p2p_off", "refused"),  # the destination refuses the push: its wait says 0 at once
+        ("src_p2p_off", "disabled"),  # the source tells the destination over its open link
+        ("not_allowed", "not_allowed"),  # no link, no traffic: the wait runs out
+        ("dst_unreachable", "unreachable"),  # the endpoint named is closed: the wait runs out
+        ("old_destination", "refused"),  # a fleetd with the synchronous bit only
+    ],
+)
+def test_a_failed_push_answers_the_wait_0_and_the_source_keeps_the_bytes(pair, case, reason):
+    src_kw = {"peer_allow": ["10.255.0.0/16"]} if case == "not_allowed" else {}
+    p = pair(src_kw=src_kw)
+    short_waits(p.dst_srv)
+    a, b = values(1), values(2)
+    if case in ("dst_p2p_off", "src_p2p_off"):
+        assert p.cd.peer_wait(p.stream, p.copy(values(0))) is True  # the link is open now
+        p.src_srv.state.peer_stats.reset()
+        (p.dst_srv if case == "dst_p2p_off" else p.src_srv).state.set_p2p(False)
+        short_waits(p.dst_srv, 30.0)  # a lost notice would hang here (the pytest timeout fails it)
+    if case == "old_destination":
+        p.dst_srv.state.features = lambda: int(Feature.PEER_COPY)
+    to = None
+    if case == "dst_unreachable":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            to = f"127.0.0.1:{s.getsockname()[1]}"
+    seq = p.copy(a, to=to)
+    p.cs.set_tensor(p.ts, b)
+    assert p.cd.peer_wait(p.stream, seq) is False
+    assert p.cd.get_tensor(p.td) != a  # nothing written behind the client's back
+    _take_and_set(p, seq, a)
+    stats = p.src_srv.state.peer_stats.as_dict()
+    assert stats["fallbacks"] == {r: 1 if r == reason else 0 for r in FALLBACK_REASONS}
+    assert stats["copies_taken"] == 1
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+def test_a_push_that_comes_after_its_wait_gave_up_is_refused_as_late(pair):
+    p = pair()
+    short_waits(p.dst_srv, 0.2)
+    assert p.cd.peer_wait(p.stream, 1) is False  # nothing sent yet: the wait runs out
+    seq = p.copy(values(1))
+    assert seq == 1
+    kept = p.cs.peer_take(p.stream, seq, NB)  # settles once the destination refused the late push
+    assert bytes(kept) == values(1)
+    assert p.cd.get_tensor(p.td) == bytes(NB)  # the late push was never written
+    assert p.src_srv.state.peer_stats.as_dict()["fallbacks"]["refused"] == 1
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+def test_a_push_out_of_the_destination_buffer_closes_only_the_link(pair):
+    p = pair()
+    bad = f32(p.pd, p.base_d, offset=NB // 2)  # half of it past the buffer's end
+    seq = p.copy(values(1), dst=bad)
+    assert p.cd.peer_wait(p.stream, seq) is False  # told before the link closed: no wait out
+    assert bytes(p.cs.peer_take(p.stream, seq, NB)) == values(1)
+    assert p.src_srv.state.peer_stats.as_dict()["fallbacks"]["write_rejected"] == 1
+    assert p.cd.peer_wait(p.stream, p.copy(values(2))) is True  # a new link works
+    assert p.cd.get_tensor(p.td) == values(2)
+
+
+def test_a_client_gone_between_copy_and_wait_leaves_nothing_held(pair):
+    p = pair()
+    stream = p.stream
+    p.cd.close()  # the destination drops the client's stream
+    p.cs.set_tensor(p.ts, values(1))
+    p.cs.copy_tensor_to_async(p.ts, p.td, NB, endpoint(p.dst_srv), stream, 1)
+    assert bytes(p.cs.peer_take(stream, 1, NB)) == values(1)  # refused: unknown stream
+    p.cs.copy_tensor_to_async(p.ts, p.td, NB, endpoint(p.dst_srv), stream, 2)
+    p.cs.close()  # and then the source's session ends with a copy kept or in flight
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])
+
+
+def test_a_source_gone_before_its_push_ends_the_wait_with_0(pair):
+    p = pair()
+    short_waits(p.dst_srv)
+    p.cs.send_raw(b"")  # nothing: the connection is fine
+    p.cs.close()  # the source session ends before it ever gets the copy
+    assert p.cd.peer_wait(p.stream, 1) is False
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+def test_the_source_serves_its_next_commands_while_a_push_hangs(fleetd_server):
+    """A destination that takes the push's bytes and never answers: the source's session goes on
+    (its pusher is the one waiting); when that destination dies, the copy is kept."""
+    src = fleetd_server()
+    listener = socket.create_server(("127.0.0.1", 0))
+    conns = []
+
+    def fake_destination():
+        conn, _ = listener.accept()
+        conns.append(conn)
+        conn.recv(9 + 24)  # HELLO
+        conn.sendall(hello_response(int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC)))
+        while conn.recv(65536):  # the push, never answered
+            pass
+
+    t = threading.Thread(target=fake_destination, daemon=True)
+    t.start()
+    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    with RpcClient(endpoint(src), BOUNDED) as cs:
+        ps, _ = cs.alloc_buffer(NB)
+        ts = f32(ps, cs.buffer_get_base(ps))
+        cs.set_tensor(ts, values(1))
+        cs.copy_tensor_to_async(ts, f32(0x10, 0x1000), NB, to, 7, 1)
+        _settled(lambda: len(conns) == 1)
+        for i in range(5):  # answered while the push waits on the destination
+            cs.set_tensor(ts, values(2 + i))
+            assert cs.get_tensor(ts) == values(2 + i)
+        conns[0].shutdown(socket.SHUT_RDWR)
+        assert bytes(cs.peer_take(7, 1, NB)) == values(1)
+    listener.close()
+    t.join(10)
+
+
+@pytest.mark.parametrize(
+    "case", ["foreign_stream", "wait_out_of_order", "repeated_seq", "lower_seq", "take_landed"]
+)
+def test_misuse_closes_only_that_connection(pair, fleetd_server, case):
+    p = pair()
+    first = p.copy(values(1))
+    assert p.cd.peer_wait(p.stream, first) is True
+    with pytest.raises(FleetdError):
+        if case == "foreign_stream":
+            with RpcClient(endpoint(p.dst_srv), BOUNDED) as other:
+                other.peer_wait(p.stream, 2)  # a stream this connection does not own
+        elif case == "wait_out_of_order":
+            p.cd.peer_wait(p.stream, first)
+        elif case == "repeated_seq":
+            p.cs.copy_tensor_to_async(p.ts, p.td, NB, endpoint(p.dst_srv), p.stream, 5)
+            p.cs.copy_tensor_to_async(p.ts, p.td, NB, endpoint(p.dst_srv), p.stream, 5)
+            p.cs.sync()
+        elif case == "lower_seq":
+            p.cs.copy_tensor_to_async(p.ts, p.td, NB, endpoint(p.dst_srv), p.stream, first - 1 or 0)
+            p.cs.sync()
+        else:
+            p.cs.peer_take(p.stream, first, NB)  # it landed: nothing is kept
+    # The daemons and the other connection carry on.
+    if case in ("foreign_stream",):
+        assert p.cd.peer_wait(p.stream, p.copy(values(3))) is True
+    elif case == "wait_out_of_order":
+        with RpcClient(endpoint(p.src_srv), BOUNDED) as c:
+            assert c.get_alignment() > 0
+    else:
+        assert p.cd.get_tensor(p.td) == values(1)
+
+
+def test_malformed_async_copy_closes_the_connection(fleetd_server):
+    from helpers import frame
+
+    src = fleetd_server()
+    with RpcClient(endpoint(src), BOUNDED) as c:
+        t = f32(0x10, 0x1000).pack()
+        c.send_raw(frame(Cmd.COPY_TENSOR_TO_ASYNC, t + t + struct.pack("<QQQI", NB, 1, 1, 99) + b"x:1"))
+        with pytest.raises(FleetdError):
+            c.sync()
+    with RpcClient(endpoint(src), BOUNDED) as c:
+        assert c.get_alignment() > 0
+
+
+def test_the_destination_refuses_what_does_not_fit_its_peer_memory(pair):
+    p = pair(dst_kw={})
+    p.dst_srv.state.peer_memory.limit = NB - 1
+    seq = p.copy(values(1))
+    assert p.cd.peer_wait(p.stream, seq) is False
+    _take_and_set(p, seq, values(1))
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+@needs_tool("ggml-rpc-server")
+def test_a_stock_destination_is_refused_and_the_bytes_kept(fleetd_server, stock_server):
+    src = fleetd_server()
+    stock = stock_server()
+    with RpcClient(endpoint(src), BOUNDED) as cs:
+        ps, _ = cs.alloc_buffer(NB)
+        ts = f32(ps, cs.buffer_get_base(ps))
+        cs.set_tensor(ts, values(1))
+        cs.copy_tensor_to_async(ts, f32(0x10, 0x1000), NB, stock, 3, 1)
+        assert bytes(cs.peer_take(3, 1, NB)) == values(1)
+    assert src.state.peer_stats.as_dict()["fallbacks"]["refused"] == 1
+
+
+def _settled(check, seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not settled in time"
+        time.sleep(0.02)
+
+
+def test_a_pipeline_with_asynchronous_boundaries_matches_the_hub(fleetd_server):
+    """The layer-split coordinator over 3 servers: same outputs as the hub path, one
+    COPY_TENSOR_TO_ASYNC and one PEER_WAIT per remote boundary per step, no fallback."""
+    from fleetd.pipeline import Pipeline
+
+    eps = [endpoint(fleetd_server()) for _ in range(3)]
+    kw = dict(layers=3, rows=4, n_embd=64, timeout=BOUNDED, stats=False)
+    with Pipeline(eps, p2p=False, **kw) as hub:
+        reference = [r.md5 for r in hub.run(3)]
+    with Pipeline(eps, p2p=True, async_copy=True, **kw) as p:
+        results = p.run(3)
+    assert [r.md5 for r in results] == reference
+    for r in results:
+        assert (r.direct, r.fallbacks) == (2, 0)
+        assert r.counters.count[Cmd.COPY_TENSOR_TO_ASYNC] == 2 and r.counters.count[Cmd.PEER_WAIT] == 2
+        assert Cmd.COPY_TENSOR_TO not in r.counters.count
