@@ -361,3 +361,15 @@ def test_a_pipeline_with_asynchronous_boundaries_matches_the_hub(fleetd_server):
         assert (r.direct, r.fallbacks) == (2, 0)
         assert r.counters.count[Cmd.COPY_TENSOR_TO_ASYNC] == 2 and r.counters.count[Cmd.PEER_WAIT] == 2
         assert Cmd.COPY_TENSOR_TO not in r.counters.count
+
+
+def test_a_stream_holds_a_bounded_number_of_copies_not_waited_for(pair, monkeypatch):
+    from fleetd.server import peer_async
+
+    monkeypatch.setattr(peer_async, "MAX_UNWAITED", 2)
+    p = pair()
+    short_waits(p.dst_srv)
+    seqs = [p.copy(values(i)) for i in (1, 2, 3)]
+    assert bytes(p.cs.peer_take(p.stream, seqs[2], NB)) == values(3)  # the third is refused
+    assert [p.cd.peer_wait(p.stream, s) for s in seqs] == [True, True, False]
+    assert p.cd.get_tensor(p.td) == values(2)

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetd.peer")
 
 MAX_STREAMS_PER_SESSION = 64  # one per destination connection of a client is all it needs
+MAX_UNWAITED = 4096  # copies of one stream staged or refused and not yet waited for
 STREAMS_REMEMBERED = 1024  # a source's last seq per stream, for this many streams
 
 
@@ -130,6 +131,8 @@ class PeerStreams:
                 return "unknown stream"
             if push.seq <= stream.waited or push.seq in stream.slots:
                 return f"seq {push.seq} late or repeated"
+            if len(stream.slots) >= MAX_UNWAITED:  # refused ones too: a peer cannot grow this
+                return f"{MAX_UNWAITED} copies of this stream not waited for yet"
             reason = None
             if push.flags & PUSH_FAILED:
                 reason = "the source failed this copy"
