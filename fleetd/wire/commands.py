@@ -421,6 +421,23 @@ class GraphCompute(Request):
 _COPY_TO_HEADER = struct.Struct("<QI")
 
 
+def _endpoint_bytes(endpoint: str, what: str) -> bytes:
+    ep = endpoint.encode()
+    if len(ep) > MAX_ENDPOINT_LEN:
+        raise LocalProtocolError(f"{what}: endpoint of {len(ep)} bytes")
+    return ep
+
+
+def _endpoint_at(payload, start: int, ep_len: int, what: str) -> str:
+    """The "host:port" that ends a copy request: exactly `ep_len` ASCII bytes from `start`."""
+    if start + ep_len != len(payload):
+        raise RemoteProtocolError(f"{what}: endpoint_len {ep_len} does not match payload {len(payload)}")
+    try:
+        return bytes(payload[start:]).decode("ascii")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError(f"{what}: endpoint is not ASCII") from None
+
+
 @dataclass(frozen=True, slots=True)
 class CopyTensorTo(Request):
     """| src rpc_tensor | dst rpc_tensor | size u64 | endpoint_len u32 | endpoint "host:port" |"""
@@ -433,22 +450,13 @@ class CopyTensorTo(Request):
     endpoint: str
 
     def encode(self) -> bytes:
-        ep = self.endpoint.encode()
-        if len(ep) > MAX_ENDPOINT_LEN:
-            raise LocalProtocolError(f"COPY_TENSOR_TO: endpoint of {len(ep)} bytes")
+        ep = _endpoint_bytes(self.endpoint, "COPY_TENSOR_TO")
         return self.src.pack() + self.dst.pack() + _COPY_TO_HEADER.pack(self.size, len(ep)) + ep
 
     @classmethod
     def decode(cls, payload):
         size, ep_len = _COPY_TO_HEADER.unpack_from(payload, 2 * _T)
-        if cls.MIN_SIZE + ep_len != len(payload):
-            raise RemoteProtocolError(
-                f"COPY_TENSOR_TO: endpoint_len {ep_len} does not match payload {len(payload)}"
-            )
-        try:
-            endpoint = bytes(payload[cls.MIN_SIZE :]).decode("ascii")
-        except UnicodeDecodeError:
-            raise RemoteProtocolError("COPY_TENSOR_TO: endpoint is not ASCII") from None
+        endpoint = _endpoint_at(payload, cls.MIN_SIZE, ep_len, "COPY_TENSOR_TO")
         return cls(RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T), size, endpoint)
 
 
@@ -472,23 +480,14 @@ class CopyTensorToAsync(Request):
     endpoint: str
 
     def encode(self) -> bytes:
-        ep = self.endpoint.encode()
-        if len(ep) > MAX_ENDPOINT_LEN:
-            raise LocalProtocolError(f"COPY_TENSOR_TO_ASYNC: endpoint of {len(ep)} bytes")
+        ep = _endpoint_bytes(self.endpoint, "COPY_TENSOR_TO_ASYNC")
         header = _COPY_ASYNC_HEADER.pack(self.size, self.stream, self.seq, len(ep))
         return self.src.pack() + self.dst.pack() + header + ep
 
     @classmethod
     def decode(cls, payload):
         size, stream, seq, ep_len = _COPY_ASYNC_HEADER.unpack_from(payload, 2 * _T)
-        if cls.MIN_SIZE + ep_len != len(payload):
-            raise RemoteProtocolError(
-                f"COPY_TENSOR_TO_ASYNC: endpoint_len {ep_len} does not match payload {len(payload)}"
-            )
-        try:
-            endpoint = bytes(payload[cls.MIN_SIZE :]).decode("ascii")
-        except UnicodeDecodeError:
-            raise RemoteProtocolError("COPY_TENSOR_TO_ASYNC: endpoint is not ASCII") from None
+        endpoint = _endpoint_at(payload, cls.MIN_SIZE, ep_len, "COPY_TENSOR_TO_ASYNC")
         src, dst = RpcTensor.unpack_from(payload), RpcTensor.unpack_from(payload, _T)
         return cls(src, dst, size, stream, seq, endpoint)
 
