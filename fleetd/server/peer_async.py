@@ -281,7 +281,7 @@ class AsyncCopies:
         # P2P off with a pusher there: it refuses the job and tells the destination at once.
         self._pusher_for(addr).put(job)
 
-    def _pusher_for(self, addr):
+    def _pusher_for(self, addr: tuple[str, int]) -> _Pusher:
         pusher = self._pushers.pop(addr, None)
         if pusher is None:
             while len(self._pushers) >= self.state.limits.max_peer_links:
@@ -403,7 +403,8 @@ class _Pusher:
                 try:
                     self._push(job)
                 except PeerFailure as exc:
-                    self._notify_failed(job)
+                    if exc.reason == "disabled":  # refused here, before any byte went out
+                        self._notify_failed(job)
                     copies.failed(job, exc)
                 except FleetdError as exc:  # anything else on the peer side is still the peer's
                     self._drop_link()
