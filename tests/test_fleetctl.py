@@ -467,7 +467,10 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run([*probe, ep(a), "--timeout", "5"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout) == {"version": "7.0.0", "features": int(Feature.PEER_COPY)}
+    assert json.loads(p.stdout) == {
+        "version": "7.0.0",
+        "features": int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC),
+    }
     p = subprocess.run(
         [*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"],
         capture_output=True,

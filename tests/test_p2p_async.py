@@ -364,9 +364,9 @@ def test_a_pipeline_with_asynchronous_boundaries_matches_the_hub(fleetd_server):
 
 
 def test_a_stream_holds_a_bounded_number_of_copies_not_waited_for(pair, monkeypatch):
-    from fleetd.server import peer_async
+    from fleetd.server import peer_streams
 
-    monkeypatch.setattr(peer_async, "MAX_UNWAITED", 2)
+    monkeypatch.setattr(peer_streams, "MAX_UNWAITED", 2)
     p = pair()
     short_waits(p.dst_srv)
     seqs = [p.copy(values(i)) for i in (1, 2, 3)]

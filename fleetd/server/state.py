@@ -19,8 +19,8 @@ from fleetd.compute.buffers import BufferRegistry
 from fleetd.compute.device import Device, make_device
 from fleetd.server.cache_dir import CacheDir
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
-from fleetd.server.peer_async import PeerMemory, PeerStreams
 from fleetd.server.peer_policy import PeerCounters, PeerPolicy, PeerTimeouts
+from fleetd.server.peer_streams import PeerMemory, PeerStreams
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
 
