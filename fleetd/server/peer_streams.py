@@ -172,12 +172,3 @@ class PeerStreams:
                     if isinstance(slot, Staged):
                         self.memory.release(len(slot.data))
             self._cond.notify_all()
-
-    def staged_bytes(self) -> int:
-        with self._cond:
-            return sum(
-                len(s.data)
-                for st in self._streams.values()
-                for s in st.slots.values()
-                if isinstance(s, Staged)
-            )

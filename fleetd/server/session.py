@@ -25,7 +25,7 @@ from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.peer_async import AsyncCopies
 from fleetd.server.stats import CommandCounters
-from fleetd.transport.stream import set_recv_timeout, set_send_timeout
+from fleetd.transport.stream import closed_by_peer, set_recv_timeout, set_send_timeout
 from fleetd.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -347,13 +347,19 @@ class Session:
             self.read_body(chunk, what)
 
     def client_gone(self) -> bool:
-        """The client closed its end (a peek, no byte consumed); bytes waiting mean it is there."""
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+        """The client closed its end of the connection (never blocks)."""
+        return closed_by_peer(self.sock)
+
+    def send_data(self, data: memoryview) -> int:
+        """A DataReply (GET_TENSOR's, PEER_TAKE's): small ones joined with their header into one
+        send, large ones sent from their own memory; returns the bytes sent."""
+        header = DataReply.header(len(data))
+        if len(data) <= SMALL_RESPONSE:
+            self.sock.sendall(header + bytes(data))
+        else:
+            self.sock.sendall(header)
+            self.sock.sendall(data)
+        return len(header) + len(data)
 
     def local_addr(self) -> str | None:
         """The IP address the client reached this daemon on (None off TCP, e.g. a socket pair);
@@ -500,13 +506,7 @@ def on_set_tensor_hash(s: Session, ev: SetTensorHash) -> int:
 
 def on_get_tensor(s: Session, ev: GetTensor) -> int:
     buf, start = s.region(ev.tensor, ev.offset, ev.size, "GET_TENSOR")
-    header = DataReply.header(ev.size)
-    if ev.size <= SMALL_RESPONSE:
-        s.sock.sendall(header + buf.array[start : start + ev.size].tobytes())
-    else:
-        s.sock.sendall(header)
-        s.sock.sendall(memoryview(buf.array)[start : start + ev.size])
-    return len(header) + ev.size
+    return s.send_data(memoryview(buf.array)[start : start + ev.size])
 
 
 def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
@@ -684,12 +684,7 @@ def on_peer_wait(s: Session, ev: PeerWait) -> int:
 
 def on_peer_take(s: Session, ev: PeerTake) -> int:
     """PEER_TAKE: the bytes a failed asynchronous copy kept, as GET_TENSOR's reply."""
-    data = s.async_copies.take(ev.stream, ev.seq, ev.size)
-    header = DataReply.header(len(data))
-    s.sock.sendall(header + data if len(data) <= SMALL_RESPONSE else header)
-    if len(data) > SMALL_RESPONSE:
-        s.sock.sendall(data)
-    return len(header) + len(data)
+    return s.send_data(memoryview(s.async_copies.take(ev.stream, ev.seq, ev.size)))
 
 
 HANDLERS = {

@@ -44,6 +44,17 @@ def set_io_timeout(sock: socket.socket, recv: float | None = None, send: float |
     set_send_timeout(sock, send)
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """The other end closed its side: a peek that consumes nothing and never blocks (bytes
+    waiting mean it is still there)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
 def send_parts(sock: socket.socket, parts) -> int:
     """Write `parts` (bytes-like, in order) with as few sendmsg calls as the kernel allows: a
     request header, its data straight from the tensor's memory and a following small request
@@ -118,12 +129,7 @@ class TcpStream:
 
     def closed_by_peer(self) -> bool:
         """The other end closed meanwhile (a cached connection to reopen); never blocks."""
-        try:
-            return self.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
+        return closed_by_peer(self.socket)
 
     def close(self) -> None:
         try:
