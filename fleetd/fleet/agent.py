@@ -275,7 +275,22 @@ def op_undo_service_user(p):
 
 
 def _remove_user(root, name):
-    subprocess.run(["userdel", name], capture_output=True, timeout=60)
+    # userdel refuses (exit 8) while a process runs as the user: the daemon's compute workers can
+    # outlive the supervisor by a moment. They are this install's, so they go first.
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        uid = None
+    deadline = time.monotonic() + 10
+    while True:
+        if uid is not None:
+            _kill_processes_of(uid)
+        rc = subprocess.run(["userdel", name], capture_output=True, timeout=60).returncode
+        if rc != 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     subprocess.run(["groupdel", name], capture_output=True, timeout=60)  # --user-group's, if left
     try:
         os.unlink(os.path.join(root, ".service-user"))
@@ -497,6 +512,20 @@ def op_remove_release(p):
 
     shutil.rmtree(os.path.join(_root(p), "releases", p["release"]), ignore_errors=True)
     return {"removed": p["release"]}
+
+
+def _kill_processes_of(uid):
+    """SIGKILL every process whose real uid is `uid` (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                real = next(line.split()[1] for line in f if line.startswith("Uid:"))
+            if int(real) == uid:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, StopIteration, ValueError):
+            pass  # gone meanwhile
 
 
 def op_uninstall(p):
