@@ -1,14 +1,18 @@
 """The client half: the pinned llama.cpp tools with scripts/llama-extra/ggml-rpc-p2p.patch take
 the direct path over a fleet of fleetd, and nothing else changes.
 
-- `llama-completion -sm layer --rpc A,B[,C]`: the same greedy text with GGML_RPC_P2P=0 and 1;
-  with 1, one COPY_TENSOR_TO per RPC-to-RPC boundary per step (counted by the source nodes),
-  and as many GET_TENSOR and SET_TENSOR fewer at the coordinator's end (GGML_RPC_STATS=1).
+- `llama-completion -sm layer --rpc A,B[,C]`: the same greedy text with GGML_RPC_P2P=0, sync and
+  1; with sync, one COPY_TENSOR_TO per RPC-to-RPC boundary per step (counted by the source
+  nodes); with 1 (the default), one COPY_TENSOR_TO_ASYNC there and one PEER_WAIT at the
+  destination instead; either way as many GET_TENSOR and SET_TENSOR fewer at the coordinator's
+  end (GGML_RPC_STATS=1).
 - A mixed fleet (a stock ggml-rpc-server as source or destination): same text, never a copy.
 - The runtime switch under a running `llama-server`: p2p off on the source -> fallbacks counted
   by reason and the hub path; on again -> copies again within seconds; every answer identical.
 - Ordering: a destination whose coordinator connection is slowed on purpose (a delaying proxy)
-  still computes on the copied data, never on stale data.
+  still computes on the copied data, never on stale data (both copies).
+- Asynchronous copy under that switch: pushes refused at the source -> the destination's worker
+  takes the bytes back (PEER_TAKE) and writes them itself before its next graph.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def counts(srv) -> dict[str, int]:
     doc = control(srv)
     out = {name: c["count"] for name, c in doc["total"]["commands"].items()}
     out["copies_ok"] = doc["peer"]["copies_ok"]
+    out["copies_taken"] = doc["peer"]["copies_taken"]
     out.update({f"fallback_{k}": v for k, v in doc["peer"]["fallbacks"].items()})
     return out
 
@@ -107,27 +112,38 @@ def servers_with_control(fleetd_server, n: int):
     return [fleetd_server(control_port=0) for _ in range(n)]
 
 
+COPY_COMMAND = {"sync": "COPY_TENSOR_TO", "1": "COPY_TENSOR_TO_ASYNC"}
+OTHER_COPY = {"sync": "COPY_TENSOR_TO_ASYNC", "1": "COPY_TENSOR_TO"}
+
+
 @pytest.mark.parametrize("nodes", [2, 3])
-def test_direct_path_same_text_fewer_coordinator_commands(fleetd_server, model, nodes):
+@pytest.mark.parametrize("p2p", ["sync", "1"], ids=["sync", "async"])
+def test_direct_path_same_text_fewer_coordinator_commands(fleetd_server, model, nodes, p2p):
     servers = servers_with_control(fleetd_server, nodes)
     eps = [endpoint(s) for s in servers]
     hub_text, hub_client = complete(model, eps, "0")
     hub_nodes = [counts(s) for s in servers]
-    direct_text, direct_client = complete(model, eps, "1")
+    direct_text, direct_client = complete(model, eps, p2p)
     direct_nodes = [{k: v - hub_nodes[i][k] for k, v in counts(s).items()} for i, s in enumerate(servers)]
+    copy = COPY_COMMAND[p2p]
 
     assert direct_text == hub_text and len(hub_text) > len(PROMPT)
-    assert all(c["COPY_TENSOR_TO"] == 0 for c in hub_nodes)
+    assert all(c["COPY_TENSOR_TO"] == c["COPY_TENSOR_TO_ASYNC"] == 0 for c in hub_nodes)
     # Every boundary RPCi -> RPCi+1 is pushed by node i, once per graph its successor computes.
     for i in range(nodes - 1):
         src, dst = direct_nodes[i], direct_nodes[i + 1]
         steps = dst["GRAPH_COMPUTE"] + dst["GRAPH_RECOMPUTE"]
         assert steps > 0
-        assert src["COPY_TENSOR_TO"] == steps, (i, src, dst)
+        assert src[copy] == steps and src[OTHER_COPY[p2p]] == 0, (i, src, dst)
         assert src["copies_ok"] == steps
-    assert direct_nodes[-1]["COPY_TENSOR_TO"] == 0
-    copies = sum(c["COPY_TENSOR_TO"] for c in direct_nodes)
-    assert direct_client.get("COPY_TENSOR_TO", 0) == copies
+        if p2p == "1":  # the destination writes each copy at its PEER_WAIT; one stream per pair
+            assert dst["PEER_WAIT"] == steps and dst["PEER_STREAM"] == 1, (i, dst)
+            assert dst["PEER_PUSH"] == steps and src["PEER_TAKE"] == 0
+    assert direct_nodes[-1][copy] == 0
+    copies = sum(c[copy] for c in direct_nodes)
+    assert direct_client.get(copy, 0) == copies
+    assert direct_client.get(OTHER_COPY[p2p], 0) == 0
+    assert direct_client.get("PEER_WAIT", 0) == (copies if p2p == "1" else 0)
     assert hub_client["GET_TENSOR"] - direct_client["GET_TENSOR"] == copies
     assert hub_client["SET_TENSOR"] - direct_client["SET_TENSOR"] == copies
 
@@ -140,8 +156,9 @@ def test_mixed_fleet_falls_back_and_matches(fleetd_server, stock_server, model, 
     hub_text, _ = complete(model, eps, "0")
     direct_text, client = complete(model, eps, "1")
     assert direct_text == hub_text
-    assert client.get("COPY_TENSOR_TO", 0) == 0  # a stock server never advertises the feature
-    assert counts(ours)["COPY_TENSOR_TO"] == 0
+    # a stock server never advertises the features
+    assert client.get("COPY_TENSOR_TO", 0) == client.get("COPY_TENSOR_TO_ASYNC", 0) == 0
+    assert counts(ours)["COPY_TENSOR_TO"] == counts(ours)["COPY_TENSOR_TO_ASYNC"] == 0
 
 
 class SlowProxy:
@@ -198,24 +215,28 @@ class SlowProxy:
         self.listener.close()
 
 
-def test_peer_write_never_overtakes_a_slow_destination(fleetd_server, model):
+@pytest.mark.parametrize("p2p", ["sync", "1"], ids=["sync", "async"])
+def test_peer_write_never_overtakes_a_slow_destination(fleetd_server, model, p2p):
     a, b = servers_with_control(fleetd_server, 2)
     proxy = SlowProxy(b.address[:2], delay=0.02)
     try:
         eps = [endpoint(a), f"127.0.0.1:{proxy.port}"]
         hub_text, _ = complete(model, eps, "0", n=24)
-        direct_text, client = complete(model, eps, "1", n=24)
+        direct_text, client = complete(model, eps, p2p, n=24)
     finally:
         proxy.close()
-    # The direct path did run, through the proxy. The client fences the destination with a
-    # PEER_BARRIER only when it left commands there unanswered (llama's decode usually ends a
-    # step with a GET_TENSOR, which answers for everything before it): either way no push may
-    # land before the destination ran what was queued, so the text is the hub's.
-    assert client.get("COPY_TENSOR_TO", 0) > 0
+    # The direct path did run, through the proxy. Sync: the client fences the destination with
+    # a PEER_BARRIER only when it left commands there unanswered (llama's decode usually ends a
+    # step with a GET_TENSOR, which answers for everything before it). Async: pushes arrive
+    # long before the slowed commands and wait, staged, for their PEER_WAIT. Either way no push
+    # may land before the destination ran what was queued, so the text is the hub's.
+    assert client.get(COPY_COMMAND[p2p], 0) > 0
+    assert counts(a)["copies_ok"] == client[COPY_COMMAND[p2p]]
     assert direct_text == hub_text
 
 
-def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
+@pytest.mark.parametrize("p2p", ["sync", "1"], ids=["sync", "async"])
+def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path, p2p):
     a, b = servers_with_control(fleetd_server, 2)
     port = free_port()
     log = open(tmp_path / "llama-server.log", "wb")
@@ -241,7 +262,7 @@ def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, GGML_RPC_P2P="1"),
+        env=dict(os.environ, GGML_RPC_P2P=p2p),
     )
     try:
         deadline = time.monotonic() + 120
@@ -284,6 +305,8 @@ def test_runtime_switch_under_llama_server(fleetd_server, model, tmp_path):
         hub_steps_before = counts(b)["SET_TENSOR"]
         off += [ask(), ask()]
         assert counts(b)["SET_TENSOR"] > hub_steps_before  # the hidden state came through the hub
+        if p2p == "1":  # refused pushes: the client took the source's bytes back to write them
+            assert counts(a)["copies_taken"] > 0 and counts(a)["PEER_TAKE"] == counts(a)["copies_taken"]
         control(a, "PUT", "/v1/p2p", {"enabled": True})
         copies_at_on = counts(a)["copies_ok"]
         t_on = time.monotonic()
