@@ -3,7 +3,7 @@ the direct path over a fleet of fleetd, and nothing else changes.
 
 - `llama-completion -sm layer --rpc A,B[,C]`: the same greedy text with GGML_RPC_P2P=0, sync and
   1; with sync, one COPY_TENSOR_TO per RPC-to-RPC boundary per step (counted by the source
-  nodes); with 1 (the default), one COPY_TENSOR_TO_ASYNC there and one PEER_WAIT at the
+  nodes); with 1 (the default), one COPY_TENSOR_TO_ASYNC there and one PEER_GATE at the
   destination instead; either way as many GET_TENSOR and SET_TENSOR fewer at the coordinator's
   end (GGML_RPC_STATS=1).
 - A mixed fleet (a stock ggml-rpc-server as source or destination): same text, never a copy.
@@ -136,14 +136,14 @@ def test_direct_path_same_text_fewer_coordinator_commands(fleetd_server, model, 
         assert steps > 0
         assert src[copy] == steps and src[OTHER_COPY[p2p]] == 0, (i, src, dst)
         assert src["copies_ok"] == steps
-        if p2p == "1":  # the destination writes each copy at its PEER_WAIT; one stream per pair
-            assert dst["PEER_WAIT"] == steps and dst["PEER_STREAM"] == 1, (i, dst)
+        if p2p == "1":  # the destination writes each copy at its PEER_GATE; one stream per pair
+            assert dst["PEER_GATE"] == steps and dst["PEER_STREAM"] == 1, (i, dst)
             assert dst["PEER_PUSH"] == steps and src["PEER_TAKE"] == 0
     assert direct_nodes[-1][copy] == 0
     copies = sum(c[copy] for c in direct_nodes)
     assert direct_client.get(copy, 0) == copies
     assert direct_client.get(OTHER_COPY[p2p], 0) == 0
-    assert direct_client.get("PEER_WAIT", 0) == (copies if p2p == "1" else 0)
+    assert direct_client.get("PEER_GATE", 0) == (copies if p2p == "1" else 0)
     assert hub_client["GET_TENSOR"] - direct_client["GET_TENSOR"] == copies
     assert hub_client["SET_TENSOR"] - direct_client["SET_TENSOR"] == copies
 
@@ -228,7 +228,7 @@ def test_peer_write_never_overtakes_a_slow_destination(fleetd_server, model, p2p
     # The direct path did run, through the proxy. Sync: the client fences the destination with
     # a PEER_BARRIER only when it left commands there unanswered (llama's decode usually ends a
     # step with a GET_TENSOR, which answers for everything before it). Async: pushes arrive
-    # long before the slowed commands and wait, staged, for their PEER_WAIT. Either way no push
+    # long before the slowed commands and wait, staged, for their PEER_GATE. Either way no push
     # may land before the destination ran what was queued, so the text is the hub's.
     assert client.get(COPY_COMMAND[p2p], 0) > 0
     assert counts(a)["copies_ok"] == client[COPY_COMMAND[p2p]]

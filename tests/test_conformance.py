@@ -465,7 +465,7 @@ def _probe(ep: str) -> tuple[int, dict]:
 
 def test_probe_prints_hello_of_stock_and_fleetd_and_fails_on_a_closed_port(stock_server, fleetd_server):
     assert _probe(stock_server()) == (0, {"version": "7.0.0", "features": 0})
-    assert _probe(endpoint(fleetd_server())) == (0, {"version": "7.0.0", "features": 3})
+    assert _probe(endpoint(fleetd_server())) == (0, {"version": "7.0.0", "features": 7})
     assert _probe(endpoint(fleetd_server(p2p=False))) == (0, {"version": "7.0.0", "features": 0})
     rc, doc = _probe(f"127.0.0.1:{free_port()}")
     assert rc == 1 and set(doc) == {"error"} and "refused" in doc["error"]

@@ -90,8 +90,9 @@ def test_status_lists_devices_sessions_and_p2p(fleetd_server):
         "bits": srv.state.features(),
         "peer_copy": True,
         "peer_copy_async": True,
+        "peer_gate": True,
     }
-    assert st["features"]["bits"] == Feature.PEER_COPY | Feature.PEER_COPY_ASYNC
+    assert st["features"]["bits"] == Feature.ALL
     assert st["p2p"]["enabled"] is True
     assert [d["name"] for d in st["devices"]] == [d.name for d in srv.state.devices]
     assert all(0 < d["free"] <= d["total"] for d in st["devices"])

@@ -469,7 +469,7 @@ def test_probe_prints_hello_as_one_json_line(fleetd_server):
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {
         "version": "7.0.0",
-        "features": int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC),
+        "features": int(Feature.ALL),
     }
     p = subprocess.run(
         [*probe, f"127.0.0.1:{free_port()}", "--timeout", "2"],

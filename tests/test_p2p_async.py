@@ -1,4 +1,4 @@
-"""The asynchronous peer copy (COPY_TENSOR_TO_ASYNC, PEER_STREAM/PUSH/WAIT/TAKE): real servers on
+"""The asynchronous peer copy (COPY_TENSOR_TO_ASYNC, PEER_STREAM/PUSH/WAIT/TAKE/GATE/RESUME): real servers on
 loopback in this process, fleetd's own client. Every failure the protocol names ends in a
 PEER_WAIT of 0 and the source's kept bytes, never a hang and never a stale result; every wait
 is bounded (the pytest timeout fails a hang)."""
@@ -88,10 +88,10 @@ def held(*servers) -> list[int]:
     return [s.state.peer_memory.held for s in servers]
 
 
-def test_hello_advertises_both_bits_and_p2p_off_clears_them(fleetd_server):
+def test_hello_advertises_the_three_bits_and_p2p_off_clears_them(fleetd_server):
     srv = fleetd_server()
     with RpcClient(endpoint(srv), BOUNDED) as c:
-        assert c.features == Feature.PEER_COPY | Feature.PEER_COPY_ASYNC
+        assert c.features == Feature.ALL
     srv.state.set_p2p(False)
     with RpcClient(endpoint(srv), BOUNDED) as c:
         assert c.features == Feature(0)
@@ -189,6 +189,52 @@ def test_a_failed_push_answers_the_wait_0_and_the_source_keeps_the_bytes(pair, c
     assert stats["fallbacks"] == {r: 1 if r == reason else 0 for r in FALLBACK_REASONS}
     assert stats["copies_taken"] == 1
     _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])  # the source lets go once the ack is read
+
+
+def test_a_gate_lets_the_commands_sent_behind_it_run_on_the_copied_bytes(pair):
+    """PEER_GATE: the client sends on at once; what follows the gate runs after the write."""
+    p = pair()
+    a = values(1)
+    seq = p.copy(a)
+    p.cd.peer_gate(p.stream, seq)
+    # behind the gate, before its answer: a memset of the copy's second half must come after it
+    p.cd.memset_tensor(p.td, NB // 2, NB // 2, 0)
+    assert p.cd.gate_result() is True
+    assert p.cd.get_tensor(p.td) == a[: NB // 2] + bytes(NB // 2)
+    assert p.dst_srv.state.peer_stats.as_dict()["gates_failed"] == 0
+
+
+@pytest.mark.parametrize("case", ["nothing_came", "src_p2p_off"])
+def test_a_failed_gate_skips_what_follows_until_resume(pair, case):
+    """A gate of 0: the commands behind it are skipped (a streamed SET_TENSOR's data too), so
+    none runs on the old bytes; after PEER_RESUME the client writes the copy and sends them
+    again, and the session carries on."""
+    p = pair()
+    short_waits(p.dst_srv, 0.3)
+    a, later = values(1), values(7)
+    if case == "src_p2p_off":
+        assert p.cd.peer_wait(p.stream, p.copy(values(0))) is True  # the link is open now
+        p.src_srv.state.set_p2p(False)
+        short_waits(p.dst_srv, 30.0)  # the source's notice answers the gate, not the timeout
+        seq = p.copy(a)
+    else:
+        seq = 1  # never sent: the gate runs out
+    old = p.cd.get_tensor(p.td)
+    p.cd.peer_gate(p.stream, seq)
+    p.cd.set_tensor(p.td, later)  # skipped: it would have run on the tensor's old bytes
+    p.cd.memset_tensor(p.td, 0, 4, 0xFF)  # skipped too
+    assert p.cd.gate_result() is False
+    p.cd.peer_resume()
+    assert p.cd.get_tensor(p.td) == old  # nothing behind the gate ran
+    stats = p.dst_srv.state.peer_stats.as_dict()
+    assert (stats["gates_failed"], stats["commands_skipped"]) == (1, 2)
+    if case == "src_p2p_off":
+        _take_and_set(p, seq, a)
+    p.cd.set_tensor(p.td, later)  # the client's replay: served again
+    assert p.cd.get_tensor(p.td) == later
+    assert p.dst_srv.state.peer_stats.as_dict()["commands_skipped"] == 2
+    p.cd.peer_resume()  # a resume with nothing skipped is a no-op
+    assert p.cd.get_tensor(p.td) == later
 
 
 def test_a_push_that_comes_after_its_wait_gave_up_is_refused_as_late(pair):

@@ -38,6 +38,8 @@ from fleetd.wire import (
     InitTensor,
     MemsetTensor,
     PeerBarrier,
+    PeerGate,
+    PeerResume,
     PeerStream,
     PeerTake,
     PeerWait,
@@ -211,6 +213,22 @@ class RpcClient:
     def peer_wait(self, stream: int, seq: int) -> bool:
         """On the destination: True once copy `seq` is written; False: take it from the source."""
         return bool(self._call(PeerWait(stream, seq)).landed)
+
+    def peer_gate(self, stream: int, seq: int) -> None:
+        """On the destination: PEER_WAIT without waiting; read its answer with gate_result()
+        before any other reply. If it is False, the server skips everything sent after the gate
+        until peer_resume()."""
+        self._send(PeerGate(stream, seq))
+
+    def gate_result(self) -> bool:
+        """The answer of the oldest PEER_GATE not read yet."""
+        event = self.channel.reply("PEER_GATE response")
+        self.counters.received(PeerGate.cmd, self.channel.conn.response_bytes)
+        return bool(event.landed)
+
+    def peer_resume(self) -> None:
+        """End the skipping a failed PEER_GATE started."""
+        self._send(PeerResume())
 
     def peer_take(self, stream: int, seq: int, size: int) -> bytearray:
         """On the source: the bytes of a copy whose push failed (after PEER_WAIT said 0)."""

@@ -107,6 +107,7 @@ def status_doc(state: ServerState) -> dict:
             "bits": int(features),
             "peer_copy": bool(features & Feature.PEER_COPY),
             "peer_copy_async": bool(features & Feature.PEER_COPY_ASYNC),
+            "peer_gate": bool(features & Feature.PEER_GATE),
         },
         "rpc": {"host": host, "port": port},
         "devices": [
@@ -204,6 +205,11 @@ class FleetdCollector:
             "fleetd_peer_copies_taken",
             "asynchronous copies whose push failed and whose bytes the client took (PEER_TAKE)",
             value=peer["copies_taken"],
+        )
+        yield CounterMetricFamily(
+            "fleetd_peer_gates_failed",
+            "PEER_GATEs answered 0: the session skipped commands until the client's PEER_RESUME",
+            value=peer["gates_failed"],
         )
         yield GaugeMetricFamily(
             "fleetd_peer_held_bytes",

@@ -48,6 +48,8 @@ class PeerCounters:
         self.bytes_confirmed = 0  # data whose PEER_BARRIER answered 1
         self.links_opened = 0
         self.copies_taken = 0  # asynchronous copies that failed and the client took (PEER_TAKE)
+        self.gates_failed = 0  # PEER_GATEs answered 0 (the session then skips until PEER_RESUME)
+        self.commands_skipped = 0  # commands read and not served after a failed PEER_GATE
         self.fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
 
     def reset(self) -> None:
@@ -71,6 +73,14 @@ class PeerCounters:
         with self._lock:
             self.copies_taken += 1
 
+    def gate_failed(self) -> None:
+        with self._lock:
+            self.gates_failed += 1
+
+    def skipped(self) -> None:
+        with self._lock:
+            self.commands_skipped += 1
+
     def fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks[reason] += 1
@@ -83,6 +93,8 @@ class PeerCounters:
                 "bytes_confirmed": self.bytes_confirmed,
                 "links_opened": self.links_opened,
                 "copies_taken": self.copies_taken,
+                "gates_failed": self.gates_failed,
+                "commands_skipped": self.commands_skipped,
                 "fallbacks": dict(self.fallbacks),
             }
 

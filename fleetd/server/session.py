@@ -34,6 +34,7 @@ from fleetd.wire import (
     BufferClear,
     BufferGetBase,
     BufferGetBaseReply,
+    Cmd,
     CopyTensor,
     CopyTensorReply,
     CopyTensorTo,
@@ -60,8 +61,10 @@ from fleetd.wire import (
     MemsetTensor,
     PeerBarrier,
     PeerBarrierReply,
+    PeerGate,
     PeerPush,
     PeerPushReply,
+    PeerResume,
     PeerStream,
     PeerStreamReply,
     PeerTake,
@@ -138,6 +141,9 @@ class Session:
         )  # this session's links to COPY_TENSOR_TO destinations
         # this session's COPY_TENSOR_TO_ASYNC copies: pushers, unsettled and kept copies
         self.async_copies = AsyncCopies(state, f"session {sid} {self.peer}")
+        # A PEER_GATE answered 0: every command until PEER_RESUME is skipped (the client sends
+        # them again once it wrote the copy itself).
+        self.skipping = False
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._local_addr: str | None | object = _UNKNOWN
@@ -204,9 +210,19 @@ class Session:
                     self._charge(conn.held)
                 continue
             cmd = event.cmd
-            sent = HANDLERS[type(event)](self, event)
+            if self.skipping and cmd != Cmd.PEER_RESUME:
+                sent = self._skip(event)
+            else:
+                sent = HANDLERS[type(event)](self, event)
             self._request_waited, self._request_got = 0.0, 0  # the next request starts afresh
             record(cmd, conn.request_bytes, sent)
+
+    def _skip(self, event) -> int:
+        """A command after a failed PEER_GATE: read (its streamed body too) and not served."""
+        if self.conn.body_remaining:
+            self.discard_body(event.cmd.name)
+        self.state.peer_stats.skipped()
+        return 0
 
     def recv_in_request(self, into: memoryview) -> int:
         """recv_into for bytes of a request already started (or of the first, before HELLO):
@@ -660,26 +676,46 @@ def on_peer_push(s: Session, ev: PeerPush) -> int:
     return s.respond(PeerPushReply(1))
 
 
-def on_peer_wait(s: Session, ev: PeerWait) -> int:
-    """PEER_WAIT: the staged copy written into its tensor here, in this connection's command
-    order (1), or 0 when it was refused, did not come in time or its buffer is gone."""
-    state = s.state
+def _write_staged(s: Session, ev: PeerWait | PeerGate) -> bool:
+    """The staged copy written into its tensor here, in this connection's command order; False
+    when it was refused, did not come in time or its buffer is gone."""
+    state, what = s.state, ev.cmd.name
     t = state.peer_timeouts
     staged = state.peer_streams.wait(ev.stream, ev.seq, s.id, t.wait, t.transfer, s.client_gone)
     if staged is None:
-        log.info("session %d %s: PEER_WAIT seq %d -> 0: not staged in time or refused", s.id, s.peer, ev.seq)
-        return s.respond(PeerWaitReply(0))
+        log.info("session %d %s: %s seq %d -> 0: not staged in time or refused", s.id, s.peer, what, ev.seq)
+        return False
     n = len(staged.data)
     try:
-        buf, start = s.region(staged.dst, 0, n, "PEER_WAIT")
+        buf, start = s.region(staged.dst, 0, n, what)
         buf.array[start : start + n] = np.frombuffer(staged.data, np.uint8)
         buf.touched()
     except RemoteProtocolError as exc:  # freed since the push: the client's own doing
-        log.info("session %d %s: PEER_WAIT seq %d -> 0: %s", s.id, s.peer, ev.seq, str(exc))
-        return s.respond(PeerWaitReply(0))
+        log.info("session %d %s: %s seq %d -> 0: %s", s.id, s.peer, what, ev.seq, str(exc))
+        return False
     finally:
         state.peer_memory.release(n)
-    return s.respond(PeerWaitReply(1))
+    return True
+
+
+def on_peer_wait(s: Session, ev: PeerWait) -> int:
+    """PEER_WAIT: 1 once the copy is written here, 0 when it is not (the client takes it)."""
+    return s.respond(PeerWaitReply(int(_write_staged(s, ev))))
+
+
+def on_peer_gate(s: Session, ev: PeerGate) -> int:
+    """PEER_GATE: PEER_WAIT whose client sent on without waiting; on 0 the session skips what
+    follows until PEER_RESUME, so nothing after the gate runs on the tensor's old bytes."""
+    landed = _write_staged(s, ev)
+    if not landed:
+        s.skipping = True
+        s.state.peer_stats.gate_failed()
+    return s.respond(PeerWaitReply(int(landed)))
+
+
+def on_peer_resume(s: Session, ev: PeerResume) -> int:
+    s.skipping = False
+    return 0
 
 
 def on_peer_take(s: Session, ev: PeerTake) -> int:
@@ -713,4 +749,6 @@ HANDLERS = {
     PeerPush: on_peer_push,
     PeerWait: on_peer_wait,
     PeerTake: on_peer_take,
+    PeerGate: on_peer_gate,
+    PeerResume: on_peer_resume,
 }

@@ -173,7 +173,7 @@ class ServerState:
         self.p2p_enabled = enabled
 
     def features(self) -> int:
-        return int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC) if self.p2p_enabled else 0
+        return int(Feature.ALL) if self.p2p_enabled else 0
 
     # -- sessions and their counters --------------------------------------------------------
 

@@ -79,6 +79,8 @@ class Cmd(enum.IntEnum):
     PEER_PUSH = 0x44
     PEER_WAIT = 0x45
     PEER_TAKE = 0x46
+    PEER_GATE = 0x47
+    PEER_RESUME = 0x48
 
 
 class Feature(enum.IntFlag):
@@ -86,6 +88,8 @@ class Feature(enum.IntFlag):
 
     PEER_COPY = 1  # COPY_TENSOR_TO / PEER_BARRIER served and enabled now
     PEER_COPY_ASYNC = 2  # COPY_TENSOR_TO_ASYNC, PEER_STREAM/PUSH/WAIT/TAKE served and enabled now
+    PEER_GATE = 4  # PEER_GATE / PEER_RESUME served (with bit 1): a copy's wait nobody waits for
+    ALL = PEER_COPY | PEER_COPY_ASYNC | PEER_GATE
 
 
 def cmd_name(byte: int) -> str:
@@ -540,6 +544,28 @@ class PeerWait(Request):
     seq: int
 
 
+@_fixed("QQ")
+@dataclass(frozen=True, slots=True)
+class PeerGate(Request):
+    """PEER_GATE (fleetd), to the destination, by the stream's owner: | stream u64 | seq u64 |.
+    PEER_WAIT for a client that does not wait for the answer: it sends its next commands at
+    once. An answer of 0 also means the destination skips every command after the gate, unread
+    in effect, until PEER_RESUME: the client writes the copy itself and sends them again."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_GATE
+    stream: int
+    seq: int
+
+
+@_fixed("")
+@dataclass(frozen=True, slots=True)
+class PeerResume(Request):
+    """PEER_RESUME (fleetd): empty, no response; ends the skipping a failed PEER_GATE started
+    (and is a no-op otherwise)."""
+
+    cmd: ClassVar[Cmd] = Cmd.PEER_RESUME
+
+
 @_fixed("QQQ")
 @dataclass(frozen=True, slots=True)
 class PeerTake(Request):
@@ -607,6 +633,8 @@ COMMANDS: dict[int, CommandSpec] = {
     ),
     Cmd.PEER_WAIT: CommandSpec(PeerWait, 16, response=PeerWaitReply),
     Cmd.PEER_TAKE: CommandSpec(PeerTake, 24, response=DataReply),
+    Cmd.PEER_GATE: CommandSpec(PeerGate, 16, response=PeerWaitReply),
+    Cmd.PEER_RESUME: CommandSpec(PeerResume, 0),
 }
 
 for _cmd, _spec in COMMANDS.items():
