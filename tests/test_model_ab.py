@@ -93,9 +93,12 @@ def test_model_ab_local_fleet_direct_copies_and_same_text(tmp_path, model, capsy
         assert all(
             lo <= arm["median"][k] <= hi and arm["median"][k] > 0 for k, (lo, hi) in arm["spread"].items()
         )
-    # per decode step: one boundary (RPC0 -> RPC1), one push by the nodes, none on the hub path
-    assert direct["per_step"]["nodes"]["COPY_TENSOR_TO"] == 1
-    assert hub["per_step"]["nodes"].get("COPY_TENSOR_TO", 0) == 0
+    # per decode step: one boundary (RPC0 -> RPC1), one asynchronous push and its gate at the
+    # destination, none on the hub path
+    assert direct["per_step"]["nodes"]["COPY_TENSOR_TO_ASYNC"] == 1
+    assert direct["per_step"]["nodes"]["PEER_GATE"] == 1
+    assert direct["per_step"]["client"]["PEER_GATE"]["count"] == 1
+    assert hub["per_step"]["nodes"].get("COPY_TENSOR_TO_ASYNC", 0) == 0
     assert direct["copies_ok"] > 0 and hub["copies_ok"] == 0
     hub_client, direct_client = hub["per_step"]["client"], direct["per_step"]["client"]
     assert hub_client["GET_TENSOR"]["count"] - direct_client["GET_TENSOR"]["count"] == 1

@@ -255,6 +255,8 @@ def test_fallback_destination_bounds_violated(fleetd_server):
         "bytes_confirmed": 0,
         "links_opened": 0,
         "copies_taken": 0,
+        "gates_failed": 0,
+        "commands_skipped": 0,
         "fallbacks": dict.fromkeys(FALLBACK_REASONS, 0),
     }
 

@@ -1,6 +1,7 @@
 """A/B on a real model: the patched llama.cpp tools (scripts/build-llama-p2p.sh) through the
 fleet's RPC endpoints, `-sm layer -ngl 99`, with GGML_RPC_P2P=0 (hub: every hidden state goes
-through the coordinator) and GGML_RPC_P2P=1 (direct: COPY_TENSOR_TO server to server).
+through the coordinator) and GGML_RPC_P2P=1 (direct: server to server, COPY_TENSOR_TO_ASYNC and
+PEER_GATE where both ends have them, else the synchronous COPY_TENSOR_TO).
 
     result = run_model_ab(fleet, Path("m.gguf"), rounds=3, n_prompt=128, n_gen=32)
     result.ok, result.verdict, result.arms["direct"].median["pp_tps"], result.as_dict()
@@ -51,6 +52,8 @@ TOOL_TIMEOUT_S = 900.0
 STEP_COMMANDS = (
     "COPY_TENSOR_TO",
     "PEER_BARRIER",
+    "COPY_TENSOR_TO_ASYNC",
+    "PEER_GATE",
     "GET_TENSOR",
     "SET_TENSOR",
     "GRAPH_COMPUTE",
@@ -407,12 +410,16 @@ def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> lis
             why.append(f"P2P is off on {node.name} (fleetctl p2p on)")
         elif not status.features & Feature.PEER_COPY:
             why.append(f"{node.name} does not advertise the peer-copy feature")
-    sent = sum(c["per_step"]["client"].get("COPY_TENSOR_TO", {}).get("count", 0) for c in direct)
+    sent = sum(
+        c["per_step"]["client"].get(cmd, {}).get("count", 0)
+        for c in direct
+        for cmd in ("COPY_TENSOR_TO", "COPY_TENSOR_TO_ASYNC")
+    )
     if not why:
         why.append(
-            "the client sent no COPY_TENSOR_TO"
+            "the client sent no COPY_TENSOR_TO(_ASYNC)"
             if not sent
-            else "the client sent COPY_TENSOR_TO but no node counted a copy"
+            else "the client sent peer copies but no node counted one"
         )
     return why
 

@@ -1,0 +1,267 @@
+"""Four arms side by side on the lab's emulated network (issue 20 item 5): a fleet of stock
+`ggml-rpc-server`, fleetd on the hub path, fleetd with the synchronous direct copy, fleetd
+with the asynchronous one. One lab (`fleetd.fleet.lab`), one stock server beside each fleetd in
+every node's namespace, the same patched llama.cpp tools for every arm (only the servers and
+GGML_RPC_P2P differ: 0 for stock and hub, sync, 1), the model split with `-sm layer -ngl 99`.
+
+    sudo .venv/bin/python benchmarks/lab_arms.py --nodes 3 --coordinator-link 200mbit \\
+        --peer-link 2gbit --rounds 3 [--chart docs/lab-arms.png]
+
+Per cell (an arm in a round): llama-bench pp (n_prompt tokens in micro-batches of --ubatch, so
+pipeline parallelism has several in flight) and tg; llama-batched-bench with --sequences
+sequences; llama-completion --temp 0: the md5 of the greedy text, which must be equal in every
+cell. Rounds run the arms in order and then reversed (ABBA); the table gives medians and
+min..max over rounds, ratios against the stock fleet and the hub. Peak RSS (VmHWM) of every
+server process is read at the end. Writes benchmarks/results/lab_arms.json. Needs root.
+Takes about 3 minutes per round with the defaults on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save, show  # noqa: E402
+
+from fleetd.errors import FleetError  # noqa: E402
+from fleetd.fleet.chart import write_bar_chart  # noqa: E402
+from fleetd.fleet.lab import Lab, parse_rate  # noqa: E402
+from fleetd.fleet.model_ab import PROMPT, client_stats, parse_batched_table, parse_bench_json  # noqa: E402
+from fleetd.models import generate_named  # noqa: E402
+from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
+from fleetd.tools import find_p2p_tool, find_tool  # noqa: E402
+from fleetd.transport import wait_listening  # noqa: E402
+
+ARMS = ("stock", "hub", "sync", "async")
+P2P_ENV = {"stock": "0", "hub": "0", "sync": "sync", "async": "1"}
+STOCK_PORT = DEFAULT_RPC_PORT + 1
+METRICS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "batched tok/s"}
+TOOL_TIMEOUT_S = 600
+
+
+def start_stock(lab_nodes, threads: int, log_dir: Path) -> list[subprocess.Popen]:
+    procs = []
+    exe = str(find_tool("ggml-rpc-server"))
+    for n in lab_nodes:
+        with open(log_dir / f"stock-{n.name}.log", "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        n.netns,
+                        exe,
+                        "-H",
+                        n.address,
+                        "-p",
+                        str(STOCK_PORT),
+                        "-t",
+                        str(threads),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+    for n, proc in zip(lab_nodes, procs, strict=True):
+        deadline = time.monotonic() + 30
+        while True:  # the root namespace reaches the node's address over its coordinator link
+            try:
+                wait_listening(STOCK_PORT, timeout=1.0, host=n.address)
+                break
+            except TimeoutError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise FleetError(f"stock ggml-rpc-server on {n.address} did not start") from None
+    return procs
+
+
+def run(tool: str, args: list[str], arm: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GGML_RPC_P2P=P2P_ENV[arm], GGML_RPC_STATS="1")
+    p = subprocess.run(
+        [str(find_p2p_tool(tool)), *args],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        env=env,
+        timeout=TOOL_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    if p.returncode != 0:
+        raise FleetError(f"{tool} ({arm}) exited {p.returncode}: {p.stderr.strip()[-400:]}")
+    return p
+
+
+def cell(model: Path, rpc: str, arm: str, a) -> dict:
+    base = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
+    bench = run(
+        "llama-bench",
+        [*base, "-p", str(a.n_prompt), "-n", str(a.n_gen), "-b", str(a.n_prompt), "-ub", str(a.ubatch)]
+        + ["-r", "1", "-o", "json"],
+        arm,
+    )
+    out: dict = {"arm": arm, **parse_bench_json(bench.stdout)}
+    out["bench_client"] = client_stats(bench.stderr, "llama-bench")
+    ctx = a.sequences * (a.batch_prompt + a.batch_gen) + 16
+    for _ in range(3):  # llama's log thread can drop the table at exit on a busy machine
+        batched = run(
+            "llama-batched-bench",
+            [*base, "-c", str(ctx), "-npp", str(a.batch_prompt), "-ntg", str(a.batch_gen)]
+            + ["-npl", str(a.sequences), "-b", str(a.batch_prompt * a.sequences), "-ub", str(a.ubatch)],
+            arm,
+        )
+        rows = parse_batched_table(batched.stdout + "\n" + batched.stderr)
+        if rows:
+            break
+    else:
+        raise FleetError(f"llama-batched-bench ({arm}): no table in 3 runs")
+    out["batched_tps"] = rows[-1]["s"]
+    for _ in range(3):
+        text = run(
+            "llama-completion",
+            [*base, "-p", PROMPT, "-n", str(a.text_gen), "--temp", "0", "--seed", "1", "-no-cnv"],
+            arm,
+        )
+        if text.stdout.endswith("\n\n"):
+            break
+    out["md5"] = hashlib.md5(text.stdout.encode()).hexdigest()
+    out["pipeline_parallel"] = "pipeline parallelism enabled" in text.stderr
+    return out
+
+
+def peak_rss_mib(pids: list[int]) -> list[float]:
+    out = []
+    for pid in pids:
+        try:
+            line = next(
+                x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM")
+            )
+            out.append(int(line.split()[1]) / 1024)
+        except (OSError, StopIteration):
+            out.append(float("nan"))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--coordinator-link", default="200mbit")
+    ap.add_argument("--peer-link", default="2gbit")
+    ap.add_argument("--model", default="llama-f16-wide", help="a fleetd.models name (default llama-f16-wide)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--ubatch", type=int, default=128, help="micro-batch (default 128: 4 per prompt)")
+    ap.add_argument("--n-gen", type=int, default=64)
+    ap.add_argument("--sequences", type=int, default=4, help="llama-batched-bench sequences (default 4)")
+    ap.add_argument("--batch-prompt", type=int, default=128)
+    ap.add_argument("--batch-gen", type=int, default=32)
+    ap.add_argument("--text-gen", type=int, default=32, help="greedy tokens for the md5 (default 32)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--chart", help="write a PNG bar chart here")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
+    a = ap.parse_args()
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    bad = [x for x in arms if x not in ARMS]
+    if bad or not arms:
+        ap.error(f"--arms: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(ARMS)}")
+    try:
+        coord, peer = parse_rate(a.coordinator_link), parse_rate(a.peer_link)
+    except ValueError as exc:
+        ap.error(str(exc))
+    work = Path(tempfile.mkdtemp(prefix="lab-arms-"))
+    model = generate_named(a.model, work)
+    lab = Lab(work / "lab")
+    stock: list[subprocess.Popen] = []
+    try:
+        lab_nodes = lab.up(a.nodes, coord, peer)
+        stock = start_stock(lab_nodes, 1, work)
+        rpc = {
+            "stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes),
+            **{arm: ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes) for arm in ARMS[1:]},
+        }
+        rounds = []
+        for r in range(a.rounds):
+            order = arms if r % 2 == 0 else arms[::-1]
+            cells = []
+            for arm in order:
+                print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
+                cells.append(cell(model, rpc[arm], arm, a))
+            rounds.append({"round": r + 1, "order": order, "cells": cells})
+        rss = {
+            "stock": peak_rss_mib([p.pid for p in stock]),
+            "fleetd": peak_rss_mib(lab.state.get("pids", [])),
+        }
+    finally:
+        for p in stock:
+            p.terminate()
+        for p in stock:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        lab.down()
+
+    by_arm = {arm: [c for rd in rounds for c in rd["cells"] if c["arm"] == arm] for arm in arms}
+    summary = {
+        arm: {
+            m: {
+                "median": statistics.median(c[m] for c in cells),
+                "min": min(c[m] for c in cells),
+                "max": max(c[m] for c in cells),
+            }
+            for m in METRICS
+        }
+        for arm, cells in by_arm.items()
+    }
+    md5s = {c["md5"] for rd in rounds for c in rd["cells"]}
+    rows = []
+    for m, label in METRICS.items():
+        for arm in arms:
+            s = summary[arm][m]
+            vs = [
+                f"{s['median'] / summary[ref][m]['median']:.2f}" if ref in summary and ref != arm else "-"
+                for ref in ("stock", "hub")
+            ]
+            rows.append([label, arm, f"{s['median']:.1f}", f"{s['min']:.1f}..{s['max']:.1f}", *vs])
+    show(
+        f"{a.nodes} nodes, coordinator links {a.coordinator_link}, peer links {a.peer_link}, "
+        f"{model.name}, {a.rounds} rounds (ABBA)",
+        ["metric", "arm", "median", "min..max", "x stock", "x hub"],
+        rows,
+    )
+    print(f"greedy text md5 equal in every cell: {len(md5s) == 1} ({', '.join(sorted(md5s))})")
+    pp = {c["pipeline_parallel"] for rd in rounds for c in rd["cells"]}
+    print(f"llama.cpp logged 'pipeline parallelism enabled': {sorted(pp)}")
+    print(f"peak RSS MiB per node: stock {rss['stock']}, fleetd daemon {rss['fleetd']}")
+    doc = {
+        "settings": {k: v for k, v in vars(a).items() if k not in ("chart", "out")},
+        "model": model.name,
+        "summary": summary,
+        "md5_equal": len(md5s) == 1,
+        "peak_rss_mib": rss,
+        "rounds": rounds,
+    }
+    print(f"wrote {save('lab_arms', doc, a.out)}")
+    if a.chart:
+        panels = {
+            label: {
+                arm: (summary[arm][m]["median"], summary[arm][m]["min"], summary[arm][m]["max"])
+                for arm in arms
+            }
+            for m, label in METRICS.items()
+        }
+        title = f"{a.nodes} nodes, coordinator {a.coordinator_link}, peers {a.peer_link}: median, min..max"
+        print(f"wrote {write_bar_chart(a.chart, title, panels)}")
+    return 0 if len(md5s) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
