@@ -418,3 +418,30 @@ def test_a_stream_holds_a_bounded_number_of_copies_not_waited_for(pair, monkeypa
     assert bytes(p.cs.peer_take(p.stream, seqs[2], NB)) == values(3)  # the third is refused
     assert [p.cd.peer_wait(p.stream, s) for s in seqs] == [True, True, False]
     assert p.cd.get_tensor(p.td) == values(2)
+
+
+def test_a_copy_skipped_behind_a_failed_gate_fails_the_next_gate_at_once(fleetd_server):
+    """A -> B -> C: B's gate fails, so B skips the copy B -> C queued behind it; C is told over
+    the link it already has and its gate answers 0 now, not when its (long) wait runs out."""
+    b_srv, c_srv = fleetd_server(), fleetd_server()
+    short_waits(b_srv, 0.3)
+    short_waits(c_srv, 600.0)  # a lost notice hangs: the pytest timeout fails it
+    with RpcClient(endpoint(b_srv), BOUNDED) as cb, RpcClient(endpoint(c_srv), BOUNDED) as cc:
+        pb, _ = cb.alloc_buffer(NB)
+        pc, _ = cc.alloc_buffer(NB)
+        tb, tc = f32(pb, cb.buffer_get_base(pb)), f32(pc, cc.buffer_get_base(pc))
+        stream_b, stream_c = cb.peer_stream(), cc.peer_stream()
+        cb.set_tensor(tb, values(1))
+        cb.copy_tensor_to_async(tb, tc, NB, endpoint(c_srv), stream_c, 1)  # opens B's link to C
+        assert cc.peer_wait(stream_c, 1) is True
+        cb.peer_gate(stream_b, 1)  # nothing comes into B: it fails after 0.3 s
+        cb.copy_tensor_to_async(tb, tc, NB, endpoint(c_srv), stream_c, 2)  # skipped by B
+        cc.peer_gate(stream_c, 2)
+        assert cb.gate_result() is False
+        assert cc.gate_result() is False  # told by B, not timed out
+        cb.peer_resume()
+        cc.peer_resume()
+        # the client's replay: B sends copy 2 now; C already gave up on it, so it is kept at B
+        cb.copy_tensor_to_async(tb, tc, NB, endpoint(c_srv), stream_c, 2)
+        assert bytes(cb.peer_take(stream_c, 2, NB)) == values(1)
+        assert b_srv.state.peer_stats.as_dict()["commands_skipped"] == 1

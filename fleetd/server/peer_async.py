@@ -60,6 +60,7 @@ class _Job:
     dst: RpcTensor
     data: bytes
     endpoint: str
+    notice: bool = False  # only tell the destination this seq will not come (a skipped copy)
 
 
 class AsyncCopies:
@@ -113,6 +114,19 @@ class AsyncCopies:
             return
         # P2P off with a pusher there: it refuses the job and tells the destination at once.
         self._pusher_for(addr).put(job)
+
+    def skipped(self, ev: CopyTensorToAsync) -> None:
+        """A COPY_TENSOR_TO_ASYNC skipped after a failed PEER_GATE: nothing is read or kept (the
+        client sends it again), but a destination this session has a link to is told at once
+        that the seq will not come, so its own gate answers 0 now instead of when its wait runs
+        out (a failure at one node of a chain must not stall the next)."""
+        try:
+            addr = resolve(*copy_endpoint(ev.endpoint, "COPY_TENSOR_TO_ASYNC"))
+        except (FleetdError, PeerFailure):  # skipped anyway: nobody to tell
+            return
+        pusher = self._pushers.get(addr)
+        if pusher is not None:
+            pusher.put(_Job(ev.stream, ev.seq, ev.dst, b"", ev.endpoint, notice=True))
 
     def _pusher_for(self, addr: tuple[str, int]) -> _Pusher:
         pusher = self._pushers.pop(addr, None)
@@ -230,6 +244,9 @@ class _Pusher:
                     continue
                 if job is None:
                     break
+                if job.notice:
+                    self._notify_failed(job)
+                    continue
                 if copies.closed:
                     copies.dropped(job)
                     continue

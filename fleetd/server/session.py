@@ -221,6 +221,8 @@ class Session:
         """A command after a failed PEER_GATE: read (its streamed body too) and not served."""
         if self.conn.body_remaining:
             self.discard_body(event.cmd.name)
+        elif isinstance(event, CopyTensorToAsync):
+            self.async_copies.skipped(event)
         self.state.peer_stats.skipped()
         return 0
 
