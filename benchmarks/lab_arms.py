@@ -127,7 +127,8 @@ def cell(model: Path, rpc: str, arm: str, a) -> dict:
     for _ in range(3):
         text = run(
             "llama-completion",
-            [*base, "-p", PROMPT, "-n", str(a.text_gen), "--temp", "0", "--seed", "1", "-no-cnv"],
+            # -v: llama.cpp logs "pipeline parallelism enabled" at a level shown only then
+            [*base, "-p", PROMPT, "-n", str(a.text_gen), "--temp", "0", "--seed", "1", "-no-cnv", "-v"],
             arm,
         )
         if text.stdout.endswith("\n\n"):

@@ -45,6 +45,8 @@ MID = Dims(n_embd=768, n_head=12, n_head_kv=4, n_ff=2048, n_layer=24)
 # The lab's model: a hidden state wide enough that moving it costs link time (n_embd 2048, 8 KiB
 # per token in f32), few layers so it generates in seconds and loads over a slow link (~50 MB f16).
 WIDE = Dims(n_embd=2048, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=3)
+# The same, 12 layers: a split over 3 or 4 nodes with the same total model (4 or 3 layers each).
+WIDE12 = Dims(n_embd=2048, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_layer=12)
 # benchmarks/load.py's models: FFN matrices above the stock client's 10 MiB SET_TENSOR_HASH
 # threshold in f16 and in Q8_0 (5632 x 2048), so most of the weights take the cache path;
 # ~180M params (~190 MB Q8_0, ~360 MB f16), so load time is the weights.
@@ -52,7 +54,7 @@ LOAD = Dims(n_embd=2048, n_head=16, n_head_kv=4, head_dim=128, n_ff=5632, n_laye
 # The smallest model with matrices on that path (f16 FFN, 11264 x 512; one layer, ~36 MB f16):
 # the test of benchmarks/load.py.
 HASH = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=1)
-SIZES = {"tiny": TINY, "bench": BENCH, "mid": MID, "wide": WIDE, "load": LOAD, "hash": HASH}
+SIZES = {"tiny": TINY, "bench": BENCH, "mid": MID, "wide": WIDE, "wide12": WIDE12, "load": LOAD, "hash": HASH}
 # Random weights make chaotic models: rounding-level differences between two correct servers
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream
 # dominates) and wide logit and router margins keep the models decisive, as trained ones are.
