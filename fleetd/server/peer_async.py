@@ -61,6 +61,7 @@ class _Job:
     data: bytes
     endpoint: str
     notice: bool = False  # only tell the destination this seq will not come (a skipped copy)
+    sent: bool = False  # pushed by the session thread already: only its answer is to be read
 
 
 class AsyncCopies:
@@ -113,7 +114,9 @@ class AsyncCopies:
             self.failed(job, exc)
             return
         # P2P off with a pusher there: it refuses the job and tells the destination at once.
-        self._pusher_for(addr).put(job)
+        pusher = self._pusher_for(addr)
+        if not pusher.push_inline(job):
+            pusher.put(job)
 
     def skipped(self, ev: CopyTensorToAsync) -> None:
         """A COPY_TENSOR_TO_ASYNC skipped after a failed PEER_GATE: nothing is read or kept (the
@@ -213,22 +216,59 @@ class AsyncCopies:
 
 class _Pusher:
     """One destination's worker thread for one client session: pushes in queue order over its
-    own link (never the session thread's), so the session goes on with its next command."""
+    own link (never the session thread's), so the session goes on with its next command.
+
+    A small copy while the worker is idle and its link open is written to the link by the
+    session thread itself (`push_inline`: the bytes fit the socket's buffer, so it does not
+    block), and only its answer is left to the worker: a decode step's hidden state then leaves
+    without a thread hand-off on its critical path. Order holds: the session thread writes only
+    when nothing is queued or in the worker's hands (`_busy`, under `_lock`)."""
 
     IDLE_S = 30.0  # a link unused this long is closed (the thread stays, it is cheap)
+    INLINE_MAX = 64 * 1024  # bytes the session thread may push itself
 
     def __init__(self, copies: AsyncCopies, addr: tuple[str, int]) -> None:
         self.copies = copies
         self.addr = addr
         self.link: PeerLink | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = False  # a job is queued or in the worker's hands
         self._thread = threading.Thread(
             target=self._run, name=f"fleetd-push-{addr[0]}:{addr[1]}", daemon=True
         )
         self._thread.start()
 
     def put(self, job: _Job) -> None:
-        self._queue.put(job)
+        with self._lock:
+            self._busy = True
+            self._queue.put(job)
+
+    def push_inline(self, job: _Job) -> bool:
+        """Write `job` to the open link from the session thread, leaving its answer to the
+        worker; False (nothing done) when it must be queued instead."""
+        state = self.copies.state
+        if len(job.data) > self.INLINE_MAX or not state.p2p_enabled:
+            return False
+        with self._lock:
+            if self._busy or self.link is None or self.link.stale() or self.copies.closed:
+                return False
+            try:
+                self.link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
+            except FleetdError as exc:
+                self._drop_link()
+                self.copies.failed(job, PeerFailure("write_rejected", str(exc)))
+                return True
+            state.peer_stats.pushed(len(job.data))
+            job.sent = True
+            self._busy = True
+            self._queue.put(job)
+        return True
+
+    def _idle_again(self) -> None:
+        with self._lock:
+            if self._queue.empty():
+                self._busy = False
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -240,27 +280,14 @@ class _Pusher:
                 try:
                     job = self._queue.get(timeout=self.IDLE_S)
                 except queue.Empty:
-                    self._drop_link()
+                    with self._lock:  # the session thread may be writing to it
+                        if not self._busy:
+                            self._drop_link()
                     continue
                 if job is None:
                     break
-                if job.notice:
-                    self._notify_failed(job)
-                    continue
-                if copies.closed:
-                    copies.dropped(job)
-                    continue
-                try:
-                    self._push(job)
-                except PeerFailure as exc:
-                    if exc.reason == "disabled":  # refused here, before any byte went out
-                        self._notify_failed(job)
-                    copies.failed(job, exc)
-                except FleetdError as exc:  # anything else on the peer side is still the peer's
-                    self._drop_link()
-                    copies.failed(job, PeerFailure("unreachable", str(exc)))
-                else:
-                    copies.landed(job)
+                self._serve(job)
+                self._idle_again()
         except Exception:  # our own bug: never leave a copy pending
             log.exception("%s: peer pusher to %s:%d failed", copies.who, *self.addr)
         finally:
@@ -273,14 +300,40 @@ class _Pusher:
                 if job is not None:
                     copies.dropped(job)
 
+    def _serve(self, job: _Job) -> None:
+        copies = self.copies
+        if job.notice:
+            self._notify_failed(job)
+            return
+        if copies.closed:
+            copies.dropped(job)
+            return
+        try:
+            self._push(job)
+        except PeerFailure as exc:
+            if exc.reason == "disabled":  # refused here, before any byte went out
+                self._notify_failed(job)
+            copies.failed(job, exc)
+        except FleetdError as exc:  # anything else on the peer side is still the peer's
+            self._drop_link()
+            copies.failed(job, PeerFailure("unreachable", str(exc)))
+        else:
+            copies.landed(job)
+
     def _push(self, job: _Job) -> None:
         state = self.copies.state
-        if not state.p2p_enabled:
-            raise PeerFailure("disabled", "peer copy is switched off on this daemon")
-        link = self._link(job.endpoint)
+        if job.sent:  # written by push_inline: only the answer is left
+            link = self.link
+            if link is None:  # not expected: only push_inline writes, and it keeps the link open
+                raise PeerFailure("write_rejected", "the link closed after the push was written")
+        else:
+            if not state.p2p_enabled:
+                raise PeerFailure("disabled", "peer copy is switched off on this daemon")
+            link = self._link(job.endpoint)
         try:
-            link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
-            state.peer_stats.pushed(len(job.data))
+            if not job.sent:
+                link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
+                state.peer_stats.pushed(len(job.data))
             staged = link.channel.reply("PEER_PUSH").staged
         except ReadTimeout as exc:
             self._drop_link()
