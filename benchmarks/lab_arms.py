@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import statistics
 import subprocess
 import sys
@@ -34,10 +33,16 @@ from common import save, show  # noqa: E402
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.chart import write_bar_chart  # noqa: E402
 from fleetd.fleet.lab import Lab, parse_rate  # noqa: E402
-from fleetd.fleet.model_ab import PROMPT, client_stats, parse_batched_table, parse_bench_json  # noqa: E402
+from fleetd.fleet.model_ab import (  # noqa: E402
+    PROMPT,
+    client_stats,
+    parse_batched_table,
+    parse_bench_json,
+    run_p2p_tool,
+)
 from fleetd.models import generate_named  # noqa: E402
 from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
-from fleetd.tools import find_p2p_tool, find_tool  # noqa: E402
+from fleetd.tools import find_tool  # noqa: E402
 from fleetd.transport import wait_listening  # noqa: E402
 
 ARMS = ("stock", "hub", "sync", "async")
@@ -85,19 +90,7 @@ def start_stock(lab_nodes, threads: int, log_dir: Path) -> list[subprocess.Popen
 
 
 def run(tool: str, args: list[str], arm: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GGML_RPC_P2P=P2P_ENV[arm], GGML_RPC_STATS="1")
-    p = subprocess.run(
-        [str(find_p2p_tool(tool)), *args],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        env=env,
-        timeout=TOOL_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
-    if p.returncode != 0:
-        raise FleetError(f"{tool} ({arm}) exited {p.returncode}: {p.stderr.strip()[-400:]}")
-    return p
+    return run_p2p_tool(tool, args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
 
 
 def cell(model: Path, rpc: str, arm: str, a) -> dict:

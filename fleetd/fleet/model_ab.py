@@ -174,8 +174,16 @@ def _node_commands(delta: Mapping) -> dict[str, int]:
 
 
 def _run(tool: str, args: list[str], arm: str, timeout: float) -> subprocess.CompletedProcess:
+    return run_p2p_tool(tool, args, P2P_ENV[arm], arm, timeout)
+
+
+def run_p2p_tool(
+    tool: str, args: list[str], p2p: str, arm: str, timeout: float
+) -> subprocess.CompletedProcess:
+    """One patched llama.cpp tool with GGML_RPC_P2P=`p2p` and GGML_RPC_STATS=1; a FleetError
+    with its last line of output when it fails or runs past `timeout`."""
     exe = find_p2p_tool(tool)
-    env = dict(os.environ, GGML_RPC_P2P=P2P_ENV[arm], GGML_RPC_STATS="1")
+    env = dict(os.environ, GGML_RPC_P2P=p2p, GGML_RPC_STATS="1")
     try:
         p = subprocess.run(
             [str(exe), *args],

@@ -254,16 +254,20 @@ class _Pusher:
             if self._busy or self.link is None or self.link.stale() or self.copies.closed:
                 return False
             try:
-                self.link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
+                self._write(self.link, job)
             except FleetdError as exc:
                 self._drop_link()
                 self.copies.failed(job, PeerFailure("write_rejected", str(exc)))
                 return True
-            state.peer_stats.pushed(len(job.data))
             job.sent = True
             self._busy = True
             self._queue.put(job)
         return True
+
+    def _write(self, link: PeerLink, job: _Job) -> None:
+        """PEER_PUSH with the copy's bytes onto the link (its answer is read by the worker)."""
+        link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
+        self.copies.state.peer_stats.pushed(len(job.data))
 
     def _idle_again(self) -> None:
         with self._lock:
@@ -332,8 +336,7 @@ class _Pusher:
             link = self._link(job.endpoint)
         try:
             if not job.sent:
-                link.channel.send(PeerPush(job.stream, job.seq, job.dst, len(job.data)), job.data)
-                state.peer_stats.pushed(len(job.data))
+                self._write(link, job)
             staged = link.channel.reply("PEER_PUSH").staged
         except ReadTimeout as exc:
             self._drop_link()
