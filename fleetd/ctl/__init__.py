@@ -5,6 +5,7 @@
     control_commands.py  status, stats, p2p
     deploy_commands.py   deploy, start, stop, restart, logs, uninstall, inventory
     ab_commands.py       ab
+    plan_command.py      plan (placement from the GGUF and the measured nodes)
     demo_command.py      demo (a local fleet; --keep leaves it running)
     tui_command.py       tui (the Textual dashboard in tui/)
     extra.py             the ctl extra (rich, textual, paramiko): one line when it is missing

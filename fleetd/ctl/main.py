@@ -26,6 +26,7 @@ from fleetd.ctl import demo_command as demo
 from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import model_command as model
+from fleetd.ctl import plan_command as plan
 from fleetd.ctl import tui_command
 from fleetd.ctl.extra import missing_ctl_package
 from fleetd.errors import FleetdError, UsageError
@@ -61,6 +62,7 @@ SUBCOMMANDS = (
     Subcommand("demo", demo.DEMO_HELP, demo.configure_demo, demo.cmd_demo),
     Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
     Subcommand("model", model.MODEL_HELP, model.configure_model, model.cmd_model),
+    Subcommand("plan", plan.PLAN_HELP, plan.configure_plan, plan.cmd_plan),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}
@@ -83,6 +85,12 @@ NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "rounds": (1, True, 50),
     "n_prompt": (1, True, 4096),
     "n_gen": (2, True, 1024),
+    "micro_batches": (2, True, 64),  # ab --model, its ubatch shape
+    "server_clients": (1, True, 64),  # ab --model, its server shape
+    "server_requests": (1, True, 1000),
+    "server_seconds": (0, False, 3600),
+    "ctx": (1, True, 1 << 24),
+    "parallel": (1, True, 256),
     "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
 }
 # A subcommand whose option of the same name has another range.

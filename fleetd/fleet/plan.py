@@ -1,0 +1,646 @@
+"""`fleetctl plan`'s computation: what a GGUF needs per layer, the cost model, the placement.
+
+No I/O besides reading the GGUF (fleetd/fleet/plan_probe.py measures the nodes). How the pinned
+llama.cpp (0.3.36) places a model split over RPC devices (`src/llama-model.cpp`, load_tensors):
+
+- `token_embd` is the input layer: always on the coordinator's CPU, never on a node.
+- With every layer offloaded (`-ngl` above the layer count) the n_layer repeating layers and the
+  output layer (`output.weight`, `output_norm`; a copy of `token_embd` when the output is tied)
+  are n_layer + 1 slots; slot `il` goes to the first device whose cumulative share of
+  `--tensor-split` is above il / (n_layer + 1). So the split "c0,c1,...,c_last + 1" in `--rpc`
+  order gives device d exactly c_d layers and the last device the output layer (`tensor_split`).
+- The KV cache of a layer lives on that layer's device (`llama_kv_cache`: per layer a K tensor of
+  n_embd_k_gqa x cells and a V tensor of n_embd_v_gqa x cells, f16 by default). The cells are
+  `-c` padded to 256; with `-np N` and a per-sequence cache each sequence's share is padded to
+  256 again (`llama_context`), so cells = N * pad(pad(c, 256) / N, 256).
+- Every tensor in a device's buffer is padded to the device's alignment.
+
+The compute buffer is estimated, not derived: see `compute_buffer_bytes`.
+
+The cost model (per token, seconds; every term measured on the fleet by plan_probe):
+
+- a node's layers: layers x its time for one layer's matrices (MUL_MAT over the layer's own
+  weight shapes and type): one token for decode, a batch for the prompt (per token);
+  the last node adds the output matrix; attention over the KV cache is not measured;
+- one round trip per node per step (the scheduler's compute and synchronize);
+- the input (n_embd f32 per token) coordinator -> first node, the logits (n_vocab f32 per output
+  token) last node -> coordinator;
+- per boundary the hidden state (n_embd f32 per token): hub = GET from the source plus SET to the
+  destination over their coordinator links; direct = one COPY_TENSOR_TO over the measured peer
+  link (the hub cost where the peer copy was refused or not measured).
+
+Stages run one after the other (a single sequence's decode does; the prompt's micro-batch
+overlap on the asynchronous direct path is not modelled, so the direct prompt t/s is a lower
+bound). The optimiser minimises the time of one prompt token plus one generated token on the
+direct path, over every order of every subset of the nodes (<= 6 nodes; more keep the file's
+order) with a DP over contiguous layer ranges, subject to memory: weights + KV + compute buffer
+<= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import gguf
+
+PLAN_VERSION = 1
+KV_CELL_PAD = 256  # llama_context pads n_ctx (and each sequence's share) to this
+KV_TYPE_BYTES = 2  # f16 K and V, llama.cpp's default cache type
+F32 = 4
+DEFAULT_UBATCH = 512  # llama.cpp's -ub default: the prompt goes through in micro-batches of this
+MEMORY_MARGIN = 0.05  # of a node's free memory, kept free
+MEMORY_MARGIN_BYTES = 4 << 20  # and this much besides (allocator slack, the daemon's own buffers)
+MAX_ORDERED_NODES = 6  # exhaustive search over orders up to this many nodes
+DEFAULT_ALIGNMENT = 32  # ggml's CPU buffer alignment, what fleetd and the stock server report
+
+# The compute buffer, calibrated against what the pinned llama-completion logs ("RPC0[...]
+# compute buffer size"; flash attention left at the tools' "auto": the sizes show no n_head x
+# cells score matrix) for fleetd.models' llama models over 2-3 fleetd nodes: n_embd 256-1024, n_ff
+# 512-1536, 512-8192 cells, 1-4 sequences. Per device, for U = min(ubatch, cells) tokens:
+#   f32 x U x (4 n_embd + 4 n_ff + 2 max(0, n_embd - n_head x head_dim))   the live activations
+#   + 8 bytes x U x cells per sequence        the attention mask and its f16 copy per stream
+#   + COMPUTE_SLACK                           graph inputs (positions, output ids)
+#   + on the last device f32 x n_vocab x n_seq  the logits of one token per sequence
+# Measured 8.04-48.05 MiB over nine shapes; the formula is within +0.1% of eight of them and 6%
+# above one (n_embd 512, 512 cells: 17.04 MiB), never below (it sizes a reservation).
+# tests/test_plan.py checks it against llama-completion when the tools are built.
+COMPUTE_SLACK = 64 << 10
+COMPUTE_TOLERANCE = 0.10  # the tests' bound on (predicted - reported) / reported
+
+
+class PlanError(ValueError):
+    """A model `plan` cannot read (not a GGUF, no layers, an unknown shape)."""
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight matrix: ggml ne (k inputs, n outputs) and its ggml type, as the probe builds it."""
+
+    name: str
+    type: int
+    k: int
+    n: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a GGUF needs: its shape, the bytes of each layer, the input and output layers, and the
+    matrices of one layer and of the output (what the compute probe multiplies)."""
+
+    path: str
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    sliding_window: int
+    layer_tensors: tuple[tuple[int, ...], ...]  # per layer, each tensor's bytes
+    input_bytes: int  # token_embd: the coordinator's
+    output_tensors: tuple[int, ...]  # output.weight (or the tied token_embd copy), output_norm
+    layer_matrices: tuple[Matrix, ...]
+    output_matrix: Matrix | None
+
+    def layer_bytes(self, layer: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+        return sum(padded(b, alignment) for b in self.layer_tensors[layer])
+
+    def output_bytes(self, alignment: int = DEFAULT_ALIGNMENT) -> int:
+        return sum(padded(b, alignment) for b in self.output_tensors)
+
+    @property
+    def hidden_bytes(self) -> int:
+        """The hidden state one token carries across a stage boundary (f32)."""
+        return self.n_embd * F32
+
+
+def padded(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise PlanError(f"{key}: not in the GGUF")
+        return default
+    return f.contents()
+
+
+def _matrix(t) -> Matrix:
+    k, n = int(t.shape[0]), int(math.prod(int(x) for x in t.shape[1:]))
+    return Matrix(t.name.split(".", 2)[-1].removesuffix(".weight"), int(t.tensor_type), k, n, int(t.n_bytes))
+
+
+def read_model(path: str | Path) -> ModelSizes:
+    """The sizes `plan` needs, from the GGUF's metadata and tensor table (no tensor is read)."""
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path}: not a GGUF file: {exc}") from exc
+    arch = str(_field(reader, "general.architecture"))
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_k = int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head))
+    head_v = int(_field(reader, f"{arch}.attention.value_length", head_k))
+    layers: list[list[int]] = [[] for _ in range(n_layer)]
+    named = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.name.startswith("blk."):
+            index = int(t.name.split(".")[1])
+            if not 0 <= index < n_layer:
+                raise PlanError(f"{path}: tensor {t.name} is past the {n_layer} layers")
+            layers[index].append(int(t.n_bytes))
+    if n_layer == 0 or not all(layers):
+        raise PlanError(f"{path}: no repeating layers (blk.N.*) to split")
+    embd = named.get("token_embd.weight")
+    out = named.get("output.weight", embd)  # tied: llama.cpp duplicates token_embd on the output device
+    if out is None:
+        raise PlanError(f"{path}: neither output.weight nor token_embd.weight")
+    output = [int(out.n_bytes)] + [int(named[n].n_bytes) for n in ("output_norm.weight",) if n in named]
+    first = sorted((t for t in reader.tensors if t.name.startswith("blk.0.")), key=lambda t: t.name)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return ModelSizes(
+        path=str(path),
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_k,
+        head_dim_v=head_v,
+        n_ff=int(_field(reader, f"{arch}.feed_forward_length", 4 * n_embd)),
+        n_vocab=len(tokens.data) if tokens is not None else int(out.shape[1]),
+        n_ctx_train=int(_field(reader, f"{arch}.context_length", 0)),
+        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 0)),
+        layer_tensors=tuple(tuple(b) for b in layers),
+        input_bytes=int(embd.n_bytes) if embd is not None else 0,
+        output_tensors=tuple(output),
+        layer_matrices=tuple(_matrix(t) for t in first if len(t.shape) >= 2 and t.shape[1] > 1),
+        output_matrix=_matrix(out),
+    )
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def kv_cells(ctx: int, parallel: int) -> int:
+    """The KV cells llama_context makes for `-c ctx -np parallel` (a cache per sequence)."""
+    total = padded(ctx, KV_CELL_PAD)
+    return parallel * padded(total // parallel, KV_CELL_PAD)
+
+
+def kv_bytes_per_layer(model: ModelSizes, cells: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+    k = cells * model.n_head_kv * model.head_dim_k * KV_TYPE_BYTES
+    v = cells * model.n_head_kv * model.head_dim_v * KV_TYPE_BYTES
+    return padded(k, alignment) + padded(v, alignment)
+
+
+def compute_buffer_bytes(
+    model: ModelSizes, cells: int, last: bool, ubatch: int = DEFAULT_UBATCH, parallel: int = 1
+) -> int:
+    """The estimated compute buffer of one device (the formula above COMPUTE_SLACK)."""
+    tokens = min(ubatch, cells)
+    narrower_q = max(0, model.n_embd - model.n_head * model.head_dim_k)
+    activations = F32 * tokens * (4 * model.n_embd + 4 * model.n_ff + 2 * narrower_q)
+    mask = 8 * tokens * (cells // max(1, parallel))
+    logits = F32 * model.n_vocab * parallel if last else 0
+    return activations + mask + COMPUTE_SLACK + logits
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one node will hold (bytes) against what it has free."""
+
+    weights: int
+    kv: int
+    compute: int
+    free: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+    @property
+    def usable(self) -> int:
+        return usable_memory(self.free)
+
+
+def usable_memory(free: int) -> int:
+    return max(0, int(free * (1 - MEMORY_MARGIN)) - MEMORY_MARGIN_BYTES)
+
+
+# -- what the probe measured -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """A measured path: seconds for a round trip of nothing, bytes per second beyond it."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """One node as measured: memory, device kind, compute times and its coordinator link.
+
+    `decode_layer_s`: one token through one layer's matrices; `prompt_token_s`: per token of a
+    batch; `output_*`: the same for the output matrix (on the last node)."""
+
+    name: str
+    endpoint: str
+    free: int
+    total: int
+    kind: str
+    alignment: int
+    peer_copy: bool
+    decode_layer_s: float
+    prompt_token_s: float
+    output_decode_s: float
+    output_prompt_s: float
+    upload: Link  # coordinator -> node (SET_TENSOR)
+    download: Link  # node -> coordinator (GET_TENSOR)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The measured nodes and the peer links between them ((source, destination) index pairs;
+    None where the peer copy was refused or not tried)."""
+
+    nodes: tuple[NodeFacts, ...]
+    peers: dict[tuple[int, int], Link | None] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+# -- the cost model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The context and sequences the plan sizes for, and the tokens a prompt step carries."""
+
+    ctx: int = 4096
+    parallel: int = 1
+    ubatch: int = DEFAULT_UBATCH
+
+    @property
+    def cells(self) -> int:
+        return kv_cells(self.ctx, self.parallel)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return min(self.ubatch, self.cells)
+
+
+def boundary_seconds(fleet: Fleet, a: int, b: int, nbytes: float, direct: bool) -> float:
+    """Moving `nbytes` of hidden state from node a to node b: over the peer link when `direct`
+    and measured, else through the coordinator (GET from a, SET to b)."""
+    peer = fleet.peers.get((a, b)) if direct else None
+    if peer is not None:
+        return peer.seconds(nbytes)
+    return fleet.nodes[a].download.seconds(nbytes) + fleet.nodes[b].upload.seconds(nbytes)
+
+
+def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens: int, direct: bool) -> float:
+    """One step's time that does not depend on the layer counts: round trips, input, boundaries,
+    the output matrix and the logits."""
+    nodes = fleet.nodes
+    first, last = nodes[order[0]], nodes[order[-1]]
+    hidden = model.hidden_bytes * tokens
+    outputs = tokens if tokens == 1 else 1  # decode: every token's logits; a prompt: the last one's
+    t = sum(nodes[i].upload.latency_s for i in order)
+    t += first.upload.seconds(hidden)
+    t += sum(boundary_seconds(fleet, a, b, hidden, direct) for a, b in itertools.pairwise(order))
+    t += last.output_decode_s if tokens == 1 else last.output_prompt_s * tokens
+    t += last.download.seconds(model.n_vocab * F32 * outputs)
+    return t
+
+
+def layer_seconds(node: NodeFacts, tokens: int) -> float:
+    return node.decode_layer_s if tokens == 1 else node.prompt_token_s * tokens
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """Predicted tokens per second: prompt and decode, through the coordinator and direct."""
+
+    prompt_hub: float
+    decode_hub: float
+    prompt_direct: float
+    decode_direct: float
+
+
+def predict(
+    model: ModelSizes, fleet: Fleet, order: Sequence[int], counts: Sequence[int], work: Workload
+) -> Speeds:
+    def step(tokens: int, direct: bool) -> float:
+        layers = sum(c * layer_seconds(fleet.nodes[i], tokens) for i, c in zip(order, counts))
+        return layers + fixed_seconds(model, fleet, order, tokens, direct)
+
+    pp = work.prompt_tokens
+    return Speeds(
+        prompt_hub=pp / step(pp, False),
+        decode_hub=1 / step(1, False),
+        prompt_direct=pp / step(pp, True),
+        decode_direct=1 / step(1, True),
+    )
+
+
+def objective_seconds(model, fleet, order, counts, work: Workload) -> float:
+    """What the optimiser minimises: one prompt token plus one generated token, direct path."""
+    s = predict(model, fleet, order, counts, work)
+    return 1 / s.prompt_direct + 1 / s.decode_direct
+
+
+# -- the placement ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node of the plan: which layers it holds and its memory."""
+
+    node: int
+    name: str
+    endpoint: str
+    first_layer: int
+    layers: int
+    output: bool
+    memory: StageMemory
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement: the stages in `--rpc` order, the flags for llama.cpp and the predicted speeds."""
+
+    model: ModelSizes
+    work: Workload
+    stages: tuple[Stage, ...]
+    speeds: Speeds
+    unused: tuple[str, ...]
+    notes: tuple[str, ...]
+    measured: Fleet
+
+    @property
+    def rpc(self) -> str:
+        return ",".join(s.endpoint for s in self.stages)
+
+    @property
+    def tensor_split(self) -> str:
+        return tensor_split([s.layers for s in self.stages])
+
+    def llama_args(self) -> list[str]:
+        """The flags that load this plan in the pinned llama.cpp tools."""
+        return [
+            "--rpc",
+            self.rpc,
+            "-ngl",
+            str(self.model.n_layer + 1),
+            "-sm",
+            "layer",
+            "--tensor-split",
+            self.tensor_split,
+            "-c",
+            str(self.work.ctx),
+            "-np",
+            str(self.work.parallel),
+        ]
+
+    def as_dict(self) -> dict:
+        """The plan file (`--json`): versioned, everything a later `stage`/`serve` needs."""
+        m = self.model
+        return {
+            "version": PLAN_VERSION,
+            "fits": True,
+            "model": {
+                "path": m.path,
+                "arch": m.arch,
+                "n_layer": m.n_layer,
+                "n_embd": m.n_embd,
+                "n_vocab": m.n_vocab,
+                "input_bytes": m.input_bytes,
+            },
+            "ctx": self.work.ctx,
+            "parallel": self.work.parallel,
+            "kv_cells": self.work.cells,
+            "rpc": self.rpc,
+            "tensor_split": self.tensor_split,
+            "overrides": [],
+            "llama_args": self.llama_args(),
+            "stages": [
+                {
+                    "name": s.name,
+                    "endpoint": s.endpoint,
+                    "layers": [s.first_layer, s.first_layer + s.layers],
+                    "layer_count": s.layers,
+                    "output": s.output,
+                    "memory": dict(asdict(s.memory), total=s.memory.total, usable=s.memory.usable),
+                }
+                for s in self.stages
+            ],
+            "unused": list(self.unused),
+            "predicted": asdict(self.speeds),
+            "measured": measured_dict(self.measured),
+            "memory_margin": {"fraction": MEMORY_MARGIN, "bytes": MEMORY_MARGIN_BYTES},
+            "notes": list(self.notes),
+        }
+
+
+def measured_dict(fleet: Fleet) -> dict:
+    """What the probe measured, as the plan file keeps it (links as latency and bytes/s)."""
+    names = [n.name for n in fleet.nodes]
+    return {
+        "nodes": [asdict(n) for n in fleet.nodes],
+        "peers": [
+            {"from": names[a], "to": names[b], "link": asdict(link) if link else None}
+            for (a, b), link in sorted(fleet.peers.items())
+        ],
+        "notes": list(fleet.notes),
+    }
+
+
+def tensor_split(counts: Sequence[int]) -> str:
+    """`--tensor-split` giving device d exactly counts[d] layers and the last the output layer
+    (proportions; llama.cpp cuts at cumulative share > il / (n_layer + 1))."""
+    return ",".join(str(c + (1 if d == len(counts) - 1 else 0)) for d, c in enumerate(counts))
+
+
+def layers_from_split(split: Sequence[float], n_layer: int) -> list[int]:
+    """The layer counts llama.cpp's load_tensors gives each device for `split` (the output slot
+    not counted): the inverse of `tensor_split`, for tests and for checking a plan file."""
+    total = sum(split)
+    cumulative = list(itertools.accumulate(s / total for s in split))
+    counts = [0] * len(split)
+    for il in range(n_layer):
+        counts[next(d for d, c in enumerate(cumulative) if c > il / (n_layer + 1))] += 1
+    return counts
+
+
+class DoesNotFit(PlanError):
+    """No placement fits: `shortfalls` maps a node to the bytes it lacks in the closest plan."""
+
+    def __init__(self, message: str, shortfalls: dict[str, int]) -> None:
+        super().__init__(message)
+        self.shortfalls = shortfalls
+
+
+def stage_memory(
+    model: ModelSizes, node: NodeFacts, layers: range, last: bool, work: Workload
+) -> StageMemory:
+    align = node.alignment
+    weights = sum(model.layer_bytes(il, align) for il in layers) + (model.output_bytes(align) if last else 0)
+    return StageMemory(
+        weights=weights,
+        kv=len(layers) * kv_bytes_per_layer(model, work.cells, align),
+        compute=compute_buffer_bytes(model, work.cells, last, work.ubatch, work.parallel),
+        free=node.free,
+    )
+
+
+def _orders(count: int) -> list[tuple[int, ...]]:
+    if count > MAX_ORDERED_NODES:  # the nodes file's order, all of them
+        return [tuple(range(count))]
+    return [p for size in range(1, count + 1) for p in itertools.permutations(range(count), size)]
+
+
+def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
+    """The cheapest layer counts (each >= 1) for this order under memory; None if none fits.
+    A DP over (position, layers placed); the layer cost is linear in the count per node."""
+    n = model.n_layer
+    best = [math.inf] * (n + 1)
+    best[0] = 0.0
+    choice: list[list[int]] = []
+    for pos, i in enumerate(order):
+        node, last = fleet.nodes[i], pos == len(order) - 1
+        per_layer = layer_seconds(node, 1) + layer_seconds(node, work.prompt_tokens) / work.prompt_tokens
+        prefix = _weight_prefix(model, node.alignment)
+        kv = kv_bytes_per_layer(model, work.cells, node.alignment)
+        room = usable_memory(node.free) - compute_buffer_bytes(
+            model, work.cells, last, work.ubatch, work.parallel
+        )
+        room -= model.output_bytes(node.alignment) if last else 0
+        nxt, took = [math.inf] * (n + 1), [0] * (n + 1)
+        stop_max = n - (len(order) - pos - 1)
+        for start in range(n):
+            if best[start] == math.inf:
+                continue
+            for stop in [n] if last else range(start + 1, stop_max + 1):
+                if prefix[stop] - prefix[start] + (stop - start) * kv > room:
+                    break
+                cost = best[start] + (stop - start) * per_layer
+                if cost < nxt[stop]:
+                    nxt[stop], took[stop] = cost, stop - start
+        best = nxt
+        choice.append(took)
+    if best[n] == math.inf:
+        return None
+    counts, at = [], n
+    for took in reversed(choice):
+        counts.append(took[at])
+        at -= took[at]
+    counts.reverse()
+    return best[n], counts
+
+
+def _weight_prefix(model: ModelSizes, alignment: int) -> list[int]:
+    return list(
+        itertools.accumulate((model.layer_bytes(il, alignment) for il in range(model.n_layer)), initial=0)
+    )
+
+
+def _uniform_layers(model: ModelSizes) -> bool:
+    return len(set(model.layer_tensors)) == 1
+
+
+def optimise(model: ModelSizes, fleet: Fleet, work: Workload) -> Plan:
+    """The placement with the smallest objective_seconds that fits; DoesNotFit names each node's
+    shortfall in the even split over all nodes when nothing fits."""
+    if not fleet.nodes:
+        raise PlanError("no nodes to plan for")
+    found: tuple[float, tuple[int, ...], list[int]] | None = None
+    # Equal layers: the counts depend on which nodes and which is last, not on the order between.
+    shared: dict[tuple, dict[int, int] | None] = {}
+    for order in _orders(len(fleet.nodes)):
+        if len(order) > model.n_layer:
+            continue
+        key = (tuple(sorted(order[:-1])), order[-1]) if _uniform_layers(model) else order
+        if key not in shared:
+            result = _best_counts(model, fleet, order, work)
+            shared[key] = None if result is None else dict(zip(order, result[1]))
+        by_node = shared[key]
+        if by_node is None:
+            continue
+        counts = [by_node[i] for i in order]
+        total = objective_seconds(model, fleet, order, counts, work)
+        if found is None or total < found[0]:
+            found = (total, order, counts)
+    if found is None:
+        raise _does_not_fit(model, fleet, work)
+    _, order, counts = found
+    return _plan(model, fleet, work, order, counts)
+
+
+def _plan(model, fleet: Fleet, work: Workload, order, counts) -> Plan:
+    stages, start = [], 0
+    for pos, (i, c) in enumerate(zip(order, counts)):
+        node, last = fleet.nodes[i], pos == len(order) - 1
+        memory = stage_memory(model, node, range(start, start + c), last, work)
+        stages.append(Stage(i, node.name, node.endpoint, start, c, last, memory))
+        start += c
+    notes = list(fleet.notes)
+    if model.sliding_window:
+        notes.append("sliding-window layers are sized with the full context (an overestimate)")
+    if len(fleet.nodes) > MAX_ORDERED_NODES:
+        notes.append(f"more than {MAX_ORDERED_NODES} nodes: the nodes file's order, every node used")
+    unused = tuple(n.name for i, n in enumerate(fleet.nodes) if i not in order)
+    speeds = predict(model, fleet, order, counts, work)
+    return Plan(model, work, tuple(stages), speeds, unused, tuple(notes), fleet)
+
+
+def even_counts(n_layer: int, nodes: int) -> list[int]:
+    """llama.cpp's split for equal shares."""
+    return layers_from_split([1.0] * nodes, n_layer)
+
+
+def _does_not_fit(model: ModelSizes, fleet: Fleet, work: Workload) -> DoesNotFit:
+    """The shortfall per node of the split by free memory (llama.cpp's default), the closest
+    thing to a fit there is; and the total shortfall."""
+    nodes = fleet.nodes
+    counts = layers_from_split([max(n.free, 1) for n in nodes], model.n_layer)
+    shortfalls, start = {}, 0
+    for pos, (node, c) in enumerate(zip(nodes, counts)):
+        memory = stage_memory(model, node, range(start, start + c), pos == len(nodes) - 1, work)
+        start += c
+        if memory.total > memory.usable:
+            shortfalls[node.name] = memory.total - memory.usable
+    need = sum(model.layer_bytes(il) for il in range(model.n_layer)) + model.output_bytes()
+    need += model.n_layer * kv_bytes_per_layer(model, work.cells)
+    need += sum(
+        compute_buffer_bytes(model, work.cells, i == len(nodes) - 1, work.ubatch, work.parallel)
+        for i in range(len(nodes))
+    )
+    have = sum(usable_memory(n.free) for n in nodes)
+    where = ", ".join(f"{name} short by {fmt_mib(b)}" for name, b in shortfalls.items()) or "no single split"
+    return DoesNotFit(
+        f"{Path(model.path).name} does not fit: needs {fmt_mib(need)}, the nodes have "
+        f"{fmt_mib(have)} usable ({fmt_mib(max(0, need - have))} short in total; split by free "
+        f"memory: {where})",
+        shortfalls or {n.name: 0 for n in nodes},
+    )
+
+
+def fmt_mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
