@@ -15,7 +15,7 @@ from fleetd.errors import FleetError
 from fleetd.fleet.ab import abba, compare
 from fleetd.fleet.chart import write_bar_chart
 from fleetd.fleet.local import START_TIMEOUT_S
-from fleetd.fleet.model_ab import direct_path_problems, run_model_ab
+from fleetd.fleet.model_ab import DEFAULT_SHAPES, SHAPES, direct_path_problems, parse_shapes, run_model_ab
 from fleetd.fleet.node import Fleet
 from fleetd.fleet.render import (
     ab_table,
@@ -56,8 +56,8 @@ def configure_ab(p) -> None:
         "--model",
         type=Path,
         metavar="GGUF",
-        help="run llama-bench, llama-batched-bench and llama-completion on this model "
-        "through the nodes (tools from scripts/build-llama-p2p.sh)",
+        help="run the --shapes (llama-bench, llama-batched-bench, llama-server) and "
+        "llama-completion on this model through the nodes (tools from scripts/build-llama-p2p.sh)",
     )
     p.add_argument(
         "--rounds",
@@ -67,6 +67,39 @@ def configure_ab(p) -> None:
     )
     p.add_argument("--n-prompt", type=int, default=128, help="model: prompt tokens (default 128)")
     p.add_argument("--n-gen", type=int, default=32, help="model: generated tokens (default 32)")
+    p.add_argument(
+        "--shapes",
+        metavar="LIST",
+        help=f"model: what each cell runs, comma-separated from {', '.join(SHAPES)}, or all "
+        f"(default {','.join(DEFAULT_SHAPES)}): pp/decode = llama-bench -p/-n; ubatch = the prompt "
+        "in --micro-batches micro-batches (-b > -ub); batched4/8 = llama-batched-bench -npl 4/8; "
+        "server = llama-server -np N under --server-clients closed-loop clients",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="model, ubatch shape: the prompt goes in at least this many micro-batches "
+        "(-b n_prompt -ub n_prompt/K; default 4)",
+    )
+    p.add_argument(
+        "--server-clients",
+        type=int,
+        default=4,
+        help="model, server shape: parallel clients and llama-server slots (-np; default 4)",
+    )
+    p.add_argument(
+        "--server-requests",
+        type=int,
+        default=4,
+        help="model, server shape: requests per client; the load stops after clients x this many (default 4)",
+    )
+    p.add_argument(
+        "--server-seconds",
+        type=float,
+        default=120.0,
+        help="model, server shape: no request starts later than this, none may take longer (default 120)",
+    )
     p.add_argument("--chart", type=Path, metavar="PNG", help="model: also write the chart to this PNG file")
     p.add_argument(
         "--anyway",
@@ -142,10 +175,34 @@ def cmd_ab(args) -> int:
     return 0 if doc["outputs_identical"] else 1
 
 
+def _model_settings(args) -> dict:
+    """run_model_ab's keyword arguments from the flags (a ValueError for bad shapes)."""
+    shapes = parse_shapes(args.shapes) if args.shapes is not None else DEFAULT_SHAPES
+    if "ubatch" in shapes and args.n_prompt < args.micro_batches:
+        raise ValueError(
+            f"--n-prompt {args.n_prompt} < --micro-batches {args.micro_batches}: "
+            "each micro-batch needs a prompt token"
+        )
+    return {
+        "rounds": args.rounds,
+        "n_prompt": args.n_prompt,
+        "n_gen": args.n_gen,
+        "shapes": shapes,
+        "micro_batches": args.micro_batches,
+        "server_clients": args.server_clients,
+        "server_requests": args.server_requests,
+        "server_seconds": args.server_seconds,
+    }
+
+
 def _cmd_model_ab(args) -> int:
+    args.rounds = args.rounds or 3
+    try:
+        settings = _model_settings(args)
+    except ValueError as exc:
+        return _usage_error(str(exc))
     if not args.model.is_file():
         return _usage_error(f"--model {args.model}: no such file")
-    args.rounds = args.rounds or 3
     console = Console(stderr=True)
     with open_fleet(args) as fleet:
         problems = direct_path_problems(fleet)
@@ -163,18 +220,14 @@ def _cmd_model_ab(args) -> int:
                 "measure the hub path (--anyway).[/]"
             )
         if args.json:
-            result = run_model_ab(
-                fleet, args.model, rounds=args.rounds, n_prompt=args.n_prompt, n_gen=args.n_gen
-            )
+            result = run_model_ab(fleet, args.model, **settings)
         else:
             with Progress(console=console, transient=True) as bar:
                 task = bar.add_task("A/B", total=1.0)
                 result = run_model_ab(
                     fleet,
                     args.model,
-                    rounds=args.rounds,
-                    n_prompt=args.n_prompt,
-                    n_gen=args.n_gen,
+                    **settings,
                     progress=lambda step, fraction: bar.update(task, completed=fraction, description=step),
                 )
     doc = result.as_dict()

@@ -8,7 +8,8 @@ it imports neither):
     node.py            Node (one host: SSH, control API) and Fleet (all of them, in parallel)
     remote.py, agent.py, deploy.py   run things on nodes; deploy, health check, roll back
     ab.py              the A/B runner: hub vs direct over the fleet (fleetd.pipeline)
-    model_ab.py        the same with a real model and the patched llama.cpp tools
+    model_ab.py        the same with a real model and the patched llama.cpp tools, per shape
+    server_load.py     llama-server on loopback under closed-loop clients (model_ab's server shape)
     chart.py           a bar chart as a PNG file (numpy and zlib)
     lab.py, netns.py   an emulated network: fleetd in network namespaces, tc-rated links
     local.py           LocalFleet: fleetd processes on loopback (demo, benchmarks, tests)

@@ -130,10 +130,14 @@ def _tick_label(v: float, step: float) -> str:
 def render_bar_chart(
     title: str,
     panels: Mapping[str, Mapping[str, tuple[float, float, float]]],
-    width: int = 960,
+    width: int | None = None,
     height: int = 440,
 ) -> np.ndarray:
-    """An RGB image of one panel per metric, a bar per arm at its median with a min..max whisker."""
+    """An RGB image of one panel per metric, a bar per arm at its median with a min..max whisker;
+    960 pixels wide unless the panels' labels need more."""
+    if width is None:
+        label = max(map(len, panels), default=0) * 8 + 24  # 8 pixels a character at scale 2
+        width = max(960, 32 + len(panels) * label)
     img = np.full((height, width, 3), PAPER, np.uint8)
     _text(img, 16, 12, title, 2)
     arms = list(dict.fromkeys(a for p in panels.values() for a in p))

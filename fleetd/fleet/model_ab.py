@@ -6,9 +6,19 @@ PEER_GATE where both ends have them, else the synchronous COPY_TENSOR_TO).
     result = run_model_ab(fleet, Path("m.gguf"), rounds=3, n_prompt=128, n_gen=32)
     result.ok, result.verdict, result.arms["direct"].median["pp_tps"], result.as_dict()
 
-One cell is one arm in one round, and runs, each as its own process:
-  llama-bench -o json          prompt processing and decode tok/s (pp_tps, tg_tps)
-  llama-batched-bench          BATCH_SEQUENCES concurrent sequences, total tok/s (batched_tps)
+One cell is one arm in one round, and runs the shapes asked for (`Workload.shapes`), each tool
+as its own process:
+  pp, decode   llama-bench -p n_prompt -n n_gen -o json: prompt tok/s (one micro-batch of the
+               default -ub 512 up to 512 tokens) and decode tok/s (pp_tps, tg_tps)
+  ubatch       llama-bench -p n_prompt -n 0 -b n_prompt -ub n_prompt/micro_batches: the prompt
+               as >= micro_batches micro-batches in one batch, what pipeline parallelism
+               overlaps across nodes (ubatch_pp_tps)
+  batched4/8   llama-batched-bench -npl 4,8: 4 and 8 concurrent sequences, total tok/s
+               (batched4_tps, batched8_tps)
+  server       llama-server -np N over the fleet and N closed-loop clients of ours
+               (fleetd.fleet.server_load): generated tok/s and requests/s (server_tps,
+               server_rps), each prompt's greedy text
+and always
   llama-completion --temp 0    greedy text, -n 1 and -n n_gen: the md5 of the n_gen text, and
                                the difference of the two runs' counters over the n_gen - 1
                                decode steps between them is the per-step accounting (the
@@ -18,8 +28,9 @@ round tends to run fastest. Counters come from both ends: the nodes' /v1/stats (
 each run, nobody's counters reset) and the client's own GGML_RPC_STATS=1 table (what crossed
 the coordinator's links).
 
-The run is not ok when the greedy text differs between any two cells, and the verdict never
-calls a direct arm that copied nothing a success: it says why the copies did not happen.
+The run is not ok when the greedy text differs between any two cells (llama-completion's, or
+llama-server's for one prompt), and the verdict never calls a direct arm that copied nothing a
+success: it says why the copies did not happen.
 """
 
 from __future__ import annotations
@@ -32,20 +43,40 @@ import re
 import socket
 import statistics
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetd.errors import FleetError
 from fleetd.fleet.node import Fleet
+from fleetd.fleet.server_load import SERVER_PROMPTS, LlamaServer, LoadLimits, LoadResult, run_load
 from fleetd.tools import find_p2p_tool
 from fleetd.wire.commands import Feature
 
 ARMS = ("hub", "direct")
 P2P_ENV = {"hub": "0", "direct": "1"}
-METRICS = ("pp_tps", "tg_tps", "batched_tps")
-METRIC_LABELS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "batched tok/s"}
-BATCH_SEQUENCES = 4
+# The shapes a cell can run, in the order it runs them, and the metrics each one reports.
+SHAPE_METRICS = {
+    "pp": ("pp_tps",),
+    "ubatch": ("ubatch_pp_tps",),
+    "batched4": ("batched4_tps",),
+    "batched8": ("batched8_tps",),
+    "server": ("server_tps", "server_rps"),
+    "decode": ("tg_tps",),
+}
+SHAPES = tuple(SHAPE_METRICS)
+DEFAULT_SHAPES = ("pp", "ubatch", "batched4", "decode")  # the server and 8 sequences take longest
+BATCHED_SEQUENCES = {"batched4": 4, "batched8": 8}
+METRICS = tuple(m for shape in SHAPES for m in SHAPE_METRICS[shape])
+METRIC_LABELS = {
+    "pp_tps": "prompt tok/s",
+    "ubatch_pp_tps": "micro-batched prompt tok/s",
+    "batched4_tps": "4-sequence batched tok/s",
+    "batched8_tps": "8-sequence batched tok/s",
+    "server_tps": "server tok/s",
+    "server_rps": "server requests/s",
+    "tg_tps": "decode tok/s",
+}
 PROMPT = "the time of their first new"
 TOOL_TIMEOUT_S = 900.0
 # The per-step table: what one decode step costs, commands the hub and direct paths differ in.
@@ -69,10 +100,69 @@ _BATCHED_ROW = re.compile(
 Progress = Callable[[str, float], None]
 
 
+def parse_shapes(text: str) -> tuple[str, ...]:
+    """ "pp,decode" or "all" -> the shapes in SHAPES order; a ValueError naming a bad one."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["all"]:
+        return SHAPES
+    unknown = [n for n in names if n not in SHAPE_METRICS]
+    if unknown or not names:
+        raise ValueError(
+            f"--shapes {text!r}: {'unknown ' + ', '.join(unknown) if unknown else 'empty'} "
+            f"(choose from {', '.join(SHAPES)}, or all)"
+        )
+    return tuple(s for s in SHAPES if s in names)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every cell runs: the shapes and their sizes (see the module docstring)."""
+
+    n_prompt: int = 128
+    n_gen: int = 32
+    shapes: tuple[str, ...] = DEFAULT_SHAPES
+    micro_batches: int = 4
+    server_clients: int = 4
+    server_requests: int = 4  # per client: the load stops after clients x this many
+    server_seconds: float = 120.0  # no request starts later, none may take longer
+
+    @property
+    def ubatch(self) -> int:
+        """-ub of the ubatch shape: the prompt in at least `micro_batches` micro-batches."""
+        return max(1, self.n_prompt // self.micro_batches)
+
+    @property
+    def batched_sequences(self) -> list[int]:
+        return [BATCHED_SEQUENCES[s] for s in self.shapes if s in BATCHED_SEQUENCES]
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(m for s in self.shapes for m in SHAPE_METRICS[s])
+
+    @property
+    def server_limits(self) -> LoadLimits:
+        return LoadLimits(self.server_clients * self.server_requests, self.server_seconds)
+
+    def as_dict(self) -> dict:
+        return {
+            "n_prompt": self.n_prompt,
+            "n_gen": self.n_gen,
+            "shapes": list(self.shapes),
+            "metrics": list(self.metrics),
+            "micro_batches": -(-self.n_prompt // self.ubatch),
+            "ubatch": self.ubatch,
+            "batched_sequences": self.batched_sequences,
+            "server_clients": self.server_clients,
+            "server_requests": self.server_clients * self.server_requests,
+            "server_seconds": self.server_seconds,
+        }
+
+
 @dataclass
 class ArmSummary:
-    """One arm over all rounds: median and (min, max) of each metric, the greedy text's md5,
-    what one decode step cost (client and nodes), and the peer copies the nodes counted."""
+    """One arm over all rounds: median and (min, max) of each metric, the greedy text's md5
+    (llama-completion's; llama-server's texts by prompt), what one decode step cost (client and
+    nodes), and the peer copies the nodes counted."""
 
     arm: str
     median: dict[str, float]
@@ -82,6 +172,7 @@ class ArmSummary:
     copies_ok: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     rounds: int = 1
+    server_md5: str = ""  # llama-server's texts by prompt, when the server shape ran
 
     def as_dict(self) -> dict:
         return {
@@ -89,6 +180,7 @@ class ArmSummary:
             "median": self.median,
             "spread": {k: list(v) for k, v in self.spread.items()},
             "md5": self.md5,
+            "server_md5": self.server_md5,
             "per_step": self.per_step,
             "copies_ok": self.copies_ok,
             "fallbacks": self.fallbacks,
@@ -221,8 +313,9 @@ def client_stats(stderr: str, tool: str = "tool") -> dict[str, dict[str, int]]:
     }
 
 
-def parse_bench_json(stdout: str) -> dict[str, float]:
-    """llama-bench -o json: tok/s of the pp test (n_prompt > 0) and the tg test (n_gen > 0)."""
+def parse_bench_json(stdout: str, expect: Collection[str] = ("pp_tps", "tg_tps")) -> dict[str, float]:
+    """llama-bench -o json: tok/s of the pp test (n_prompt > 0) and the tg test (n_gen > 0);
+    a FleetError unless it holds exactly the `expect`ed ones."""
     try:
         tests = json.loads(stdout)
     except json.JSONDecodeError as exc:
@@ -232,8 +325,8 @@ def parse_bench_json(stdout: str) -> dict[str, float]:
         key = "pp_tps" if t.get("n_prompt") else "tg_tps" if t.get("n_gen") else None
         if key:
             out[key] = float(t["avg_ts"])
-    if set(out) != {"pp_tps", "tg_tps"}:
-        raise FleetError(f"llama-bench: expected a pp and a tg test in its JSON, got {sorted(out)}")
+    if set(out) != set(expect):
+        raise FleetError(f"llama-bench: expected {sorted(expect)} in its JSON, got {sorted(out)}")
     return out
 
 
@@ -247,39 +340,87 @@ def _rpc_args(model: Path, rpc: str) -> list[str]:
     return ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
 
 
-def _bench(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: float) -> dict:
-    p = _run(
-        "llama-bench",
-        [*_rpc_args(model, rpc), "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-o", "json"],
-        arm,
-        timeout,
-    )
-    return parse_bench_json(p.stdout)
+def _bench(model: Path, rpc: str, arm: str, work: Workload, timeout: float) -> dict:
+    """pp and/or decode: one llama-bench run, the default -b/-ub (one micro-batch up to 512)."""
+    n_prompt = work.n_prompt if "pp" in work.shapes else 0
+    n_gen = work.n_gen if "decode" in work.shapes else 0
+    args = [*_rpc_args(model, rpc), "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-o", "json"]
+    expect = [k for k, n in (("pp_tps", n_prompt), ("tg_tps", n_gen)) if n]
+    return parse_bench_json(_run("llama-bench", args, arm, timeout).stdout, expect)
 
 
-def _batched(model: Path, rpc: str, arm: str, n_prompt: int, n_gen: int, timeout: float) -> dict:
-    ctx = BATCH_SEQUENCES * (n_prompt + n_gen) + 16
+def _ubatch(model: Path, rpc: str, arm: str, work: Workload, timeout: float) -> dict:
+    """The prompt as one batch of several micro-batches (-b n_prompt, -ub n_prompt/K)."""
     args = [
         *_rpc_args(model, rpc),
-        "-c",
-        str(ctx),
-        "-npp",
-        str(n_prompt),
-        "-ntg",
-        str(n_gen),
-        "-npl",
-        str(BATCH_SEQUENCES),
+        *("-p", str(work.n_prompt), "-n", "0", "-b", str(work.n_prompt), "-ub", str(work.ubatch)),
+        *("-r", "1", "-o", "json"),
+    ]
+    bench = parse_bench_json(_run("llama-bench", args, arm, timeout).stdout, ["pp_tps"])
+    return {"ubatch_pp_tps": bench["pp_tps"]}
+
+
+def _batched(model: Path, rpc: str, arm: str, work: Workload, timeout: float) -> dict:
+    """llama-batched-bench with every sequence count asked for, in one run: a row each."""
+    sequences = work.batched_sequences
+    args = [
+        *_rpc_args(model, rpc),
+        *("-c", str(max(sequences) * (work.n_prompt + work.n_gen) + 16)),
+        *("-npp", str(work.n_prompt), "-ntg", str(work.n_gen)),
+        *("-npl", ",".join(map(str, sequences))),
     ]
     # The table goes through llama.cpp's asynchronous log thread, which can drop it at exit on
     # a busy machine (as llama-completion's tail, below): rerun, at most twice.
     for _ in range(3):
         p = _run("llama-batched-bench", args, arm, timeout)
-        rows = parse_batched_table(p.stdout + "\n" + p.stderr)
-        if rows:
+        rows = {int(r["b"]): r for r in parse_batched_table(p.stdout + "\n" + p.stderr)}
+        if set(sequences) <= set(rows):
             break
     else:
-        raise FleetError("llama-batched-bench: no result table in its output (3 runs)")
-    return {"batched_tps": rows[-1]["s"], "batched": rows}
+        raise FleetError(f"llama-batched-bench: no result row for -npl {sequences} in its output (3 runs)")
+    return {
+        **{f"batched{b}_tps": rows[b]["s"] for b in sequences},
+        "batched": [rows[b] for b in sequences],
+    }
+
+
+def server_args(model: Path, rpc: str, work: Workload) -> list[str]:
+    """llama-server over the fleet with a slot per client, each slot's context room enough for
+    a prompt of SERVER_PROMPTS and n_gen tokens (the host and port come from LlamaServer)."""
+    per_slot = 64 + work.n_gen
+    return [
+        *_rpc_args(model, rpc),
+        *("-np", str(work.server_clients), "-c", str(work.server_clients * per_slot)),
+        "--no-webui",
+    ]
+
+
+def _server(model: Path, rpc: str, arm: str, work: Workload, timeout: float) -> dict:
+    """llama-server under `server_clients` closed-loop clients: tok/s, requests/s, texts."""
+    env = dict(os.environ, GGML_RPC_P2P=P2P_ENV[arm])
+    exe = find_p2p_tool("llama-server")
+    with LlamaServer(exe, server_args(model, rpc, work), env, arm, start_timeout=timeout) as server:
+        load = run_load(server.port, work.server_clients, SERVER_PROMPTS, work.n_gen, work.server_limits)
+    if load.errors:
+        raise FleetError(f"llama-server ({arm}): {len(load.errors)} failed request(s): {load.errors[0]}")
+    if not load.requests:
+        raise FleetError(f"llama-server ({arm}): no request answered within {work.server_seconds:g}s")
+    return {
+        "server_tps": load.tokens_per_s,
+        "server_rps": load.requests_per_s,
+        "server": _load_doc(load),
+    }
+
+
+def _load_doc(load: LoadResult) -> dict:
+    return {
+        "clients": load.clients,
+        "requests": load.requests,
+        "tokens": load.tokens,
+        "seconds": load.seconds,
+        "stopped_by": load.stopped_by,
+        "texts": load.texts,
+    }
 
 
 def _complete(
@@ -346,15 +487,40 @@ def _per_step(short: tuple[dict, dict], long: tuple[dict, dict], steps: int) -> 
 # -- the run -----------------------------------------------------------------------------------
 
 
-def check_settings(rounds: int, n_prompt: int, n_gen: int) -> None:
-    """One line per bad number (fleetctl turns it into exit 2)."""
+def check_settings(rounds: int, work: Workload) -> None:
+    """One line per bad number or shape (fleetctl turns it into exit 2)."""
     for name, value, low, high in (
         ("rounds", rounds, 1, 50),
-        ("n_prompt", n_prompt, 1, 4096),
-        ("n_gen", n_gen, 2, 1024),
+        ("n_prompt", work.n_prompt, 1, 4096),
+        ("n_gen", work.n_gen, 2, 1024),
+        ("micro_batches", work.micro_batches, 2, 64),
+        ("server_clients", work.server_clients, 1, 64),
+        ("server_requests", work.server_requests, 1, 1000),
     ):
         if not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{name} {value!r}: must be a whole number in {low}..{high}")
+    if not 0 < work.server_seconds <= 3600:
+        raise ValueError(f"server_seconds {work.server_seconds!r}: must be above 0 and at most 3600")
+    parse_shapes(",".join(work.shapes) or ",")  # the same error as --shapes
+    if "ubatch" in work.shapes and work.n_prompt < work.micro_batches:
+        raise ValueError(
+            f"n_prompt {work.n_prompt} < micro_batches {work.micro_batches}: "
+            "each micro-batch needs a prompt token"
+        )
+
+
+# What a cell runs before llama-completion: (progress label, whether the workload asks for it,
+# the run, which returns the cell's metrics and details).
+_TOOL_RUNS: tuple[tuple[str, Callable[[Workload], bool], Callable[..., dict]], ...] = (
+    ("llama-bench", lambda w: "pp" in w.shapes or "decode" in w.shapes, _bench),
+    ("llama-bench micro-batches", lambda w: "ubatch" in w.shapes, _ubatch),
+    ("llama-batched-bench", lambda w: bool(w.batched_sequences), _batched),
+    ("llama-server", lambda w: "server" in w.shapes, _server),
+)
+
+
+def _tool_runs(work: Workload) -> list[tuple[str, Callable[..., dict]]]:
+    return [(label, run) for label, wanted, run in _TOOL_RUNS if wanted(work)]
 
 
 def _cell(
@@ -362,23 +528,22 @@ def _cell(
     model: Path,
     rpc: str,
     arm: str,
-    n_prompt: int,
-    n_gen: int,
+    work: Workload,
     timeout: float,
     step: Callable[[str], None],
 ) -> dict:
-    step(f"{arm}: llama-bench")
     before = _snapshot(fleet)
-    cell: dict = {"arm": arm, **_bench(model, rpc, arm, n_prompt, n_gen, timeout)}
-    step(f"{arm}: llama-batched-bench")
-    cell.update(_batched(model, rpc, arm, n_prompt, n_gen, timeout))
+    cell: dict = {"arm": arm}
+    for label, run in _tool_runs(work):
+        step(f"{arm}: {label}")
+        cell.update(run(model, rpc, arm, work, timeout))
     step(f"{arm}: llama-completion")
     _, short_client, short_nodes = _complete(fleet, model, rpc, arm, 1, timeout)
-    text, long_client, long_nodes = _complete(fleet, model, rpc, arm, n_gen, timeout)
+    text, long_client, long_nodes = _complete(fleet, model, rpc, arm, work.n_gen, timeout)
     after = _snapshot(fleet)
     cell["md5"] = hashlib.md5(text.encode()).hexdigest()
     cell["text_chars"] = len(text)
-    cell["per_step"] = _per_step((short_client, short_nodes), (long_client, long_nodes), n_gen - 1)
+    cell["per_step"] = _per_step((short_client, short_nodes), (long_client, long_nodes), work.n_gen - 1)
     cell["nodes"] = _delta(before, after)  # the whole cell: copies and fallbacks by reason
     cell["nodes_without_counters"] = sorted(
         name
@@ -388,9 +553,17 @@ def _cell(
     return cell
 
 
+def _server_md5(cell: dict) -> str:
+    """md5 of llama-server's texts by prompt in one cell; "" when the cell ran no server."""
+    if "server" not in cell:
+        return ""
+    return hashlib.md5(json.dumps(cell["server"]["texts"], sort_keys=True).encode()).hexdigest()
+
+
 def _summarise(arm: str, cells: list[dict]) -> ArmSummary:
-    median = {m: statistics.median(c[m] for c in cells) for m in METRICS}
-    spread = {m: (min(c[m] for c in cells), max(c[m] for c in cells)) for m in METRICS}
+    metrics = [m for m in METRICS if m in cells[0]]
+    median = {m: statistics.median(c[m] for c in cells) for m in metrics}
+    spread = {m: (min(c[m] for c in cells), max(c[m] for c in cells)) for m in metrics}
     fallbacks: dict[str, int] = {}
     copies = 0
     for c in cells:
@@ -399,8 +572,38 @@ def _summarise(arm: str, cells: list[dict]) -> ArmSummary:
             for r, n in d["fallbacks"].items():
                 fallbacks[r] = fallbacks.get(r, 0) + n
     return ArmSummary(
-        arm, median, spread, cells[0]["md5"], cells[0]["per_step"], copies, fallbacks, len(cells)
+        arm,
+        median,
+        spread,
+        cells[0]["md5"],
+        cells[0]["per_step"],
+        copies,
+        fallbacks,
+        len(cells),
+        _server_md5(cells[0]),
     )
+
+
+def _md5_list(texts: list[str]) -> str:
+    return "/".join(hashlib.md5(t.encode()).hexdigest()[:8] for t in texts) or "-"
+
+
+def text_mismatches(round_docs: list[dict]) -> list[str]:
+    """Where greedy texts differ: llama-completion's between any two cells, llama-server's for
+    one prompt between or within cells; [] when every text agrees."""
+    cells = [(rd["round"], c) for rd in round_docs for c in rd["cells"]]
+    out = []
+    if len({c["md5"] for _, c in cells}) > 1:
+        diff = ", ".join(f"round {r} {c['arm']} {c['md5'][:12]}" for r, c in cells)
+        out.append(f"the greedy text differs between cells ({diff})")
+    served = [(r, c["arm"], c["server"]["texts"]) for r, c in cells if "server" in c]
+    for prompt in sorted({p for _, _, texts in served for p in texts}):
+        if len({t for _, _, texts in served for t in texts.get(prompt, [])}) > 1:
+            diff = ", ".join(
+                f"round {r} {arm} {_md5_list(texts.get(prompt, []))}" for r, arm, texts in served
+            )
+            out.append(f"llama-server's greedy text for {prompt!r} differs ({diff})")
+    return out
 
 
 def _why_no_copies(fleet: Fleet, direct: list[dict], summary: ArmSummary) -> list[str]:
@@ -491,6 +694,42 @@ def _beyond_spread(hub: ArmSummary, direct: ArmSummary, metric: str) -> str:
     return "within the spread"
 
 
+def _check_inputs(fleet: Fleet, model: Path, work: Workload) -> None:
+    if not model.is_file():
+        raise FleetError(f"model {model}: no such file")
+    if not fleet:
+        raise FleetError("the fleet has no nodes")
+    tools = {"llama-completion", *(label.split()[0] for label, _ in _tool_runs(work))}
+    for tool in sorted(tools):
+        try:
+            find_p2p_tool(tool)
+        except FileNotFoundError as exc:  # names the build script
+            raise FleetError(str(exc)) from None
+
+
+def _verdict(fleet: Fleet, arms: dict[str, ArmSummary], mismatches: list[str], why: list[str]) -> str:
+    if mismatches:
+        return "FAILED: " + "; ".join(mismatches)
+    if why:
+        return "same text, but the direct path never ran: " + "; ".join(why)
+    hub, direct = arms["hub"], arms["direct"]
+    gains = ", ".join(
+        f"{METRIC_LABELS[m]} x{direct.median[m] / hub.median[m]:.2f} ({_beyond_spread(hub, direct, m)})"
+        for m in hub.median
+        if hub.median[m]
+    )
+    verdict = (
+        f"same text in every cell (md5 {hub.md5[:12]}); direct vs hub: {gains}; "
+        f"{direct.copies_ok} peer copies"
+    )
+    if on_loopback(fleet):
+        verdict += (
+            "; every node is on loopback, where the link is not the bottleneck: the "
+            "direct path pays off where the coordinator's link is slow (fleetctl lab)"
+        )
+    return verdict
+
+
 def run_model_ab(
     fleet: Fleet,
     model: Path,
@@ -498,24 +737,25 @@ def run_model_ab(
     rounds: int = 3,
     n_prompt: int = 128,
     n_gen: int = 32,
+    shapes: tuple[str, ...] = DEFAULT_SHAPES,
+    micro_batches: int = 4,
+    server_clients: int = 4,
+    server_requests: int = 4,
+    server_seconds: float = 120.0,
     progress: Progress | None = None,
     timeout: float = TOOL_TIMEOUT_S,
 ) -> ModelAbResult:
-    """Both arms over `rounds` rounds; see the module docstring. Raises ValueError for bad
-    numbers and FleetError when a tool is missing or fails; a text mismatch is `ok=False`."""
-    check_settings(rounds, n_prompt, n_gen)
+    """Both arms over `rounds` rounds, each cell running `shapes` (SHAPES; the sizes are
+    Workload's); see the module docstring. Raises ValueError for bad numbers or shapes and
+    FleetError when a tool is missing or fails; a text mismatch is `ok=False`."""
+    work = Workload(
+        n_prompt, n_gen, tuple(shapes), micro_batches, server_clients, server_requests, server_seconds
+    )
+    check_settings(rounds, work)
     model = Path(model)
-    if not model.is_file():
-        raise FleetError(f"model {model}: no such file")
-    if not fleet:
-        raise FleetError("the fleet has no nodes")
-    for tool in ("llama-bench", "llama-batched-bench", "llama-completion"):
-        try:
-            find_p2p_tool(tool)
-        except FileNotFoundError as exc:  # names the build script
-            raise FleetError(str(exc)) from None
+    _check_inputs(fleet, model, work)
     rpc = ",".join(n.spec.rpc_endpoint for n in fleet)
-    total_steps, done = rounds * len(ARMS) * 3, 0
+    total_steps, done = rounds * len(ARMS) * (len(_tool_runs(work)) + 1), 0
 
     def step(what: str) -> None:
         nonlocal done
@@ -526,57 +766,29 @@ def run_model_ab(
     round_docs = []
     for r in range(rounds):
         order = ARMS if r % 2 == 0 else ARMS[::-1]
-        cells = []
-        for arm in order:
-            cells.append(
-                _cell(
-                    fleet,
-                    model,
-                    rpc,
-                    arm,
-                    n_prompt,
-                    n_gen,
-                    timeout,
-                    lambda what, r=r: step(f"round {r + 1}/{rounds} {what}"),
-                )
+        cells = [
+            _cell(
+                fleet,
+                model,
+                rpc,
+                arm,
+                work,
+                timeout,
+                lambda what, r=r: step(f"round {r + 1}/{rounds} {what}"),
             )
+            for arm in order
+        ]
         round_docs.append({"round": r + 1, "order": list(order), "cells": cells})
     if progress is not None:
         progress("done", 1.0)
 
     by_arm = {arm: [c for rd in round_docs for c in rd["cells"] if c["arm"] == arm] for arm in ARMS}
     arms = {arm: _summarise(arm, cells) for arm, cells in by_arm.items()}
-    md5s = {(rd["round"], c["arm"]): c["md5"] for rd in round_docs for c in rd["cells"]}
+    mismatches = text_mismatches(round_docs)
     direct_ran = arms["direct"].copies_ok > 0
     why = [] if direct_ran else _why_no_copies(fleet, by_arm["direct"], arms["direct"])
-    ok = len(set(md5s.values())) == 1
-    if not ok:
-        diff = ", ".join(f"round {r} {arm} {m[:12]}" for (r, arm), m in md5s.items())
-        verdict = f"FAILED: the greedy text differs between cells ({diff})"
-    elif not direct_ran:
-        verdict = "same text, but the direct path never ran: " + "; ".join(why)
-    else:
-        gains = ", ".join(
-            f"{METRIC_LABELS[m]} x{arms['direct'].median[m] / arms['hub'].median[m]:.2f} "
-            f"({_beyond_spread(arms['hub'], arms['direct'], m)})"
-            for m in METRICS
-            if arms["hub"].median[m]
-        )
-        verdict = (
-            f"same text in every cell (md5 {arms['hub'].md5[:12]}); direct vs hub: {gains}; "
-            f"{arms['direct'].copies_ok} peer copies"
-        )
-        if on_loopback(fleet):
-            verdict += (
-                "; every node is on loopback, where the link is not the bottleneck: the "
-                "direct path pays off where the coordinator's link is slow (fleetctl lab)"
-            )
-    settings = {
-        "rounds": rounds,
-        "n_prompt": n_prompt,
-        "n_gen": n_gen,
-        "batch_sequences": BATCH_SEQUENCES,
-        "rpc": rpc,
-        "prompt": PROMPT,
-    }
-    return ModelAbResult(str(model), len(fleet), settings, round_docs, arms, ok, direct_ran, verdict, why)
+    verdict = _verdict(fleet, arms, mismatches, why)
+    settings = {"rounds": rounds, **work.as_dict(), "rpc": rpc, "prompt": PROMPT}
+    return ModelAbResult(
+        str(model), len(fleet), settings, round_docs, arms, not mismatches, direct_ran, verdict, why
+    )

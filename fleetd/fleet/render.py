@@ -468,7 +468,27 @@ def lifecycle_table(command: str, rows: Mapping[str, dict]) -> Table:
 
 # -- A/B on a real model (fleetd.fleet.model_ab) -----------------------------------------------
 
-MODEL_AB_METRICS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "batched tok/s"}
+
+def model_ab_metrics(doc: dict) -> dict[str, str]:
+    """{metric: label} of what the run measured (its arms' medians), in METRICS order."""
+    from fleetd.fleet.model_ab import METRIC_LABELS
+
+    measured = next(iter(doc["arms"].values()))["median"] if doc["arms"] else {}
+    return {m: label for m, label in METRIC_LABELS.items() if m in measured}
+
+
+def _model_ab_sizes(s: dict) -> str:
+    """The sizes in a title: "pp 128, tg 32, 4 micro-batches of 32, 4 and 8 sequences, server
+    4 clients"; pp and tg always (llama-completion uses them), the rest when its shape ran."""
+    shapes = s.get("shapes", ())
+    parts = [f"pp {s['n_prompt']}", f"tg {s['n_gen']}"]
+    if "ubatch" in shapes:
+        parts.append(f"{s['micro_batches']} micro-batches of {s['ubatch']}")
+    if s.get("batched_sequences"):
+        parts.append(f"{' and '.join(map(str, s['batched_sequences']))} sequences")
+    if "server" in shapes:
+        parts.append(f"server {s['server_clients']} clients")
+    return ", ".join(parts)
 
 
 def model_ab_table(doc: dict) -> Table:
@@ -476,13 +496,12 @@ def model_ab_table(doc: dict) -> Table:
     s = doc["settings"]
     table = Table(
         title=f"hub vs direct: {doc['stages']} RPC stages, {doc['model'].rsplit('/', 1)[-1]}, "
-        f"{s['rounds']} rounds, pp {s['n_prompt']}, tg {s['n_gen']}, "
-        f"{s['batch_sequences']} sequences"
+        f"{s['rounds']} rounds, {_model_ab_sizes(s)}"
     )
     table.add_column("")
     for arm in doc["arms"]:
         table.add_column(arm, justify="right")
-    for key, label in MODEL_AB_METRICS.items():
+    for key, label in model_ab_metrics(doc).items():
         table.add_row(
             f"{label} (median, min..max)",
             *(
@@ -496,6 +515,8 @@ def model_ab_table(doc: dict) -> Table:
         *(", ".join(f"{r} {n}" for r, n in a["fallbacks"].items()) or "0" for a in doc["arms"].values()),
     )
     table.add_row("greedy text md5", *(a["md5"][:12] for a in doc["arms"].values()))
+    if any(a.get("server_md5") for a in doc["arms"].values()):
+        table.add_row("llama-server texts md5", *(a["server_md5"][:12] for a in doc["arms"].values()))
     return table
 
 
@@ -523,18 +544,19 @@ def model_ab_steps_table(doc: dict) -> Table:
 def model_ab_bars(doc: dict, columns: int = 80) -> Table:
     """The terminal plot: one bar per arm and metric, scaled to the metric's largest max, as
     wide as `columns` leaves after the labels (a bar rich had to cut would hide the ratio)."""
-    table = Table(title="tok/s, median (bar) and min..max over rounds", show_header=False, box=None)
+    table = Table(title="rates, median (bar) and min..max over rounds", show_header=False, box=None)
     for col in ("metric", "arm", "bar", "value"):
         table.add_column(col, no_wrap=True)
     styles = ("blue", "dark_orange", "green", "magenta")
+    metrics = model_ab_metrics(doc)
     values = [
         f"{a['median'][k]:.2f} ({a['spread'][k][0]:.2f}..{a['spread'][k][1]:.2f})"
-        for k in MODEL_AB_METRICS
+        for k in metrics
         for a in doc["arms"].values()
     ]
-    labels = max(map(len, MODEL_AB_METRICS.values())) + max(map(len, doc["arms"])) + max(map(len, values))
+    labels = max(map(len, metrics.values())) + max(map(len, doc["arms"])) + max(map(len, values))
     width = max(8, min(40, columns - labels - 8))  # 8: the padding between four columns
-    for key, label in MODEL_AB_METRICS.items():
+    for key, label in metrics.items():
         peak = max(a["spread"][key][1] for a in doc["arms"].values()) or 1.0
         for i, (arm, a) in enumerate(doc["arms"].items()):
             n = round(width * a["median"][key] / peak)
@@ -554,5 +576,5 @@ def model_ab_chart_panels(doc: dict) -> dict:
     """{metric label: {arm: (median, min, max)}}: what fleetd.fleet.chart draws."""
     return {
         label: {arm: (a["median"][key], *a["spread"][key]) for arm, a in doc["arms"].items()}
-        for key, label in MODEL_AB_METRICS.items()
+        for key, label in model_ab_metrics(doc).items()
     }
