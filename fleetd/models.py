@@ -54,7 +54,18 @@ LOAD = Dims(n_embd=2048, n_head=16, n_head_kv=4, head_dim=128, n_ff=5632, n_laye
 # The smallest model with matrices on that path (f16 FFN, 11264 x 512; one layer, ~36 MB f16):
 # the test of benchmarks/load.py.
 HASH = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=1)
-SIZES = {"tiny": TINY, "bench": BENCH, "mid": MID, "wide": WIDE, "wide12": WIDE12, "load": LOAD, "hash": HASH}
+# The same with two layers (~70 MB f16), so a split over two nodes gives each some: fleetctl stage's test.
+HASH2 = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=2)
+SIZES = {
+    "tiny": TINY,
+    "bench": BENCH,
+    "mid": MID,
+    "wide": WIDE,
+    "wide12": WIDE12,
+    "load": LOAD,
+    "hash": HASH,
+    "hash2": HASH2,
+}
 # Random weights make chaotic models: rounding-level differences between two correct servers
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream
 # dominates) and wide logit and router margins keep the models decisive, as trained ones are.

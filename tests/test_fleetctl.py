@@ -394,7 +394,7 @@ def test_nodes_file_format():
         ("gpu1 rpc_port", "nodes.txt:3: expected key=value after the host, got 'rpc_port'"),
         (
             "gpu1 colour=blue",
-            "nodes.txt:3: unknown key 'colour' (known: rpc_port, control_port, devices, name)",
+            "nodes.txt:3: unknown key 'colour' (known: rpc_port, control_port, devices, name, cache_dir)",
         ),
         ("@gpu1", "nodes.txt:3: empty user name before '@'"),
         ("gpu1:ssh", "nodes.txt:3: ssh port 'ssh' is not a port in 1..65535"),

@@ -11,9 +11,11 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.text import Text
 
 from fleetd.ctl.options import by_name, fleet_args, json_doc, open_fleet, print_json, print_renderables
 from fleetd.errors import UsageError
@@ -32,6 +34,7 @@ from fleetd.fleet.render import (
     stats_watch_table,
     status_table,
 )
+from fleetd.fleet.stage import staged_models
 
 # -- status ------------------------------------------------------------------------------------
 
@@ -66,20 +69,41 @@ def status_and_hello(node: Node) -> NodeStatus:
 
 
 def cmd_status(args) -> int:
-    """fleetctl status: every selected node's status and an RPC HELLO; tables or --json."""
+    """fleetctl status: every selected node's status and an RPC HELLO, and what `fleetctl stage`
+    put in its cache directory; tables or --json."""
     with open_fleet(args) as fleet:
         fleet = _selected(fleet, args)
         result = fleet.map(status_and_hello)
+        staged = fleet.map(staged_models)
     if args.json:
-        print_json(json_doc(result, "status"))
+        doc = json_doc(result, "status")
+        for node, models in staged.items():
+            if not isinstance(models, BaseException):
+                doc[node.name]["staged"] = [asdict(m) for m in models]
+        print_json(doc)
     else:
         answers = by_name(result)
         hosts = {n.name: n.spec.target for n in result}
         print_renderables(
-            status_table(answers, hosts), sessions_table(answers), fallback_text(answers), down_text(answers)
+            status_table(answers, hosts),
+            sessions_table(answers),
+            staged_text(staged),
+            fallback_text(answers),
+            down_text(answers),
         )
     result.raise_on_failure()
     return 0
+
+
+def staged_text(staged: FleetResult) -> Text | None:
+    """One line per model a node holds staged ("n1: model m.gguf: 6 of 6 tensors (...) staged")."""
+    lines = [
+        f"{node.name}: {m.line()}"
+        for node, models in staged.items()
+        if not isinstance(models, BaseException)
+        for m in models
+    ]
+    return Text("\n".join(lines)) if lines else None
 
 
 # -- stats -------------------------------------------------------------------------------------

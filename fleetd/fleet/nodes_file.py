@@ -2,6 +2,7 @@
 
     # comment lines and blank lines are ignored; a # after the fields starts a comment too
     [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME] [via_netns=NS]
+                           [cache_dir=DIR]
 
     gpu1                                   # ssh as the current user, port 22, all defaults
     root@10.0.0.2:2222 rpc_port=50053 devices=cpu,numpy
@@ -9,7 +10,9 @@
     [fe80::1%eth0]:22 name=edge                    # IPv6 literals in brackets
 
 Defaults: ssh_port 22, rpc_port 50052, control_port rpc_port + 100 (50152), devices cpu
-(fleetd's devices: cpu, numpy). via_netns=NS is written by `fleetctl lab up`: the node's fleetd
+(fleetd's devices: cpu, numpy). cache_dir=DIR: the node's fleetd cache directory (its -c), where
+`fleetctl stage` puts tensors (default: the one `fleetctl deploy` configured, if any).
+via_netns=NS is written by `fleetctl lab up`: the node's fleetd
 runs in the network namespace NS on this host and is reached inside it. Which
 nodes are reached without SSH: LOCAL_RULE below. A node is named by
 `name=` or by its host (plus `:ssh_port` when not 22); two nodes on one host get `/rpc_port`
@@ -40,13 +43,15 @@ LOCAL_RULE = (
 NODES_FILE_HELP = f"""\
 nodes file: one node per line, '#' starts a comment, blank lines are ignored:
   [user@]host[:ssh_port] [rpc_port=N] [control_port=N] [devices=D,D...] [name=NAME]
+  [cache_dir=DIR]
 e.g.
   gpu1
   root@10.0.0.2:2222 rpc_port=50053 devices=cpu,numpy
   localhost rpc_port=50053          (control_port 50153: rpc_port + 100)
 defaults: ssh_port 22, rpc_port {DEFAULT_RPC_PORT}, control_port rpc_port + {CONTROL_PORT_OFFSET}, devices cpu
-(devices: {", ".join(DEVICE_NAMES)}). via_netns=NS: written by `fleetctl lab up` (fleetd in
-network namespace NS on this host).
+(devices: {", ".join(DEVICE_NAMES)}). cache_dir=DIR: the node's fleetd -c directory, for
+`fleetctl stage` (default: the one `fleetctl deploy` configured). via_netns=NS: written by
+`fleetctl lab up` (fleetd in network namespace NS on this host).
 {textwrap.fill(LOCAL_RULE, 96)}
 SSH keys come from the agent or ~/.ssh; host keys must be in ~/.ssh/known_hosts
 (or --known-hosts FILE)."""
@@ -68,6 +73,7 @@ class NodeSpec:
     name: str = ""
     line: int = field(default=0, compare=False)
     via_netns: str = ""  # the control API is reached inside this network namespace (fleetctl lab)
+    cache_dir: str = ""  # the node's fleetd cache directory (-c), as the node sees it; "" unknown
 
     @property
     def is_local(self) -> bool:
@@ -151,13 +157,17 @@ def parse_line(text: str, lineno: int = 0, source: str = "nodes file") -> NodeSp
             if not _HOST.match(value):
                 raise NodesFileError(f"{where}: via_netns {value!r}: not a namespace name")
             kw[key] = value
+        elif key == "cache_dir":
+            if not value.startswith(("/", "~/")):
+                raise NodesFileError(f"{where}: cache_dir {value!r}: an absolute path or ~/path")
+            kw[key] = value
         elif key == "name":
             if not _NAME.match(value):
                 raise NodesFileError(f"{where}: name {value!r}: use letters, digits and _ . : - /")
             kw[key] = value
         else:
             raise NodesFileError(
-                f"{where}: unknown key {key!r} (known: rpc_port, control_port, devices, name)"
+                f"{where}: unknown key {key!r} (known: rpc_port, control_port, devices, name, cache_dir)"
             )
     if "control_port" not in kw:  # two fleetd on one host (one per GPU) need no control_port= each
         kw["control_port"] = control_port_for(kw.get("rpc_port", DEFAULT_RPC_PORT))
