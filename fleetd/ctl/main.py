@@ -27,6 +27,8 @@ from fleetd.ctl import deploy_commands as deploy
 from fleetd.ctl import lab_commands as lab
 from fleetd.ctl import model_command as model
 from fleetd.ctl import plan_command as plan
+from fleetd.ctl import serve_command as serve
+from fleetd.ctl import stage_command as stage
 from fleetd.ctl import tui_command
 from fleetd.ctl.extra import missing_ctl_package
 from fleetd.errors import FleetdError, UsageError
@@ -63,6 +65,8 @@ SUBCOMMANDS = (
     Subcommand("lab", lab.LAB_HELP, lab.configure_lab, lab.cmd_lab),
     Subcommand("model", model.MODEL_HELP, model.configure_model, model.cmd_model),
     Subcommand("plan", plan.PLAN_HELP, plan.configure_plan, plan.cmd_plan),
+    Subcommand("stage", stage.STAGE_HELP, stage.configure_stage, stage.cmd_stage),
+    Subcommand("serve", serve.SERVE_HELP, serve.configure_serve, serve.cmd_serve),
     Subcommand("tui", tui_command.TUI_HELP, tui_command.configure_tui, tui_command.cmd_tui),
 )
 COMMANDS = {c.name: c for c in SUBCOMMANDS}
@@ -91,6 +95,10 @@ NUMBER_RANGES: dict[str, tuple[float, bool, float | None]] = {
     "server_seconds": (0, False, 3600),
     "ctx": (1, True, 1 << 24),
     "parallel": (1, True, 256),
+    "port": (0, True, 65535),  # serve's front (0: any free port)
+    "replan_after": (0, True, None),  # serve: 0 never
+    "threads": (1, True, 4096),  # serve (llama-server's -t), lab up (per fleetd)
+    "start_timeout": (0, False, None),
     "nodes": (1, True, 64),  # demo --nodes (elsewhere NODES is the nodes file, a str, not checked)
 }
 # A subcommand whose option of the same name has another range.

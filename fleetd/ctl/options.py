@@ -17,12 +17,15 @@ from fleetd.fleet.render import reason
 from fleetd.fleet.ssh import SshOptions
 
 
-def fleet_args(p: argparse.ArgumentParser, json_output: bool = True) -> None:
+def fleet_args(p: argparse.ArgumentParser, json_output: bool = True, nodes_optional: bool = False) -> None:
     """The nodes file argument and the flags every fleet subcommand shares (SSH keys, known_hosts,
-    timeouts, and --json unless `json_output` is False)."""
+    timeouts, and --json unless `json_output` is False). `nodes_optional`: NODES may be left out
+    (the command checks when it needs it)."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = NODES_FILE_HELP
-    p.add_argument("nodes", metavar="NODES", help="nodes file (format below)")
+    p.add_argument(
+        "nodes", metavar="NODES", nargs="?" if nodes_optional else None, help="nodes file (format below)"
+    )
     if json_output:
         p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(

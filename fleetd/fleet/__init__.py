@@ -13,5 +13,7 @@ it imports neither):
     chart.py           a bar chart as a PNG file (numpy and zlib)
     lab.py, netns.py   an emulated network: fleetd in network namespaces, tc-rated links
     local.py           LocalFleet: fleetd processes on loopback (demo, benchmarks, tests)
+    plan.py, plan_probe.py   fleetctl plan: placement from the GGUF and the measured nodes
+    stage.py, stage_store.py fleetctl stage: the plan's hashed tensors into the nodes' caches
     render.py          pure renderers: rich tables and text for all of the above
 """

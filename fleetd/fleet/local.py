@@ -118,7 +118,7 @@ class LocalFleet:
             for i in range(self.count):
                 rpc = free_port()
                 control = free_port() if self.control else 0
-                self._spawn(i, rpc, control)
+                self.processes.append(self._spawn(i, rpc, control))
                 self.endpoints.append(f"127.0.0.1:{rpc}")
                 lines.append(
                     f"localhost rpc_port={rpc}"
@@ -135,7 +135,7 @@ class LocalFleet:
             raise
         return self
 
-    def _spawn(self, i: int, rpc: int, control: int) -> None:
+    def _spawn(self, i: int, rpc: int, control: int) -> subprocess.Popen:
         log_path = self.workdir / f"node-{i}.log"
         args = [
             sys.executable,
@@ -155,27 +155,44 @@ class LocalFleet:
         ]
         # stdout and stderr (a traceback before logging starts) append to the same file
         with open(log_path, "ab") as log:  # the child keeps its own copy
-            self.processes.append(
-                subprocess.Popen(
-                    args,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                    preexec_fn=self.preexec_fn,
-                )
+            return subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                preexec_fn=self.preexec_fn,
             )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
-        for i, (node, proc, endpoint) in enumerate(
-            zip(self.fleet, self.processes, self.endpoints, strict=True)
-        ):
-            checks = [("HELLO", lambda endpoint=endpoint: RpcClient(endpoint, PROBE_TIMEOUT).open().close())]
-            if self.control:
-                checks.append(("the control API", node.status))
-            log = self.workdir / f"node-{i}.log"
-            wait_answering(proc, checks, deadline, f"{node.name} ({endpoint})", log)
+        for i in range(len(self.processes)):
+            self._wait_node(i, deadline)
+
+    def _wait_node(self, i: int, deadline: float) -> None:
+        node, proc, endpoint = self.fleet[i], self.processes[i], self.endpoints[i]
+        checks = [("HELLO", lambda: RpcClient(endpoint, PROBE_TIMEOUT).open().close())]
+        if self.control:
+            checks.append(("the control API", node.status))
+        log = self.workdir / f"node-{i}.log"
+        wait_answering(proc, checks, deadline, f"{node.name} ({endpoint})", log)
+
+    # -- one node: a crash and its return (what a supervisor or systemd would do) -------------
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node `i`, as a crash or the OOM killer would, and reap it."""
+        self.processes[i].kill()
+        self.processes[i].wait()
+
+    def restart(self, i: int) -> None:
+        """Start node `i` again on its own RPC and control ports (after it exited or was killed)
+        and wait until it answers."""
+        if self.processes[i].poll() is None:
+            raise FleetError(f"{self.fleet[i].name}: still running")
+        rpc = int(self.endpoints[i].rsplit(":", 1)[1])
+        control = self.fleet[i].spec.control_port if self.control else 0
+        self.processes[i] = self._spawn(i, rpc, control)
+        self._wait_node(i, time.monotonic() + self.start_timeout)
 
     def stop(self) -> None:
         """Close the fleet, terminate the processes (killed after STOP_TIMEOUT_S) and drop a temporary

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ _LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] ")  # "0.00.005.554 E " in 
 HEALTH_POLL_S = 0.2
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 10.0
+_LOG_TAIL_BYTES = 64 << 10
 # Different prompts, so the clients' sequences differ; each prompt's greedy text is compared
 # between arms (and between the requests of one arm).
 SERVER_PROMPTS = (
@@ -49,7 +50,8 @@ SERVER_PROMPTS = (
 
 def _last_line(log) -> str:
     """The server's last line of output, without llama.cpp's time stamp and level letter."""
-    log.seek(0)
+    log.seek(0, 2)
+    log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))  # a long-running server's log grows
     lines = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()]
     return _LOG_PREFIX.sub("", lines[-1]).strip() if lines else "no output"
 
@@ -72,14 +74,25 @@ class LlamaServer:
     `start_timeout`); leaving stops it (terminate, wait, kill after STOP_TIMEOUT_S)."""
 
     def __init__(
-        self, exe: Path, args: Sequence[str], env: Mapping[str, str], label: str, start_timeout: float
+        self,
+        exe: Path,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        label: str,
+        start_timeout: float,
+        *,
+        log_path: Path | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ) -> None:
+        """`log_path`: append the server's output there (default: a temporary file);
+        `on_wait(last line)` runs at every /health poll while it starts (raise in it to give up)."""
         self.exe, self.args, self.env = exe, list(args), dict(env)
         self.label, self.start_timeout = label, start_timeout
         self.port = 0
         self.pid = 0
         self._proc: subprocess.Popen | None = None
-        self._log = tempfile.TemporaryFile()
+        self._log = open(log_path, "ab+") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
+        self._on_wait = on_wait
 
     def __enter__(self) -> LlamaServer:
         self.port = free_port()
@@ -114,15 +127,25 @@ class LlamaServer:
                     f"llama-server ({self.label}) not ready within {self.start_timeout:g}s: "
                     f"{_last_line(self._log)}"
                 )
+            if self._on_wait is not None:
+                self._on_wait(_last_line(self._log))
             time.sleep(HEALTH_POLL_S)
 
-    def stop(self) -> None:
-        """Terminate, wait, kill on timeout; closes the captured output. Safe to call twice."""
+    def exit_code(self) -> int | None:
+        """The exit status once the server has exited (negative: the signal), else None."""
+        return None if self._proc is None else self._proc.poll()
+
+    def last_line(self) -> str:
+        """The server's last line of output (what an abort says)."""
+        return "no output" if self._log.closed else _last_line(self._log)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Terminate, wait, kill after `timeout`; closes the captured output. Safe to call twice."""
         proc, self._proc = self._proc, None
         if proc is not None:
             proc.terminate()
             try:
-                proc.wait(STOP_TIMEOUT_S)
+                proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
