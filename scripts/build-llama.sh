@@ -44,16 +44,23 @@ have_ggml() {
     [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
 }
 
-# fleetd's own helper (FNV-1a for the cache directory): one C file, rebuilt when missing or older
-# than its source, without touching ggml. Plain -O2, no -march: it ships with the portable libs.
-NATIVE_SRC="$HERE/../fleetd/compute/native/fnv1a.c"
+# fleetd's own helpers (FNV-1a for the cache directory, the session's fast path for whole
+# SET_TENSOR/GET_TENSOR requests): the C files next to fleetd/compute/native/__init__.py, rebuilt
+# when missing or older than any source, without touching ggml. Plain -O2, no -march: they ship
+# with the portable libs.
+NATIVE_SRCS=("$HERE/../fleetd/compute/native/fnv1a.c" "$HERE/../fleetd/compute/native/fastpath.c")
 NATIVE_LIB="$GGML_LIB/libfleetd-native.so"
 have_native() {
-    [ -f "$NATIVE_LIB" ] && [ ! "$NATIVE_SRC" -nt "$NATIVE_LIB" ]
+    [ -f "$NATIVE_LIB" ] || return 1
+    local src
+    for src in "${NATIVE_SRCS[@]}"; do
+        [ "$src" -nt "$NATIVE_LIB" ] && return 1
+    done
+    return 0
 }
 build_native() {
     mkdir -p "$GGML_LIB"
-    "${CC:-cc}" -O2 -std=c99 -Wall -Werror -shared -fPIC -o "$NATIVE_LIB.tmp" "$NATIVE_SRC"
+    "${CC:-cc}" -O2 -std=c99 -Wall -Werror -shared -fPIC -o "$NATIVE_LIB.tmp" "${NATIVE_SRCS[@]}"
     mv "$NATIVE_LIB.tmp" "$NATIVE_LIB"
 }
 

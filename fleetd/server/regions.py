@@ -27,11 +27,16 @@ def tensor_buffer(registry: BufferRegistry, t: RpcTensor, what: str) -> tuple[Bu
 def region(registry: BufferRegistry, t: RpcTensor, offset: int, size: int, what: str) -> tuple[Buffer, int]:
     """SET/GET region rule of the stock server plus its `offset + size <= nbytes` assert;
     returns the buffer and the region's start in it."""
-    buf, start = tensor_buffer(registry, t, what)
-    p1 = buf.base + buf.size
+    check_type(t, what)
+    buf = buffer_of(registry, t.buffer, what)
+    n = t.nbytes  # once: the hot path of every SET_TENSOR and GET_TENSOR
+    base = buf.base
+    p1 = base + buf.size
+    if t.data < base or t.data + n > p1:
+        check_extent(buf, t, what)  # raises, with the message every command gives
     at = t.data + offset
-    if at < buf.base or at >= p1 or size > p1 - at:
-        raise RemoteProtocolError(f"{what}: region {at:#x}+{size} outside buffer [{buf.base:#x}, {p1:#x})")
-    if offset + size > t.nbytes:
-        raise RemoteProtocolError(f"{what}: offset {offset} + size {size} beyond tensor of {t.nbytes} bytes")
-    return buf, start + offset
+    if at < base or at >= p1 or size > p1 - at:
+        raise RemoteProtocolError(f"{what}: region {at:#x}+{size} outside buffer [{base:#x}, {p1:#x})")
+    if offset + size > n:
+        raise RemoteProtocolError(f"{what}: offset {offset} + size {size} beyond tensor of {n} bytes")
+    return buf, at - base

@@ -21,6 +21,8 @@ from fleetd.compute.buffers import Buffer
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
+from fleetd.server.fast_path import SMALLEST as FAST_SMALLEST
+from fleetd.server.fast_path import FastPath
 from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.peer_async import AsyncCopies
@@ -144,6 +146,8 @@ class Session:
         # A PEER_GATE answered 0: every command until PEER_RESUME is skipped (the client sends
         # them again once it wrote the copy itself).
         self.skipping = False
+        # whole SET_TENSOR / GET_TENSOR requests on this session's own buffers, served in C
+        self.fast = FastPath(sock, self.counters if state.config.count_commands else None)
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._local_addr: str | None | object = _UNKNOWN
@@ -187,7 +191,10 @@ class Session:
         set_send_timeout(self.sock, self.limits.request_timeout)
         floor = self.state.receive_budget.FLOOR
         idle = self.limits.idle_timeout
+        fast = self.fast
         while True:
+            if conn.buffered >= FAST_SMALLEST and not self.skipping and fast.serve(conn):
+                continue
             event = conn.next_event()
             if event is NEED_DATA:
                 if conn.buffered or not self._greeted:
@@ -318,6 +325,7 @@ class Session:
         for dev in self.state.devices:
             dev.session_ended(self.id)
         self.graphs.clear()
+        self.fast.set_buffers([])
         for buf in self.state.registry.owned_by(self.id):
             self.state.registry.free(buf)
         if self._charged:
@@ -427,6 +435,7 @@ def on_alloc_buffer(s: Session, ev: AllocBuffer) -> int:
             s.state.registry.allocated_by(s.id),
         )
         return s.respond(AllocBufferReply(0, 0))
+    s.fast.set_buffers(s.state.registry.owned_by(s.id))
     return s.respond(AllocBufferReply(buf.handle, buf.size))
 
 
@@ -467,6 +476,7 @@ def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
     # Stored graphs may point into the freed buffer: drop them, as the stock server does.
     s.graphs.clear()
     s.state.registry.free(buf)
+    s.fast.set_buffers(s.state.registry.owned_by(s.id))
     return 0
 
 

@@ -133,6 +133,19 @@ class ServerConnection:
         self.request_bytes = 9 + size
         return event
 
+    def pending_requests(self) -> tuple[bytearray, int, int] | None:
+        """Between requests of a connection past HELLO: the receive buffer, where its unread
+        bytes start and how many there are, for a fast path that serves whole requests in place
+        and reports them with `served(n)`; None when no request may be taken that way now."""
+        if self.body_remaining or self._gate_passed or self._gate.state is not State.READY:
+            return None
+        buf = self._buf
+        return buf.raw, buf.start, len(buf)
+
+    def served(self, n: int) -> None:
+        """`n` bytes of whole requests at the front were served outside next_event()."""
+        self._buf.consume(n)
+
     def read_body_into(self, dst: memoryview) -> int:
         """Move already-buffered body bytes into `dst`; return how many."""
         n = self._buf.move_into(dst, self.body_remaining)

@@ -288,12 +288,16 @@ GGML_MAX_NAME = 64
 
 def nbytes(type_: int, ne: tuple[int, ...], nb: tuple[int, ...]) -> int:
     """ggml_nbytes: the extent from the first to one past the last byte addressed."""
-    if any(n <= 0 for n in ne):
+    # Straight-line arithmetic: every SET/GET_TENSOR computes this (generators cost 1 us).
+    ne0, ne1, ne2, ne3 = ne
+    if ne0 <= 0 or ne1 <= 0 or ne2 <= 0 or ne3 <= 0:
         return 0
+    nb0, nb1, nb2, nb3 = nb
+    rest = (ne1 - 1) * nb1 + (ne2 - 1) * nb2 + (ne3 - 1) * nb3
     tr = TYPE_TRAITS[type_]
     if tr.blck_size == 1:
-        return tr.type_size + sum((n - 1) * s for n, s in zip(ne, nb))
-    return ne[0] * nb[0] // tr.blck_size + sum((ne[i] - 1) * nb[i] for i in range(1, 4))
+        return tr.type_size + (ne0 - 1) * nb0 + rest
+    return ne0 * nb0 // tr.blck_size + rest
 
 
 def contiguous_strides(type_: int, ne: tuple[int, ...]) -> tuple[int, int, int, int]:

