@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
         "fleetd",
         "fleetd.wire",
         "fleetd.transport",
+        "fleetd.compute",  # fleetctl stage hashes weights with the daemon's own native FNV-1a
         "fleetd.client",
         "fleetd.pipeline",
         "fleetd.fleet",
