@@ -45,6 +45,18 @@ DEFAULT_MODELS = [
 ]
 
 
+# With --pin (the default on 2+ cores) the client runs on the first core and every server on the
+# others, the same for stock and fleetd: which core (or SMT sibling) a server shares with the
+# client otherwise changes a token's time by more than the differences measured here.
+_CPUS = sorted(os.sched_getaffinity(0))
+CLIENT_CPUS: set[int] | None = None
+SERVER_CPUS: set[int] | None = None
+
+
+def _pin_to(cpus: set[int] | None):
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 def start_server(
     kind: str, threads: int, log: Path, fleetd_args: list[str], checkout: str | None = None
 ) -> tuple[subprocess.Popen, str]:
@@ -72,7 +84,9 @@ def start_server(
     else:
         args = [str(find_tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)]
     with open(log, "ab") as out:  # the child keeps its own fd
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin_to(SERVER_CPUS)
+        )
     wait_listening(port)
     return proc, f"127.0.0.1:{port}"
 
@@ -157,7 +171,9 @@ def bench(model: Path, endpoint: str, threads: int, pp: int, tg: int, reps: int)
         "-o",
         "json",
     ]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1800, check=True)
+    proc = subprocess.run(
+        args, capture_output=True, text=True, timeout=1800, check=True, preexec_fn=_pin_to(CLIENT_CPUS)
+    )
     rows = json.loads(proc.stdout)
     out = {}
     for row in rows:
@@ -234,11 +250,20 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--log", default="/tmp/fleetd-bench.log")
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=len(_CPUS) > 1,
+        help="client on the first core, servers on the rest (default with 2+ cores)",
+    )
     ap.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "--dequant-cache 4x"')
     ap.add_argument(
         "--baseline", metavar="DIR", help="also run the ggml device of the checkout in DIR (arm cpu@base)"
     )
     args = ap.parse_args()
+    global CLIENT_CPUS, SERVER_CPUS
+    if args.pin and len(_CPUS) > 1:
+        CLIENT_CPUS, SERVER_CPUS = set(_CPUS[:1]), set(_CPUS[1:])
     devices = [d for d in args.devices.split(",") if d]
     if args.baseline:
         devices.append("cpu@base")
