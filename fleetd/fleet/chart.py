@@ -141,10 +141,12 @@ def render_bar_chart(
     img = np.full((height, width, 3), PAPER, np.uint8)
     _text(img, 16, 12, title, 2)
     arms = list(dict.fromkeys(a for p in panels.values() for a in p))
-    for i, arm in enumerate(arms):  # legend, top right
+    # legend, top right; on a line of its own below a title that would run into it
+    legend_y = 14 if 16 + len(title) * 8 + 16 <= width - 16 - len(arms) * 120 else 34
+    for i, arm in enumerate(arms):
         x = width - 16 - (len(arms) - i) * 120
-        img[14:24, x : x + 10] = ARM_COLOURS[i % len(ARM_COLOURS)]
-        _text(img, x + 16, 14, arm, 2)
+        img[legend_y : legend_y + 10, x : x + 10] = ARM_COLOURS[i % len(ARM_COLOURS)]
+        _text(img, x + 16, legend_y, arm, 2)
     top, bottom = 60, height - 50
     panel_w = (width - 32) // max(1, len(panels))
     for p, (label, values) in enumerate(panels.items()):
