@@ -9,13 +9,19 @@ deadline passes, then the test's assert reports what the screen shows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
+from helpers import needs_tool
 from rich.console import Console
 from textual.widgets import RichLog
 
@@ -24,6 +30,22 @@ from fleetd.client import RpcClient
 from fleetd.ctl import main
 from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.node import Fleet
+from fleetd.fleet.plan import (
+    MEMORY_MARGIN,
+    MEMORY_MARGIN_BYTES,
+    Workload,
+    compute_buffer_bytes,
+    kv_bytes_per_layer,
+    optimise,
+    read_model,
+)
+from fleetd.fleet.plan import Fleet as PlanFleet
+from fleetd.fleet.plan_probe import memory_only
+from fleetd.fleet.serve import ServeConfig, Service
+from fleetd.fleet.serve_control import ServeRecord, ServingRates, remove_state, write_state
+from fleetd.fleet.server_load import completion_body
+from fleetd.models import generate_named
+from fleetd.tools import find_p2p_tool
 from fleetd.transport import free_port
 from fleetd.transport.tcp import Timeout
 from tui.app import FleetApp
@@ -32,7 +54,8 @@ from tui.screens.confirm import ConfirmScreen
 from tui.screens.dashboard import DashboardScreen
 from tui.screens.deploy import DeployScreen
 from tui.screens.node import NodeScreen
-from tui.widgets import NodeTable, PeerToggle
+from tui.widgets import NodeTable, PeerToggle, ServingPanel, ServingView
+from tui.widgets.serving_panel import StageLayers, serving_text
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,6 +76,16 @@ def local(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(local):
     return local.fleet
+
+
+@pytest.fixture(autouse=True)
+def own_runtime_dir(tmp_path, monkeypatch):
+    """The serving panel finds serves by their state files under $XDG_RUNTIME_DIR/fleetd: every
+    test gets a directory of its own, so a fleetctl serve running on this machine shows in none."""
+    runtime = tmp_path / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    return runtime
 
 
 def notes(app) -> str:
@@ -632,3 +665,210 @@ def test_history_panel_grows_to_every_series_when_the_first_points_come():
             assert panel.size.height == len(LINES), panel.size
 
     asyncio.run(scenario())
+
+
+def test_fleetctl_tui_rejects_a_serve_url_that_is_not_one(tmp_path, capsys):
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("localhost\n")
+    assert main(["tui", str(nodes), "--serve-url", "localhost:8080"]) == 2
+    assert "--serve-url localhost:8080: not an http://HOST:PORT URL" in capsys.readouterr().err
+    assert main(["tui", str(nodes), "--serve-url", "http://127.0.0.1:99999"]) == 2
+    assert "--serve-url http://127.0.0.1:99999: not a port" in capsys.readouterr().err
+
+
+# -- the serving panel (#21 item 3): a real fleetctl serve over a local fleet ----------------------
+
+SERVE_CTX = 512
+
+
+def serving_line_fits(text: str, width: int) -> bool:
+    return all(len(line) <= width for line in text.splitlines())
+
+
+def test_serving_panel_gives_way_by_priority_and_folds_to_one_line():
+    """Pure rendering: the prompt rate goes first, the URL and phase stay; one_line folds the
+    layers into the first line where they fit, and drops them where they would say nothing."""
+    url = "http://127.0.0.1:8080"
+    view = ServingView(
+        url,
+        "serving",
+        stages=(StageLayers("local-0", 0, 1), StageLayers("local-1", 1, 2, output=True)),
+        rates=ServingRates(12.5, 1234.5, 41.25),
+    )
+    wide = serving_text(view, 120).plain.splitlines()
+    assert wide == [
+        f"Serve {url}  serving  12.5 req/s  prompt 1 234 t/s  decode 41.2 t/s",
+        "layers local-0 0-0 (1) · local-1 1-1 (1) + output",
+    ]
+    narrow = serving_text(view, 62).plain.splitlines()[0]
+    assert "prompt" not in narrow and "12.5 req/s" in narrow and "decode 41.2 t/s" in narrow
+    assert serving_text(view, 40).plain.splitlines()[0] == f"Serve {url}  serving"
+    folded = serving_text(view, 140, one_line=True).plain
+    assert "\n" not in folded and folded.endswith("layers local-0 0-0 (1) · local-1 1-1 (1) + output")
+    first_at_78 = serving_text(view, 78).plain.splitlines()[0]
+    assert first_at_78 == f"Serve {url}  serving  12.5 req/s  decode 41.2 t/s"
+    assert serving_text(view, 78, one_line=True).plain == first_at_78  # 10 cells left: no layers
+    down = ServingView(url, "down", "node local-1 (localhost:1) does not answer: refused", view.stages)
+    line = serving_text(down, 60).plain.splitlines()[0]
+    assert line.startswith(f"Serve {url}  down: node local-1") and line.endswith("…") and len(line) == 60
+    gone = serving_text(ServingView.not_running(url, "connection refused"), 80).plain
+    assert gone == f"Serve {url}  not running: connection refused"
+
+
+@pytest.fixture(scope="module")
+def serve_model(tmp_path_factory):
+    return generate_named("llama-q8_0", tmp_path_factory.mktemp("tui-serve-model"))
+
+
+@pytest.fixture(scope="module")
+def serve_fleet(tmp_path_factory):
+    """Two fleetd of their own for the serves (the other tests' counters stay theirs)."""
+    with LocalFleet(2, tmp_path_factory.mktemp("tui-serve-fleet"), server_args=["--threads", "1"]) as local:
+        yield local
+
+
+def one_layer_each(model, local: LocalFleet) -> dict:
+    """A plan in which each node's memory holds one layer (tests/test_serve.py's, from the nodes'
+    free memory only): both nodes serve, so the panel has two to show."""
+    sizes = read_model(model)
+    work = Workload(ctx=SERVE_CTX)
+    facts = memory_only(local.fleet)
+    per_layer = sizes.layer_bytes(0) + kv_bytes_per_layer(sizes, work.cells)
+    need = per_layer + compute_buffer_bytes(sizes, work.cells, True) + sizes.output_bytes() + per_layer // 2
+    room = int((need + MEMORY_MARGIN_BYTES) / (1 - MEMORY_MARGIN)) + 1
+    tight = PlanFleet(tuple(dataclasses.replace(f, free=room) for f in facts.nodes), facts.peers, facts.notes)
+    doc = optimise(sizes, tight, work).as_dict()
+    assert [s["layer_count"] for s in doc["stages"]] == [1, 1], doc["stages"]
+    return doc
+
+
+@contextmanager
+def running_serve(model, local: LocalFleet):
+    """serve.Service (the front, the supervisor, the patched llama-server) over `local`."""
+    config = ServeConfig(
+        model=model, port=0, threads=1, start_timeout=60, log_path=local.workdir / "llama-server.log"
+    )
+    service = Service(
+        config, one_layer_each(model, local), read_model(model), exe=find_p2p_tool("llama-server")
+    )
+    with service.start():
+        yield service
+
+
+def post_completion(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request("POST", "/completion", json.dumps(completion_body("the time of", 8)))
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def panel_text(app: FleetApp) -> str:
+    text = dashboard(app).query_one(ServingPanel).text
+    return "" if text is None else text.plain
+
+
+@needs_tool("p2p/llama-server")
+def test_serving_panel_shows_a_running_serve_its_layers_and_its_rates(serve_model, serve_fleet):
+    with running_serve(serve_model, serve_fleet) as service:
+        url = service.url
+        answered: list[int] = []
+        stop = threading.Event()
+
+        def requests():
+            # real /completion requests until the panel has seen some (bounded by WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while not stop.is_set() and time.monotonic() < deadline:
+                answered.append(post_completion(service.port))
+
+        async def scenario():
+            app = FleetApp(serve_fleet.fleet, POLL_S, serve_url=url)
+            async with app.run_test(size=SIZE) as pilot:
+                screen = dashboard(app)
+                assert await settle(pilot, lambda: "serving" in panel_text(app)), panel_text(app)
+                first, layers = panel_text(app).splitlines()
+                assert first.startswith(f"Serve {url}  serving")
+                assert layers == "layers local-0 0-0 (1) · local-1 1-1 (1) + output"
+                sender = threading.Thread(target=requests)
+                sender.start()
+                try:
+                    moved = await settle(
+                        pilot,
+                        lambda: (
+                            screen.serving is not None
+                            and screen.serving.rates is not None
+                            and screen.serving.rates.requests_per_s > 0
+                            and screen.serving.rates.decode_tps > 0
+                        ),
+                    )
+                    shown = panel_text(app)
+                finally:
+                    stop.set()
+                    sender.join(WAIT_S)
+                assert moved, (screen.serving, answered)
+                assert answered and set(answered) == {200}, answered
+                req_s = shown.split("  serving  ", 1)[1].split(" req/s", 1)[0]
+                assert float(req_s.replace(" ", "")) > 0, shown
+                assert "prompt " in shown and "decode " in shown
+                # 80x24: both lines, within the width; shorter: one line
+                await pilot.resize_terminal(80, 24)
+                panel = screen.query_one(ServingPanel)
+                assert await settle(pilot, lambda: panel.size == (78, 2)), (panel.size, panel_text(app))
+                assert serving_line_fits(panel_text(app), 78) and f"Serve {url}" in panel_text(app)
+                await pilot.resize_terminal(80, 20)
+                assert await settle(pilot, lambda: panel.size.height == 1), panel_text(app)
+                assert serving_line_fits(panel_text(app), 78)
+
+        asyncio.run(scenario())
+
+
+@needs_tool("p2p/llama-server")
+def test_serving_panel_finds_the_serve_on_this_machine_and_says_when_it_stopped(
+    serve_model, serve_fleet, own_runtime_dir
+):
+    """No --serve-url: the panel finds the serve by its state file (as `fleetctl serve --stop`
+    does), shows it, and once it has stopped says "not running", never a traceback; the
+    dashboard with no serve to find has no panel at all."""
+    # The state file names a live `fleetctl serve` process: a stand-in with "serve" in its
+    # command line, since the Service runs inside this test's process.
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "serve"])
+    try:
+        with running_serve(serve_model, serve_fleet) as service:
+            url = service.url
+            record = ServeRecord(stand_in.pid, service.port, url, serve_model.name, "", time.time())
+            write_state(record)
+
+            async def scenario():
+                app = FleetApp(serve_fleet.fleet, POLL_S)
+                async with app.run_test(size=SIZE) as pilot:
+                    panel = dashboard(app).query_one(ServingPanel)
+                    assert await settle(pilot, lambda: "serving" in panel_text(app)), panel_text(app)
+                    assert panel.display and panel_text(app).startswith(f"Serve {url}  serving")
+                    service.stop()  # the front closes: the state file is still there
+                    assert await settle(pilot, lambda: "not running" in panel_text(app)), panel_text(app)
+                    assert panel_text(app) == f"Serve {url}  not running: connection refused"
+                    stand_in.kill()  # the process gone too: the file is stale, and removed
+                    stand_in.wait(WAIT_S)
+                    assert await settle(
+                        pilot, lambda: "no fleetctl serve runs on this machine" in panel_text(app)
+                    )
+                    assert not (own_runtime_dir / "fleetd" / f"serve-{service.port}.json").exists()
+                    assert panel_text(app).startswith(f"Serve {url}  not running")
+
+            asyncio.run(scenario())
+            remove_state(record)
+    finally:
+        stand_in.kill()
+        stand_in.wait(WAIT_S)
+
+    async def nothing_to_find():
+        app = FleetApp(serve_fleet.fleet, POLL_S)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(3 * POLL_S)
+            panel = dashboard(app).query_one(ServingPanel)
+            assert not panel.display and panel.text is None and panel.size.height == 0
+
+    asyncio.run(nothing_to_find())

@@ -91,6 +91,15 @@ def stats_doc(i: int, scale: int, fallbacks: int = 0) -> dict:
     }
 
 
+@pytest.fixture(autouse=True)
+def no_serve_to_find(tmp_path, monkeypatch):
+    """The serving panel finds serves by their state files under $XDG_RUNTIME_DIR/fleetd: an empty
+    one here, so a fleetctl serve running on this machine never shows in these pictures."""
+    runtime = tmp_path / "xdg-runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+
+
 def nodes_file(tmp_path):
     # Closed loopback ports: nothing answers, and the polls are stopped before they matter.
     path = tmp_path / "nodes.txt"

@@ -2,7 +2,8 @@
 
     FleetApp(Fleet.load("nodes.txt"), interval=1.0).run()
 
-Screens: the dashboard (always at the bottom), a node's detail (Enter), deploy and lifecycle
+Screens: the dashboard (always at the bottom; with a serving panel while a `fleetctl serve`
+runs on this machine, or the one at `serve_url`), a node's detail (Enter), deploy and lifecycle
 (d), A/B (a). `s` (and the command palette's Screenshot) writes an SVG of the current screen to
 `screenshot` (a directory, or a file path ending in .svg), by default the current directory.
 """
@@ -40,10 +41,12 @@ class FleetApp(App):
         interval: float = 1.0,
         ab: AbSettings | None = None,
         screenshot: str | Path | None = None,
+        serve_url: str | None = None,
     ) -> None:
         super().__init__()
         self.fleet = fleet
         self.interval = interval
+        self.serve_url = serve_url
         self.ab_settings = ab or AbSettings()
         self.screenshot_target = Path(screenshot) if screenshot is not None else Path.cwd()
         self.last_screenshot: Path | None = None
@@ -52,7 +55,7 @@ class FleetApp(App):
         self.sub_title = f"{len(self.fleet)} node(s), polled every {self.interval:g}s"
         # Installed, so leaving the A/B screen keeps its last result and history for the next visit.
         self.install_screen(AbScreen(self.fleet, self.ab_settings), "ab")
-        self.push_screen(DashboardScreen(self.fleet, self.interval))
+        self.push_screen(DashboardScreen(self.fleet, self.interval, self.serve_url))
 
     @property
     def dashboard(self) -> DashboardScreen | None:

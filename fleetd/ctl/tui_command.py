@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fleetd.ctl.options import fleet_args, open_fleet
 
@@ -38,6 +39,12 @@ def configure_tui(p) -> None:
     p.add_argument(
         "--no-local", action="store_true", help="A/B screen: no coordinator stage, every stage is a node"
     )
+    p.add_argument(
+        "--serve-url",
+        metavar="URL",
+        help="serving panel: the fleetctl serve at URL (http://HOST:PORT; default: the one running "
+        "on this machine, if any)",
+    )
 
 
 def _writable_place(path: Path) -> str | None:
@@ -69,6 +76,14 @@ def tui_args_problem(args) -> str | None:
             return f"--screenshot {args.screenshot}: {problem}"
     if args.ab_model and not Path(args.ab_model).expanduser().is_file():
         return f"--ab-model {args.ab_model}: no such file"
+    if args.serve_url is not None:
+        parts = urlsplit(args.serve_url)
+        try:
+            parts.port  # noqa: B018 (raises ValueError when out of range or not a number)
+        except ValueError:
+            return f"--serve-url {args.serve_url}: not a port"
+        if parts.scheme != "http" or not parts.hostname:
+            return f"--serve-url {args.serve_url}: not an http://HOST:PORT URL"
     return None
 
 
@@ -85,5 +100,5 @@ def cmd_tui(args) -> int:
 
     ab = AbSettings(args.ab_rows, args.ab_n_embd, args.ab_steps, not args.no_local, args.ab_model)
     with open_fleet(args) as fleet:
-        FleetApp(fleet, args.interval, ab, args.screenshot).run()
+        FleetApp(fleet, args.interval, ab, args.screenshot, args.serve_url).run()
     return 0

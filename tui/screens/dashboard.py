@@ -8,10 +8,19 @@ thread, not one per tick; the same tick marks it stale once its last answer is o
 intervals (long before the control API's read timeout gives up). A P2P switch or a stats reset
 re-polls at once; `exclusive=True` then cancels the poll in flight, whose answer predates the
 change and is dropped (`is_cancelled`).
+
+Serving: the same tick starts one more thread worker (group `poll:serve`, skipped while one
+runs) that finds the `fleetctl serve` to show (`--serve-url`, else the first one whose state
+file names a live serve on this machine; serve_control.running_serves, which drops stale
+files as `fleetctl serve --stop` does) and takes a sample of it (fleetd.fleet.serve_control,
+each GET bounded by SERVE_TIMEOUT_S). The serving panel shows it with the rates since the sample
+before; a serve that stops answering, or whose state file goes, shows "not running" with the
+reason. No serve found and none shown before: the panel stays hidden.
 """
 
 from __future__ import annotations
 
+import http.client
 import statistics
 import time
 from collections import deque
@@ -31,6 +40,7 @@ from textual.worker import Worker, get_current_worker
 from fleetd.fleet.control_docs import NodeStats, NodeStatus, P2pState
 from fleetd.fleet.node import Fleet, FleetResult, Node
 from fleetd.fleet.render import down_text, reason
+from fleetd.fleet.serve_control import ServingSample, read_serving, running_serves, serving_rates
 from tui.history import History, Rates, rates_between
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.deploy import DeployScreen
@@ -38,12 +48,29 @@ from tui.screens.node import NodeScreen
 from tui.widgets import Counters, HistoryPanel, NodeRow, NodeTable, PeerToggle
 from tui.widgets.counters import CounterSample
 from tui.widgets.node_table import SPARK_WIDTH
+from tui.widgets.serving_panel import ServingPanel, ServingView, StageLayers, stage_layers
 
 # A node is stale when its last answer is older than this many poll intervals.
 STALE_INTERVALS = 2
 # The latency shown is the median of the last polls: one slow answer on a busy machine does not
 # flip the cell (and redraw the table) every second.
 LATENCY_POLLS = 5
+# Each of a serving sample's two GETs (/fleet/status, /metrics) gives up after this many seconds.
+SERVE_TIMEOUT_S = 2.0
+# Below this many rows the serving panel folds its layers line into its first line.
+SERVING_ONE_LINE_BELOW_ROWS = 24
+
+# What a serving poll hands back: a sample with its stages, why there is none, or None (no serve found).
+ServeAnswer = tuple[ServingSample, tuple[StageLayers, ...]] | BaseException | None
+
+
+def serve_problem(exc: BaseException) -> str:
+    """Why the serve gave no sample, in one line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()  # "connection refused"
+    if isinstance(exc, OSError | http.client.HTTPException):
+        return reason(exc)
+    return f"not a fleetctl serve? ({reason(exc)})"
 
 
 @dataclass(frozen=True)
@@ -70,10 +97,11 @@ class DashboardScreen(Screen):
         ("d", "show_deploy", "Deploy"),
     ]
 
-    def __init__(self, fleet: Fleet, interval: float = 1.0) -> None:
+    def __init__(self, fleet: Fleet, interval: float = 1.0, serve_url: str | None = None) -> None:
         super().__init__()
         self.fleet = fleet
         self.interval = interval
+        self.serve_url = serve_url  # None: the fleetctl serve running on this machine, if any
         # Row keys are positions in the nodes file: names are not guaranteed to be unique.
         self.nodes: dict[str, Node] = {str(i): node for i, node in enumerate(fleet)}
         self.samples: dict[str, Sample] = {}
@@ -85,11 +113,15 @@ class DashboardScreen(Screen):
         self.clock = time.monotonic  # what ages are measured with (the snapshot tests fix it)
         self._down_shown = ""
         self._latencies: dict[str, deque[float]] = {}
+        self.serving: ServingView | None = None  # what the serving panel shows
+        self._serve_poll: Worker | None = None
+        self._serve_sample: tuple[str, ServingSample] | None = None  # the last one, and its URL
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield NodeTable(id="nodes")
         yield Static(id="down")
+        yield ServingPanel(id="serving")
         yield PeerToggle(id="p2p")
         yield HistoryPanel(id="history")
         # a Static cannot scroll itself: the box around it does (the copies table at 80x24)
@@ -103,11 +135,17 @@ class DashboardScreen(Screen):
         for key in self.nodes:
             table.show(key, self._row(key))
         self._show_selected()
+        self._fit_serving(self.size.height or self.app.size.height)
         self.poll_all()
+        self.poll_serving()
         self._timer = self.set_interval(self.interval, self._tick)
 
     def on_resize(self) -> None:
         self.query_one(NodeTable).fit(self.size.width)
+        self._fit_serving(self.size.height)
+
+    def _fit_serving(self, rows: int) -> None:
+        self.query_one(ServingPanel).one_line = rows < SERVING_ONE_LINE_BELOW_ROWS
 
     # The A/B runner measures: it says so with `pauses_polling`, and gets the nodes to itself.
     # Other screens on top (a node's detail, deploy) keep the data coming.
@@ -118,11 +156,13 @@ class DashboardScreen(Screen):
     def on_screen_resume(self) -> None:
         self._timer.resume()
         self.poll_all()
+        self.poll_serving()
 
     # -- polling -----------------------------------------------------------------------------
 
     def _tick(self) -> None:
         self.poll_all()
+        self.poll_serving()
         for key in self.nodes:  # ages and staleness move on even when no answer came
             self._show_row(key)
 
@@ -178,6 +218,52 @@ class DashboardScreen(Screen):
         self.samples[key] = Sample(status, stats, at, statistics.median(recent) if recent else None, rates)
         self.histories[key].add(at, rates)
         self._show(key)
+
+    # -- the serving panel -------------------------------------------------------------------
+
+    def poll_serving(self) -> None:
+        if self._serve_poll is not None and not self._serve_poll.is_finished:
+            return  # a serve that hangs holds one thread, not one per tick
+        self._serve_poll = self.run_worker(
+            self._poll_serving, name="poll serve", group="poll:serve", exclusive=True, thread=True
+        )
+
+    def _poll_serving(self) -> None:
+        """Thread: find the serve and take a sample; any failure is the serve's state, shown
+        with its reason."""
+        worker = get_current_worker()
+        url = self.serve_url
+        answer: ServeAnswer = None
+        try:
+            if url is None:
+                found = running_serves()
+                url = found[0].url if found else None
+            if url is not None:
+                sample = read_serving(url, SERVE_TIMEOUT_S)
+                answer = (sample, stage_layers(sample.stages))
+        except Exception as exc:
+            answer = exc
+        if not worker.is_cancelled:
+            self.app.call_from_thread(self.served, url, answer)
+
+    def served(self, url: str | None, answer: ServeAnswer) -> None:
+        """A serving poll ended: the sample (rates against the one before from the same URL), or
+        "not running" with why, goes to the panel."""
+        before, self._serve_sample = self._serve_sample, None
+        if url is not None and isinstance(answer, tuple):
+            sample, stages = answer
+            rates = serving_rates(before[1], sample) if before is not None and before[0] == url else None
+            self._serve_sample = (url, sample)
+            view = ServingView.of(url, sample, stages, rates)
+        elif url is not None:
+            why = serve_problem(answer) if isinstance(answer, BaseException) else "no answer"
+            view = ServingView.not_running(url, why)
+        elif self.serving is not None:  # the serve shown so far is gone, state file and all
+            view = ServingView.not_running(self.serving.url, "no fleetctl serve runs on this machine")
+        else:
+            return  # none found, none shown: the panel stays hidden
+        self.serving = view
+        self.query_one(ServingPanel).view = view
 
     # -- attributes down ---------------------------------------------------------------------
 
