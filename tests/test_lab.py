@@ -10,9 +10,11 @@ import subprocess
 
 import pytest
 
+from fleetd.client import RpcClient
 from fleetd.ctl.main import main
-from fleetd.fleet.lab import Lab, parse_rate
+from fleetd.fleet.lab import Lab, parse_rate, parse_rates
 from fleetd.fleet.node import Fleet
+from fleetd.ports import DEFAULT_RPC_PORT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,10 +58,48 @@ def test_rates_parse_and_bad_numbers_exit_2(capsys):
         ["lab", "up", "--peer-link", "100kbit"],
         ["lab", "up", "--nodes", "0"],
         ["lab", "up", "--threads", "0"],
+        ["lab", "up", "--nodes", "3", "--coordinator-link", "1gbit,100mbit"],
+        ["lab", "up", "--nodes", "2", "--coordinator-link", "1gbit,3furlongs"],
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("fleetctl lab: error:") and "\n" not in err
+
+
+def test_per_node_rates_parse():
+    assert parse_rates("200mbit", 3) == [200_000_000] * 3
+    assert parse_rates("1gbit,1gbit,100mbit", 3) == [1_000_000_000, 1_000_000_000, 100_000_000]
+    with pytest.raises(ValueError, match="2 given for 3 nodes"):
+        parse_rates("1gbit,100mbit", 3)
+
+
+@needs_root
+def test_per_node_coordinator_links_flags_and_cores(tmp_path):
+    """A node behind a slower coordinator link, extra fleetd flags and cores per node."""
+    lab = Lab(tmp_path / "lab")
+    before_ns = namespaces()
+    nodes = lab.up(
+        2,
+        [parse_rate("1gbit"), parse_rate("50mbit")],
+        parse_rate("1gbit"),
+        node_args=[[], ["--max-memory", "64M"]],
+        node_cpus=[None, [0]],
+    )
+    try:
+        for n, rate in zip(nodes, ("1Gbit", "50Mbit"), strict=True):
+            root_q = sh("tc", "qdisc", "show", "dev", n.coordinator_link)
+            node_q = sh("ip", "netns", "exec", n.netns, "tc", "qdisc", "show", "dev", "coord0")
+            assert re.search(rf"tbf .* rate {rate}", root_q), root_q
+            assert re.search(rf"tbf .* rate {rate}", node_q), node_q
+        free = []
+        for n in nodes:  # GET_DEVICE_MEMORY: what --max-memory leaves
+            with RpcClient(f"{n.address}:{DEFAULT_RPC_PORT}").open() as c:
+                free.append(c.get_device_memory(0)[0])
+        assert free[1] <= 64 << 20 < free[0], free
+        assert os.sched_getaffinity(lab.state["pids"][1]) == {0}
+    finally:
+        lab.down()
+    assert namespaces() == before_ns
 
 
 @needs_root

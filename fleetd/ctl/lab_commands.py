@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fleetd.fleet.lab import MAX_NODES, Lab, fmt_rate, parse_rate
+from fleetd.fleet.lab import MAX_NODES, Lab, fmt_rate, parse_rate, parse_rates
 
 LAB_HELP = "an emulated network on this machine: fleetd in network namespaces, tc-rated links"
 DEFAULT_DIR = Path("/tmp/fleetd-lab")
@@ -20,7 +20,8 @@ def configure_lab(p) -> None:
         "--coordinator-link",
         default="200mbit",
         metavar="RATE",
-        help="rate of each node's link to the coordinator, both ways (default 200mbit)",
+        help="rate of each node's link to the coordinator, both ways (default 200mbit); a comma "
+        "list gives one rate per node, in order (1gbit,1gbit,100mbit)",
     )
     up.add_argument(
         "--peer-link",
@@ -56,13 +57,18 @@ def cmd_lab(args) -> int:
     if not 1 <= args.threads <= 64:
         return _usage_error(f"--threads {args.threads}: must be in 1..64")
     try:
-        coord, peer = parse_rate(args.coordinator_link), parse_rate(args.peer_link)
+        coord = parse_rates(args.coordinator_link, args.nodes)
+        peer = parse_rate(args.peer_link)
     except ValueError as exc:
         return _usage_error(str(exc))
     nodes = lab.up(args.nodes, coord, peer, args.threads)
-    print(f"lab up: {len(nodes)} nodes, coordinator links {fmt_rate(coord)}, peer links {fmt_rate(peer)}")
-    for n in nodes:
-        print(f"  {n.name}  rpc {n.address}:50052  netns {n.netns}  coordinator link {n.coordinator_link}")
+    links = fmt_rate(coord[0]) if len(set(coord)) == 1 else ",".join(map(fmt_rate, coord))
+    print(f"lab up: {len(nodes)} nodes, coordinator links {links}, peer links {fmt_rate(peer)}")
+    for n, bits in zip(nodes, coord, strict=True):
+        print(
+            f"  {n.name}  rpc {n.address}:50052  netns {n.netns}  "
+            f"coordinator link {n.coordinator_link} ({fmt_rate(bits)})"
+        )
     print(f"nodes file: {lab.nodes_file}")
     print(f"  fleetctl status {lab.nodes_file}")
     print(f"  fleetctl ab {lab.nodes_file} --model MODEL.gguf")

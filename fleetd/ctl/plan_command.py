@@ -72,12 +72,15 @@ def cmd_plan(args) -> int:
         except DoesNotFit as exc:
             return _does_not_fit(args, exc)
         if args.json:
-            facts = measure(fleet, model)
+            facts = measure(fleet, model, prompt_tokens=work.prompt_tokens)
         else:
             with Progress(console=Console(stderr=True), transient=True) as bar:
                 task = bar.add_task("measuring", total=1.0)
                 facts = measure(
-                    fleet, model, lambda step, done: bar.update(task, completed=done, description=step)
+                    fleet,
+                    model,
+                    lambda step, done: bar.update(task, completed=done, description=step),
+                    work.prompt_tokens,
                 )
     try:
         plan = optimise(model, facts, work)
@@ -139,9 +142,11 @@ def stages_table(doc: dict) -> Table:
 
 
 def measured_table(doc: dict) -> Table:
-    """What the probe measured per node: device, compute per layer, the coordinator link."""
+    """What the probe measured per node: device, compute per layer, one step's commands, the
+    coordinator link."""
     t = Table(title="measured")
-    for col in ("node", "device", "decode ms/layer", "prompt ms/token/layer", "upload", "download"):
+    cols = ("node", "device", "decode ms/layer", "prompt ms/token/layer", "step ms", "upload", "download")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("node", "device") else "right")
     for n in doc["measured"]["nodes"]:
         t.add_row(
@@ -149,6 +154,7 @@ def measured_table(doc: dict) -> Table:
             n["kind"],
             _ms(n["decode_layer_s"]),
             _ms(n["prompt_token_s"]),
+            _ms(n["step_s"]) if n.get("step_s") else "-",
             _mb_s(n["upload"]),
             _mb_s(n["download"]),
         )

@@ -156,7 +156,9 @@ def _plan_now(args, fleet, model: ModelSizes) -> dict:
         optimise(model, memory_only(fleet), work)
         with _progress() as bar:
             task = bar.add_task("measuring the nodes", total=None)
-            facts = measure(fleet, model, lambda step, done: bar.update(task, description=step))
+            facts = measure(
+                fleet, model, lambda step, done: bar.update(task, description=step), work.prompt_tokens
+            )
         return optimise(model, facts, work).as_dict()
     except DoesNotFit as exc:
         raise FleetError(str(exc)) from exc

@@ -91,7 +91,7 @@ def _plan_now(args, fleet: Fleet) -> dict | None:
     work = Workload(ctx=sizes.n_ctx_train or DEFAULT_CTX)
     try:
         optimise(sizes, memory_only(fleet), work)
-        return optimise(sizes, measure(fleet, sizes), work).as_dict()
+        return optimise(sizes, measure(fleet, sizes, prompt_tokens=work.prompt_tokens), work).as_dict()
     except DoesNotFit as exc:
         print(f"fleetctl stage: {exc}", file=sys.stderr)
         return None

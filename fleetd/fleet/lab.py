@@ -16,6 +16,9 @@ The control API stays on each namespace's 127.0.0.1 (fleetd binds it to loopback
 the nodes file says `via_netns=fl<L>n<j>`: fleetd.fleet.node opens the control connection
 inside that namespace (fleetd/fleet/netns.py). The RPC endpoints are plain addresses.
 
+The coordinator links may differ per node (`--coordinator-link 1gbit,1gbit,100mbit`: a node
+behind a slower link); `Lab.up` also takes extra fleetd flags and the cores per node.
+
 Everything is recorded in `<dir>/lab.json` before it is made, so `down` (idempotent) removes
 all of it, also after a failed `up`. Needs root, iproute2 and the sch_tbf module.
 """
@@ -29,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +67,28 @@ def parse_rate(text: str) -> int:
     if not low <= bits <= high:
         raise ValueError(f"rate {text!r}: must be in 1mbit..40gbit")
     return bits
+
+
+def per_node_rates(bits: int | Sequence[int], nodes: int) -> list[int]:
+    """One coordinator-link rate per node: a single rate for all, or exactly one each."""
+    rates = [int(bits)] * nodes if isinstance(bits, int) else [int(b) for b in bits]
+    if len(rates) != nodes:
+        raise ValueError(f"coordinator link rates: {len(rates)} given for {nodes} nodes")
+    low, high = RATE_RANGE_BIT
+    if not all(low <= b <= high for b in rates):
+        raise ValueError("coordinator link rates: each must be in 1mbit..40gbit")
+    return rates
+
+
+def parse_rates(text: str, nodes: int) -> list[int]:
+    """ "200mbit" (every node) or "1gbit,1gbit,100mbit" (one per node, in order) -> bits per
+    second per node; ValueError (one line) on a bad rate or a count that is not `nodes`."""
+    rates = [parse_rate(x) for x in text.split(",")]
+    if len(rates) == 1:
+        return rates * nodes
+    if len(rates) != nodes:
+        raise ValueError(f"rates {text!r}: {len(rates)} given for {nodes} nodes (give one, or one per node)")
+    return rates
 
 
 def fmt_rate(bits: int) -> str:
@@ -147,15 +173,26 @@ class Lab:
     def up(
         self,
         nodes: int,
-        coordinator_bits: int,
+        coordinator_bits: int | Sequence[int],
         peer_bits: int,
         threads: int = 1,
         python: str = sys.executable,
+        node_args: Sequence[Sequence[str]] | None = None,
+        node_cpus: Sequence[Sequence[int] | None] | None = None,
     ) -> list[LabNode]:
         """Build the namespaces and rated links and start a fleetd in each; each step is recorded
-        first, so a failure part way is undone by `down()` before it re-raises."""
+        first, so a failure part way is undone by `down()` before it re-raises.
+
+        `coordinator_bits`: one rate for every node's coordinator link, or one per node (a
+        node behind a slower link). `node_args`: extra fleetd flags per node (`--max-memory`);
+        `node_cpus`: the cores each node's fleetd may run on (None: all), set before it starts,
+        so its fork server and compute workers inherit them."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
+        rates = per_node_rates(coordinator_bits, nodes)
+        for name, given in (("node_args", node_args), ("node_cpus", node_cpus)):
+            if given is not None and len(given) != nodes:
+                raise ValueError(f"{name}: {len(given)} entries for {nodes} nodes")
         if os.geteuid() != 0:
             raise FleetError("lab: network namespaces need root")
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +201,7 @@ class Lab:
         index = self._free_index()
         self.state = {
             "index": index,
-            "coordinator_bits": coordinator_bits,
+            "coordinator_bits": rates[0] if len(set(rates)) == 1 else rates,
             "peer_bits": peer_bits,
             "namespaces": [],
             "links": [],
@@ -173,7 +210,9 @@ class Lab:
         }
         self._save()
         try:
-            lab_nodes = self._build(index, nodes, coordinator_bits, peer_bits, threads, python)
+            lab_nodes = self._build(
+                index, nodes, rates, peer_bits, threads, python, node_args or [()] * nodes, node_cpus
+            )
         except BaseException:
             self.down()
             raise
@@ -189,7 +228,15 @@ class Lab:
         raise FleetError(f"lab: {MAX_LABS} labs already up on this machine")
 
     def _build(
-        self, i: int, count: int, coord_bits: int, peer_bits: int, threads: int, python: str
+        self,
+        i: int,
+        count: int,
+        coord_rates: list[int],
+        peer_bits: int,
+        threads: int,
+        python: str,
+        node_args: Sequence[Sequence[str]],
+        node_cpus: Sequence[Sequence[int] | None] | None,
     ) -> list[LabNode]:
         switch = f"fl{i}sw"
         self._record("namespaces", switch)
@@ -218,6 +265,7 @@ class Lab:
             _sh("ip", "link", "set", f"p{j}", "master", "sw0", "up", ns=switch)
             _sh("ip", "addr", "add", f"{address}/24", "dev", "peer0", ns=ns)
             _sh("ip", "link", "set", "peer0", "up", ns=ns)
+            coord_bits = coord_rates[j]
             for dev, where, bits in (
                 (root_end, None, coord_bits),
                 ("coord0", ns, coord_bits),
@@ -229,9 +277,10 @@ class Lab:
         self.state["nodes"] = [n.__dict__ for n in lab_nodes]
         self._save()
         for j, n in enumerate(lab_nodes):
-            self._start_fleetd(j, n, subnet, threads, python)
+            cpus = node_cpus[j] if node_cpus is not None else None
+            self._start_fleetd(j, n, subnet, threads, python, node_args[j], cpus)
         self.nodes_file.write_text(
-            f"# fleetctl lab: {count} nodes, coordinator links {fmt_rate(coord_bits)}, "
+            f"# fleetctl lab: {count} nodes, coordinator links {','.join(map(fmt_rate, coord_rates))}, "
             f"peer links {fmt_rate(peer_bits)}; control API inside each namespace\n"
             + "".join(
                 f"{n.address} rpc_port={DEFAULT_RPC_PORT} control_port={DEFAULT_CONTROL_PORT} "
@@ -242,7 +291,16 @@ class Lab:
         self._wait_ready(lab_nodes)
         return lab_nodes
 
-    def _start_fleetd(self, j: int, n: LabNode, subnet: str, threads: int, python: str) -> None:
+    def _start_fleetd(
+        self,
+        j: int,
+        n: LabNode,
+        subnet: str,
+        threads: int,
+        python: str,
+        extra: Sequence[str] = (),
+        cpus: Sequence[int] | None = None,
+    ) -> None:
         args = [
             "ip",
             "netns",
@@ -268,7 +326,9 @@ class Lab:
             "info",
             "--log-file",
             str((self.dir / f"{n.name}.log").absolute()),
+            *extra,
         ]
+        pin = set(cpus) if cpus else None
         with open(self.dir / f"{n.name}.log", "ab") as log:
             # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
             # the pid is fleetd's
@@ -279,6 +339,7 @@ class Lab:
                 stdin=subprocess.DEVNULL,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
                 start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
             )
         self._procs.append(proc)
         self._record("pids", proc.pid)

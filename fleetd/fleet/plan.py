@@ -19,22 +19,32 @@ The compute buffer is estimated, not derived: see `compute_buffer_bytes`.
 
 The cost model (per token, seconds; every term measured on the fleet by plan_probe):
 
-- a node's layers: layers x its time for one layer's matrices (MUL_MAT over the layer's own
-  weight shapes and type): one token for decode, a batch for the prompt (per token);
-  the last node adds the output matrix; attention over the KV cache is not measured;
-- one round trip per node per step (the scheduler's compute and synchronize);
+- a node's layers: layers x its time for one layer: the layer's matrices (MUL_MAT over the
+  layer's own weight shapes and type, several layers' worth back to back) plus the rest of a
+  llama layer's graph (norms, rope, the new K/V into the cache, flash attention, SwiGLU, the
+  residual adds); one token for decode, a batch for the prompt (per token); the last node adds
+  the output matrix;
+- per node and step, its commands: the probe times what the client sends a node per token
+  (STEP_SETS small SET_TENSORs, the GRAPH_RECOMPUTE with one graph's dispatch, the GET_TENSOR
+  that waits), `step_s`; one round trip where it was not measured; and the positions and
+  attention mask (`step_input_bytes`) over its coordinator link;
 - the input (n_embd f32 per token) coordinator -> first node, the logits (n_vocab f32 per output
   token) last node -> coordinator;
 - per boundary the hidden state (n_embd f32 per token): hub = GET from the source plus SET to the
   destination over their coordinator links; direct = one COPY_TENSOR_TO over the measured peer
   link (the hub cost where the peer copy was refused or not measured).
 
+The matrices alone, one step a round trip, predicted ~2x the decode t/s measured in the lab
+(benchmarks/plan_lab.py): the per-graph dispatch and the step's commands were missing.
+
 Stages run one after the other (a single sequence's decode does; the prompt's micro-batch
 overlap on the asynchronous direct path is not modelled, so the direct prompt t/s is a lower
 bound). The optimiser minimises the time of one prompt token plus one generated token on the
 direct path, over every order of every subset of the nodes (<= 6 nodes; more keep the file's
 order) with a DP over contiguous layer ranges, subject to memory: weights + KV + compute buffer
-<= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node.
+<= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node. llama.cpp's default split
+(by free memory, the file's order) is kept when it fits and the best is not predicted more than
+KEEP_DEFAULT_MARGIN faster: the plan moves off the default only for a gain beyond the noise.
 """
 
 from __future__ import annotations
@@ -55,7 +65,16 @@ DEFAULT_UBATCH = 512  # llama.cpp's -ub default: the prompt goes through in micr
 MEMORY_MARGIN = 0.05  # of a node's free memory, kept free
 MEMORY_MARGIN_BYTES = 4 << 20  # and this much besides (allocator slack, the daemon's own buffers)
 MAX_ORDERED_NODES = 6  # exhaustive search over orders up to this many nodes
+# llama.cpp's default split (by free memory) is kept unless the best placement is predicted
+# faster by more than this: identical nodes measure up to ~30% apart per layer on a shared
+# 2-core machine, and a split chasing that noise lost to the default in the lab.
+KEEP_DEFAULT_MARGIN = 0.05
 DEFAULT_ALIGNMENT = 32  # ggml's CPU buffer alignment, what fleetd and the stock server report
+# What the pinned client sends each node per step besides the hidden state: a handful of
+# SET_TENSORs (positions, the attention mask, output ids; the first node its inputs), one
+# GRAPH_RECOMPUTE and the read that waits for it. The probe times this sequence (step_s).
+STEP_SETS = 6
+MASK_BYTES = 2  # f16 attention mask per cell and token
 
 # The compute buffer, calibrated against what the pinned llama-completion logs ("RPC0[...]
 # compute buffer size"; flash attention left at the tools' "auto": the sizes show no n_head x
@@ -274,6 +293,12 @@ class NodeFacts:
     output_prompt_s: float
     upload: Link  # coordinator -> node (SET_TENSOR)
     download: Link  # node -> coordinator (GET_TENSOR)
+    # One decode step's commands on the node (STEP_SETS SET_TENSORs, a GRAPH_RECOMPUTE, the
+    # GET_TENSOR that waits for it); 0: not measured, one round trip (upload.latency_s) stands in.
+    step_s: float = 0.0
+    graph_s: float = 0.0  # one graph's dispatch besides its ops (in step_s, not in the layers)
+    decode_matmul_s: float = 0.0  # the layer's matrices alone (decode_layer_s adds its other ops)
+    prompt_matmul_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -315,18 +340,36 @@ def boundary_seconds(fleet: Fleet, a: int, b: int, nbytes: float, direct: bool) 
     return fleet.nodes[a].download.seconds(nbytes) + fleet.nodes[b].upload.seconds(nbytes)
 
 
+def step_input_bytes(tokens: int) -> int:
+    """What every node of the split gets from the coordinator per step besides the hidden state:
+    the positions (i32) and the attention mask (cells padded to 256 by tokens; f16, as flash
+    attention takes it: cast once, then copied to every node)."""
+    return 4 * tokens + MASK_BYTES * padded(tokens, KV_CELL_PAD) * tokens
+
+
+def step_seconds(node: NodeFacts) -> float:
+    """A node's per-step command overhead: measured (step_s), else one round trip."""
+    return node.step_s if node.step_s > 0 else node.upload.latency_s
+
+
+def _over(link: Link, nbytes: float, measured_step: bool) -> float:
+    """A transfer inside a step: its bytes only when the step's round trip is already counted."""
+    return nbytes / link.bytes_per_s if measured_step else link.seconds(nbytes)
+
+
 def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens: int, direct: bool) -> float:
-    """One step's time that does not depend on the layer counts: round trips, input, boundaries,
-    the output matrix and the logits."""
+    """One step's time that does not depend on the layer counts: each node's step (its commands,
+    the positions and mask), the input, the boundaries, the output matrix and the logits."""
     nodes = fleet.nodes
     first, last = nodes[order[0]], nodes[order[-1]]
     hidden = model.hidden_bytes * tokens
     outputs = tokens if tokens == 1 else 1  # decode: every token's logits; a prompt: the last one's
-    t = sum(nodes[i].upload.latency_s for i in order)
-    t += first.upload.seconds(hidden)
+    t = sum(step_seconds(nodes[i]) + step_input_bytes(tokens) / nodes[i].upload.bytes_per_s for i in order)
+    t += _over(first.upload, hidden, first.step_s > 0)
     t += sum(boundary_seconds(fleet, a, b, hidden, direct) for a, b in itertools.pairwise(order))
-    t += last.output_decode_s if tokens == 1 else last.output_prompt_s * tokens
-    t += last.download.seconds(model.n_vocab * F32 * outputs)
+    # llama.cpp multiplies only the output tokens' rows by the output matrix (a prompt: the last)
+    t += last.output_decode_s * outputs
+    t += _over(last.download, model.n_vocab * F32 * outputs, last.step_s > 0)
     return t
 
 
@@ -590,7 +633,29 @@ def optimise(model: ModelSizes, fleet: Fleet, work: Workload) -> Plan:
     if found is None:
         raise _does_not_fit(model, fleet, work)
     _, order, counts = found
+    default = _default_split(model, fleet, work)
+    if default is not None:
+        d_order, d_counts = default
+        d_total = objective_seconds(model, fleet, d_order, d_counts, work)
+        if d_total <= found[0] * (1 + KEEP_DEFAULT_MARGIN):
+            order, counts = d_order, d_counts
     return _plan(model, fleet, work, order, counts)
+
+
+def _default_split(model: ModelSizes, fleet: Fleet, work: Workload) -> tuple[list[int], list[int]] | None:
+    """llama.cpp's own split when no --tensor-split is given (by each node's free memory, in
+    the nodes file's order; nodes it gives no layer are left out), if it fits; else None."""
+    counts = layers_from_split([max(n.free, 1) for n in fleet.nodes], model.n_layer)
+    order = [i for i, c in enumerate(counts) if c > 0]
+    start = 0
+    for pos, i in enumerate(order):
+        memory = stage_memory(
+            model, fleet.nodes[i], range(start, start + counts[i]), pos == len(order) - 1, work
+        )
+        if memory.total > memory.usable:
+            return None
+        start += counts[i]
+    return order, [counts[i] for i in order]
 
 
 def _plan(model, fleet: Fleet, work: Workload, order, counts) -> Plan:

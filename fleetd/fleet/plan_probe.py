@@ -12,26 +12,48 @@ noise on a shared machine only ever adds time), and MAX_PEER_NODES for the node-
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fleetd.client.graph import GraphBuilder, Tensor
+import numpy as np
+
+from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
 from fleetd.client.rpc import RpcClient
 from fleetd.errors import FleetdError, FleetError
 from fleetd.fleet.node import Node
-from fleetd.fleet.plan import F32, Fleet, Link, Matrix, ModelSizes, NodeFacts, padded
+from fleetd.fleet.plan import (
+    F32,
+    KV_CELL_PAD,
+    STEP_SETS,
+    Fleet,
+    Link,
+    Matrix,
+    ModelSizes,
+    NodeFacts,
+    padded,
+)
 from fleetd.transport.tcp import Timeout
-from fleetd.wire import Feature, GgmlType, RpcTensor
+from fleetd.wire import Feature, GgmlOp, GgmlType, GluOp, RpcTensor
 
 PROBE_TIMEOUT = Timeout(connect=5.0, read=120.0)
 PROBE_BYTES = 4 << 20  # the link probe's transfer; the compute probe's weights at most 16x this
 LATENCY_ROUNDS = 5
 REPEATS = 4  # timed runs per measurement, after one untimed (the graph's first compute)
-PROMPT_BATCH = 32  # tokens of the prompt probe's batch
+MAX_PROMPT_TOKENS = 512  # the prompt probe's batch at most (llama.cpp's default micro-batch)
+COMPUTE_REPEATS = 5  # timed compute runs (the median counts: see _timed)
+PROMPT_BATCH = 32  # tokens of the prompt probe's batch unless the workload's is given
 MAX_PEER_NODES = 8  # node-to-node links are measured for fleets up to this size
 MIN_SECONDS = 1e-6  # a measured time below this is taken as this (a rate must stay finite)
+MAX_REPEATS = 8  # copies of a layer's matrices in one compute probe (see _compute)
+# Idle before each timed step: a node waits while the others compute, and a core that went idle
+# wakes slowly (on the 2-core VM here a step took ~0.4 ms back to back, ~0.8-1.0 ms after 5 ms
+# idle); 5 ms is about one decode step of the lab's fleets, long enough to reach that regime.
+STEP_IDLE_S = 0.005
+STEP_ROUNDS = 9  # timed decode-step imitations per node (the median counts: see _step_seconds)
+F16 = 2
 
 Progress = Callable[[str, float], None]
 
@@ -70,14 +92,21 @@ class _Probe:
             self.client.close()
 
 
-def _timed(run: Callable[[], object], latency: float = 0.0) -> float:
-    """The fastest of REPEATS runs, less `latency`, never below MIN_SECONDS."""
+def _timed(run: Callable[[], object], latency: float = 0.0, typical: bool = False) -> float:
+    """The fastest of REPEATS runs (`typical`: the median of COMPUTE_REPEATS runs back to
+    back), less `latency`, never below MIN_SECONDS.
+
+    Transfers take the fastest: noise only ever adds time to them. Compute takes the median: on
+    a node that shares its core with another busy process, the fastest graph is the one the
+    scheduler let run ahead on the credit a task that slept gets (a few ms), while a node that
+    computes many layers per token runs at its share; back to back, the runs after the first
+    are at that share."""
     times = []
-    for _ in range(REPEATS):
+    for _ in range(COMPUTE_REPEATS if typical else REPEATS):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return max(MIN_SECONDS, min(times) - latency)
+    return max(MIN_SECONDS, (statistics.median(times) if typical else min(times)) - latency)
 
 
 def _latency(client: RpcClient) -> float:
@@ -151,16 +180,207 @@ def _matmul_seconds(p: _Probe, matrices: Sequence[Matrix], tokens: int, latency:
         p.client.graph_recompute(0)
         p.client.sync()
 
-    return _timed(recompute, latency)
+    return _timed(recompute, latency, typical=True)
 
 
-def _compute(p: _Probe, matrices: Sequence[Matrix], free: int, latency: float) -> tuple[float, float]:
-    """(seconds for one token, seconds per token of a PROMPT_BATCH batch) through `matrices`."""
+def _compute(
+    p: _Probe,
+    matrices: Sequence[Matrix],
+    free: int,
+    latency: float,
+    graph: float = 0.0,
+    prompt_tokens: int = PROMPT_BATCH,
+) -> tuple[float, float]:
+    """(seconds for one token, seconds per token of a `prompt_tokens` batch) through
+    `matrices`, less the graph's own dispatch (`graph`, counted once per node and step).
+
+    For one token, matrices smaller than the budget are laid out up to MAX_REPEATS times, each
+    copy with its own weights, and the time divided by the copies: a node computes several
+    layers back to back, from memory rather than cache, and a one-layer graph of well under a
+    millisecond is mostly dispatch and wake-up. The prompt's batch is the workload's own (the
+    matrices' per-token cost falls with the batch: at 32 tokens it was ~25% above that at 512)."""
     budget = max(1 << 20, min(16 * PROBE_BYTES, free // 4))
+    total = sum(m.nbytes for m in matrices)
+    reps = max(1, min(MAX_REPEATS, budget // max(1, total)))
+    scaled, kept = _scaled(list(matrices) * reps, budget)
+    decode = max(MIN_SECONDS, _matmul_seconds(p, scaled, 1, latency) - graph) / kept / reps
     scaled, kept = _scaled(matrices, budget)
-    decode = _matmul_seconds(p, scaled, 1, latency) / kept
-    prompt = _matmul_seconds(p, scaled, PROMPT_BATCH, latency) / kept / PROMPT_BATCH
-    return decode, prompt
+    prompt = max(MIN_SECONDS, _matmul_seconds(p, scaled, prompt_tokens, latency) - graph) / kept
+    return decode, prompt / prompt_tokens
+
+
+class _Layout:
+    """Offsets of tensors packed into one probe buffer, each aligned."""
+
+    def __init__(self, align: int) -> None:
+        self.align, self.at = align, 0
+
+    def take(self, nbytes: int) -> int:
+        at = self.at
+        self.at = padded(at + max(1, nbytes), self.align)
+        return at
+
+
+def _tiny_graph(p: _Probe, offset: int) -> tuple[GraphBuilder, Tensor]:
+    """One ADD of two f32 in the probe buffer at `offset` (12 bytes): a graph that costs only
+    its dispatch."""
+    g = GraphBuilder()
+    a = p.tensor(g, GgmlType.F32, (1,), offset)
+    b = p.tensor(g, GgmlType.F32, (1,), offset + F32)
+    return g, g.place(g.add(a, b), p.buffer, p.base + offset + 2 * F32)
+
+
+def _overheads(p: _Probe, hidden: int, latency: float) -> tuple[float, float]:
+    """(seconds one graph costs besides its ops, seconds of one decode step's commands).
+
+    The graph: a GRAPH_RECOMPUTE of one ADD, less a round trip (daemon, worker, daemon). The
+    step, as the client sends a node one token's work: STEP_SETS small SET_TENSORs (positions,
+    mask, inputs), a GRAPH_RECOMPUTE and the GET_TENSOR that waits for it, one round trip and
+    every command's handling, each after STEP_IDLE_S of nothing. The median of STEP_ROUNDS:
+    these are wake-ups, whose typical cost, not the luckiest, is what each token pays."""
+    align = p.client.get_alignment()
+    lay = _Layout(align)
+    graph_at, small_at, out_at = lay.take(3 * F32), lay.take(1024), lay.take(hidden)
+    p.alloc(max(lay.at, align))
+    g, node = _tiny_graph(p, graph_at)
+    p.client.graph_compute(g.serialize([node]))
+    p.client.sync()
+
+    def recompute():
+        p.client.graph_recompute(0)
+        p.client.sync()
+
+    graph = _timed(recompute, latency)
+    small, out = _bytes_tensor(p, 1024, small_at), _bytes_tensor(p, hidden // F32 * F32, out_at)
+    data = bytes(1024)
+    times = []
+    for _ in range(STEP_ROUNDS):
+        time.sleep(STEP_IDLE_S)  # as between two of a node's steps, while the others compute
+        t0 = time.perf_counter()
+        for _ in range(STEP_SETS):
+            p.client.set_tensor(small, data)
+        p.client.graph_recompute(0)
+        p.client.get_tensor(out)
+        times.append(time.perf_counter() - t0)
+    return graph, max(MIN_SECONDS, statistics.median(times))
+
+
+def _rope_params(head_dim: int) -> list[int]:
+    """ggml_rope_ext's op_params for llama's normal rope (mode 0)."""
+    params = [0] * 11
+    params[1], params[3] = head_dim, 4096
+    for i, v in ((5, 10000.0), (6, 1.0), (7, 0.0), (8, 1.0), (9, 32.0), (10, 1.0)):
+        params[i] = f32_bits(v)
+    return params
+
+
+def _layer_ops_seconds(p: _Probe, model: ModelSizes, tokens: int, latency: float, graph: float) -> float:
+    """One llama layer's graph less its matrices, on `tokens` tokens: attention and FFN norms,
+    rope of q and k, the new K and V into the f16 cache, flash attention over a cache of
+    `tokens` padded to 256 cells under a causal mask, SwiGLU and both residual adds (what the
+    matmul probe leaves out). Less the graph's own dispatch (`graph`), which the step counts
+    once per node."""
+    e, h, hkv = model.n_embd, model.n_head, model.n_head_kv
+    d, dv, ff = model.head_dim_k, model.head_dim_v, model.n_ff
+    cells = padded(tokens, KV_CELL_PAD)
+    lay = _Layout(p.client.get_alignment())
+    at = {
+        "x": lay.take(e * tokens * F32),
+        "norm": lay.take(e * F32),
+        "n1": lay.take(e * tokens * F32),
+        "n2": lay.take(e * tokens * F32),
+        "q": lay.take(h * d * tokens * F32),
+        "k": lay.take(hkv * d * tokens * F32),
+        "v": lay.take(hkv * dv * tokens * F32),
+        "qr": lay.take(h * d * tokens * F32),
+        "kr": lay.take(hkv * d * tokens * F32),
+        "kc": lay.take(hkv * d * tokens * F16),
+        "vc": lay.take(hkv * dv * tokens * F16),
+        "pos": lay.take(tokens * 4),
+        "K": lay.take(d * cells * hkv * F16),
+        "V": lay.take(dv * cells * hkv * F16),
+        "mask": lay.take(cells * tokens * F16),
+        "fa": lay.take(dv * h * tokens * F32),
+        "wo": lay.take(e * tokens * F32),
+        "r1": lay.take(e * tokens * F32),
+        "n3": lay.take(e * tokens * F32),
+        "n4": lay.take(e * tokens * F32),
+        "gate": lay.take(ff * tokens * F32),
+        "up": lay.take(ff * tokens * F32),
+        "glu": lay.take(ff * tokens * F32),
+        "down": lay.take(e * tokens * F32),
+        "r2": lay.take(e * tokens * F32),
+    }
+    p.alloc(lay.at)
+    p.client.buffer_clear(p.buffer, 0)
+    g = GraphBuilder()
+    # the causal mask llama.cpp sets: query i sees the cells up to its own position (the cache
+    # holds cells - tokens before the batch); flash attention skips the masked ones
+    visible = np.arange(cells)[None, :] <= np.arange(tokens)[:, None] + (cells - tokens)
+    mask_data = np.where(visible, np.float16(0), np.float16(-np.inf)).astype(np.float16)
+    p.client.set_tensor(p.tensor(g, GgmlType.F16, (cells, tokens), at["mask"]).rpc(), mask_data.tobytes())
+
+    def leaf(name, type_, ne):
+        return p.tensor(g, type_, ne, at[name])
+
+    def put(name, t):
+        return g.place(t, p.buffer, p.base + at[name])
+
+    f32 = GgmlType.F32
+    x, norm = leaf("x", f32, (e, tokens)), leaf("norm", f32, (e,))
+    pos = leaf("pos", GgmlType.I32, (tokens,))
+    n1 = put("n1", g.rms_norm(x, 1e-5))
+    n2 = put("n2", g.mul(n1, norm))
+    q = leaf("q", f32, (d, h, tokens))
+    k = leaf("k", f32, (d, hkv, tokens))
+    qr = put("qr", g._node(GgmlOp.ROPE, f32, q.ne, [q, pos], _rope_params(d)))
+    kr = put("kr", g._node(GgmlOp.ROPE, f32, k.ne, [k, pos], _rope_params(d)))
+    kc = g.cpy(kr, leaf("kc", GgmlType.F16, (d, hkv, tokens)))
+    vc = g.cpy(leaf("v", f32, (dv, hkv, tokens)), leaf("vc", GgmlType.F16, (dv, hkv, tokens)))
+    # q as flash attention reads it: [d, tokens, heads], a permuted view of the roped q
+    qp = g.view_of(qr, (d, tokens, h, 1), (F32, F32 * d * h, F32 * d, F32 * d * h * tokens), 0)
+    big_k = leaf("K", GgmlType.F16, (d, cells, hkv))
+    big_v = leaf("V", GgmlType.F16, (dv, cells, hkv))
+    mask = leaf("mask", GgmlType.F16, (cells, tokens))
+    scale = f32_bits(1.0 / math.sqrt(d))
+    fa = put(
+        "fa", g._node(GgmlOp.FLASH_ATTN_EXT, f32, (dv, h, tokens), [qp, big_k, big_v, mask], [scale, 0, 0, 0])
+    )
+    r1 = put("r1", g.add(leaf("wo", f32, (e, tokens)), x))
+    n3 = put("n3", g.rms_norm(r1, 1e-5))
+    n4 = put("n4", g.mul(n3, norm))
+    gate, up = leaf("gate", f32, (ff, tokens)), leaf("up", f32, (ff, tokens))
+    glu = put("glu", g._node(GgmlOp.GLU, f32, (ff, tokens), [gate, up], [int(GluOp.SWIGLU), 0]))
+    r2 = put("r2", g.add(leaf("down", f32, (e, tokens)), r1))
+    p.client.graph_compute(g.serialize([n1, n2, qr, kr, kc, vc, qp, fa, r1, n3, n4, glu, r2]))
+    p.client.sync()
+
+    def recompute():
+        p.client.graph_recompute(0)
+        p.client.sync()
+
+    return max(0.0, _timed(recompute, latency, typical=True) - graph)
+
+
+def _layer_ops(
+    p: _Probe, model: ModelSizes, latency: float, graph: float, prompt_tokens: int
+) -> tuple[float, float, str | None]:
+    """(decode, prompt per token) seconds of a layer's ops besides its matrices. A node that
+    refuses the graph (a device without one of its ops) closes the probe's connection: it is
+    opened again, and the plan goes on with the matrices alone and a note."""
+    try:
+        decode = _layer_ops_seconds(p, model, 1, latency, graph)
+        prompt = _layer_ops_seconds(p, model, prompt_tokens, latency, graph) / prompt_tokens
+        return decode, prompt, None
+    except (FleetdError, OSError) as exc:
+        note = f"{p.node.name}: layer ops not measured, matrices only ({type(exc).__name__}: {exc})"
+    try:
+        p.client.close()
+    except (FleetdError, OSError):
+        pass
+    p.buffer = 0
+    p.client = _open(p.node).client
+    return 0.0, 0.0, note
 
 
 def _device_kind(node: Node) -> str:
@@ -175,32 +395,40 @@ def _device_kind(node: Node) -> str:
     return f"{d.name} ({d.kind})" if d.kind else d.name
 
 
-def _node_facts(p: _Probe, model: ModelSizes) -> NodeFacts:
+def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeFacts, str | None]:
     c = p.client
     free, total = c.get_device_memory(0)
     alignment = c.get_alignment(0)
     latency = _latency(c)
     p.alloc(max(alignment, min(PROBE_BYTES, free // 8)))
     upload, download = _links(p, latency)
-    decode, prompt = _compute(p, model.layer_matrices, free, latency)
+    graph, step = _overheads(p, model.hidden_bytes, latency)
+    decode_mm, prompt_mm = _compute(p, model.layer_matrices, free, latency, graph, prompt_tokens)
     out = [model.output_matrix] if model.output_matrix else []
-    out_decode, out_prompt = _compute(p, out, free, latency) if out else (0.0, 0.0)
+    out_decode, out_prompt = _compute(p, out, free, latency, graph, 1) if out else (0.0, 0.0)
+    peer_copy = bool(c.features & Feature.PEER_COPY)
+    ops_decode, ops_prompt, note = _layer_ops(p, model, latency, graph, prompt_tokens)
     p.free()
-    return NodeFacts(
+    facts = NodeFacts(
         name=p.node.name,
         endpoint=p.endpoint,
         free=free,
         total=total,
         kind=_device_kind(p.node),
         alignment=alignment,
-        peer_copy=bool(c.features & Feature.PEER_COPY),
-        decode_layer_s=decode,
-        prompt_token_s=prompt,
+        peer_copy=peer_copy,
+        decode_layer_s=decode_mm + ops_decode,
+        prompt_token_s=prompt_mm + ops_prompt,
         output_decode_s=out_decode,
         output_prompt_s=out_prompt,
         upload=upload,
         download=download,
+        step_s=step,
+        graph_s=graph,
+        decode_matmul_s=decode_mm,
+        prompt_matmul_s=prompt_mm,
     )
+    return facts, note
 
 
 def _peer_link(src: _Probe, dst: _Probe, hidden: int) -> Link | None:
@@ -278,22 +506,31 @@ def memory_only(nodes: Sequence[Node]) -> Fleet:
     return Fleet(tuple(facts))
 
 
-def measure(nodes: Sequence[Node], model: ModelSizes, progress: Progress | None = None) -> Fleet:
+def measure(
+    nodes: Sequence[Node],
+    model: ModelSizes,
+    progress: Progress | None = None,
+    prompt_tokens: int = PROMPT_BATCH,
+) -> Fleet:
     """Measure every node (one after the other: a node computing beside another's probe would
-    measure the other's load) and the peer links between them."""
+    measure the other's load) and the peer links between them; the prompt at `prompt_tokens`
+    tokens a step (the workload's micro-batch: `Workload.prompt_tokens`)."""
+    prompt_tokens = max(1, min(prompt_tokens, MAX_PROMPT_TOKENS))
     say = progress or (lambda step, fraction: None)
     probes: list[_Probe] = []
     try:
         for node in nodes:
             probes.append(_open(node))
-        facts = []
+        facts, notes = [], []
         for i, p in enumerate(probes):
             say(f"measuring {p.node.name}", i / (len(probes) + 1))
-            facts.append(_node_facts(p, model))
+            node_facts, note = _node_facts(p, model, prompt_tokens)
+            facts.append(node_facts)
+            notes += [note] if note else []
         say("peer links", len(probes) / (len(probes) + 1))
-        peers, notes = _peers(probes, facts, model.hidden_bytes, say)
+        peers, peer_notes = _peers(probes, facts, model.hidden_bytes, say)
         say("done", 1.0)
-        return Fleet(tuple(facts), peers, tuple(notes))
+        return Fleet(tuple(facts), peers, tuple(notes + peer_notes))
     finally:
         for p in probes:
             try:
