@@ -23,10 +23,9 @@ from fleetd.fleet.plan import (
     PlanError,
     Workload,
     fmt_mib,
-    optimise,
     read_model,
 )
-from fleetd.fleet.plan_probe import measure, memory_only
+from fleetd.fleet.plan_probe import plan_for
 
 PLAN_HELP = (
     "place a GGUF's layers on the fleet from the nodes' free memory, measured compute and links; "
@@ -68,24 +67,19 @@ def cmd_plan(args) -> int:
     work = Workload(ctx=args.ctx or model.n_ctx_train or DEFAULT_CTX, parallel=args.parallel)
     with open_fleet(args) as fleet:
         try:
-            optimise(model, memory_only(fleet), work)  # memory alone: does it fit at all?
+            if args.json:
+                plan = plan_for(fleet, model, work)
+            else:
+                with Progress(console=Console(stderr=True), transient=True) as bar:
+                    task = bar.add_task("measuring", total=1.0)
+                    plan = plan_for(
+                        fleet,
+                        model,
+                        work,
+                        lambda step, done: bar.update(task, completed=done, description=step),
+                    )
         except DoesNotFit as exc:
             return _does_not_fit(args, exc)
-        if args.json:
-            facts = measure(fleet, model, prompt_tokens=work.prompt_tokens)
-        else:
-            with Progress(console=Console(stderr=True), transient=True) as bar:
-                task = bar.add_task("measuring", total=1.0)
-                facts = measure(
-                    fleet,
-                    model,
-                    lambda step, done: bar.update(task, completed=done, description=step),
-                    work.prompt_tokens,
-                )
-    try:
-        plan = optimise(model, facts, work)
-    except DoesNotFit as exc:  # free memory changed while measuring
-        return _does_not_fit(args, exc)
     doc = plan.as_dict()
     if args.json:
         print_json(doc)

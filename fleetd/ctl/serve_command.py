@@ -23,8 +23,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from fleetd.ctl.options import fleet_args, open_fleet
 from fleetd.ctl.plan_command import DEFAULT_CTX
 from fleetd.errors import FleetError, UsageError
-from fleetd.fleet.plan import DoesNotFit, ModelSizes, PlanError, Workload, optimise, read_model
-from fleetd.fleet.plan_probe import measure, memory_only
+from fleetd.fleet.plan import DoesNotFit, ModelSizes, PlanError, Workload, read_model
+from fleetd.fleet.plan_probe import plan_for
 from fleetd.fleet.serve import (
     DEFAULT_PORT,
     DEFAULT_REPLAN_AFTER_S,
@@ -153,13 +153,11 @@ def _plan_now(args, fleet, model: ModelSizes) -> dict:
     """What `fleetctl plan` would write: memory first (does it fit?), then measured."""
     work = Workload(ctx=args.ctx or model.n_ctx_train or DEFAULT_CTX, parallel=args.parallel)
     try:
-        optimise(model, memory_only(fleet), work)
         with _progress() as bar:
             task = bar.add_task("measuring the nodes", total=None)
-            facts = measure(
-                fleet, model, lambda step, done: bar.update(task, description=step), work.prompt_tokens
-            )
-        return optimise(model, facts, work).as_dict()
+            return plan_for(
+                fleet, model, work, lambda step, done: bar.update(task, description=step)
+            ).as_dict()
     except DoesNotFit as exc:
         raise FleetError(str(exc)) from exc
 

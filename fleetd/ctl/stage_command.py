@@ -18,8 +18,8 @@ from rich.table import Table
 from fleetd.ctl.options import fleet_args, open_fleet, print_json, print_renderables
 from fleetd.errors import UsageError
 from fleetd.fleet.node import Fleet, FleetResult, Node
-from fleetd.fleet.plan import DoesNotFit, PlanError, Workload, optimise, read_model
-from fleetd.fleet.plan_probe import measure, memory_only
+from fleetd.fleet.plan import DoesNotFit, PlanError, Workload, read_model
+from fleetd.fleet.plan_probe import plan_for
 from fleetd.fleet.render import fmt_bytes, reason
 from fleetd.fleet.stage import Model, NodeResult, Share, check_model, plan_shares, stage_node
 
@@ -90,8 +90,7 @@ def _plan_now(args, fleet: Fleet) -> dict | None:
         raise UsageError(str(exc)) from None
     work = Workload(ctx=sizes.n_ctx_train or DEFAULT_CTX)
     try:
-        optimise(sizes, memory_only(fleet), work)
-        return optimise(sizes, measure(fleet, sizes, prompt_tokens=work.prompt_tokens), work).as_dict()
+        return plan_for(fleet, sizes, work).as_dict()
     except DoesNotFit as exc:
         print(f"fleetctl stage: {exc}", file=sys.stderr)
         return None

@@ -33,6 +33,9 @@ from fleetd.fleet.plan import (
     Matrix,
     ModelSizes,
     NodeFacts,
+    Plan,
+    Workload,
+    optimise,
     padded,
 )
 from fleetd.transport.tcp import Timeout
@@ -537,3 +540,14 @@ def measure(
                 p.close()
             except (FleetdError, OSError):
                 pass  # the measurement stands or has already raised; a close error adds nothing
+
+
+def plan_for(
+    nodes: Sequence[Node], model: ModelSizes, work: Workload, progress: Progress | None = None
+) -> Plan:
+    """What `fleetctl plan` computes (and stage and serve without --plan): free memory first,
+    so a model that does not fit raises DoesNotFit before anything is timed or loaded, then the
+    nodes measured and the placement optimised over what was measured (DoesNotFit again if
+    free memory fell meanwhile)."""
+    optimise(model, memory_only(nodes), work)
+    return optimise(model, measure(nodes, model, progress, work.prompt_tokens), work)
