@@ -16,6 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 
 from fleetd.ctl.options import fleet_args, open_fleet, print_json, print_renderables
+from fleetd.ctl.plan_command import DEFAULT_CTX
 from fleetd.errors import UsageError
 from fleetd.fleet.node import Fleet, FleetResult, Node
 from fleetd.fleet.plan import DoesNotFit, PlanError, Workload, read_model
@@ -27,7 +28,6 @@ STAGE_HELP = (
     "put into each node's cache directory the tensors the plan gives it, so the next load "
     "sends hashes instead of weights"
 )
-DEFAULT_CTX = 4096  # as fleetctl plan: when the GGUF does not say its training context
 
 
 def configure_stage(p) -> None:
