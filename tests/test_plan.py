@@ -278,29 +278,48 @@ def test_usage_errors_exit_2(fleet_file, tmp_path):
 BUFFER = re.compile(r"RPC\d*\[([^\]]+)\] (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
 
-@needs_tool("llama-completion")
-def test_predicted_memory_matches_what_llama_completion_reports(model_path, plan_doc):
-    """The plan's flags, run: each node's model and KV buffers as predicted (to the rounding of
-    the log's two decimals) and its compute buffer at or at most COMPUTE_TOLERANCE above."""
+def reported_buffers(model_path, plan_doc) -> dict[tuple[str, str], float]:
+    """Run the plan's flags: the model, KV and compute buffer per endpoint llama-completion logs."""
     args = [str(find_tool("llama-completion")), "-m", str(model_path), *plan_doc["llama_args"]]
     args += ["-p", "the time", "-n", "2", "--temp", "0", "-no-cnv", "--no-warmup", "-t", "1", "-v"]
     p = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     log = p.stderr + p.stdout
     log = log[log.rindex("load_tensors: offloading") :]  # the load itself, not the fit's dry run
-    reported: dict[tuple[str, str], float] = {}
-    for endpoint, kind, mib in BUFFER.findall(log):
-        reported[(endpoint, kind)] = float(mib) * MIB
+    return {(endpoint, kind): float(mib) * MIB for endpoint, kind, mib in BUFFER.findall(log)}
+
+
+def assert_memory_as_predicted(plan_doc, reported, compute_tolerance: float) -> None:
     for s in plan_doc["stages"]:
         ep, mem = s["endpoint"], s["memory"]
         got = {kind: reported[(ep, kind)] for kind in ("model", "KV", "compute")}
         assert abs(got["model"] - mem["weights"]) <= 0.01 * MIB, (s["name"], got, mem)
         assert abs(got["KV"] - mem["kv"]) <= 0.01 * MIB, (s["name"], got, mem)
-        assert got["compute"] <= mem["compute"] <= got["compute"] * (1 + COMPUTE_TOLERANCE), (
+        assert got["compute"] <= mem["compute"] <= got["compute"] * (1 + compute_tolerance), (
             s["name"],
             got,
             mem,
         )
+
+
+@needs_tool("llama-completion")
+def test_predicted_memory_matches_what_llama_completion_reports(model_path, plan_doc):
+    """The plan's flags, run: each node's model and KV buffers as predicted (to the rounding of
+    the log's two decimals) and its compute buffer at or at most COMPUTE_TOLERANCE above."""
+    assert len(plan_doc["stages"]) >= 2  # the pipelined formula
+    assert_memory_as_predicted(plan_doc, reported_buffers(model_path, plan_doc), COMPUTE_TOLERANCE)
+
+
+@needs_tool("llama-completion")
+def test_one_node_is_sized_as_one_device_not_as_a_pipeline(model_path, tmp_path):
+    """A node alone is not pipelined: llama.cpp reserves far less compute for it (the formula
+    of 2+ devices put about twice what it uses), and the plan says what it will use."""
+    with LocalFleet(1, tmp_path, server_args=["--threads", "1"]) as one:
+        p = fleetctl("plan", str(model_path), str(one.nodes_file), "--ctx", str(CTX), "--json")
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert len(doc["stages"]) == 1 and doc["stages"][0]["layer_count"] == PLAN_DIMS.n_layer
+        assert_memory_as_predicted(doc, reported_buffers(model_path, doc), COMPUTE_TOLERANCE)
 
 
 def test_padded():

@@ -86,7 +86,14 @@ MASK_BYTES = 2  # f16 attention mask per cell and token
 #   + on the last device f32 x n_vocab x n_seq  the logits of one token per sequence
 # Measured 8.04-48.05 MiB over nine shapes; the formula is within +0.1% of eight of them and 6%
 # above one (n_embd 512, 512 cells: 17.04 MiB), never below (it sizes a reservation).
-# tests/test_plan.py checks it against llama-completion when the tools are built.
+# That is the pipelined split (2+ devices: llama.cpp's scheduler keeps copies of each split's
+# inputs per micro-batch in flight). One device alone is not pipelined and reuses far more:
+#   f32 x U x (3 n_embd + 3 n_ff) + 2 bytes x U x cells per sequence (the f16 mask only)
+#   + COMPUTE_SLACK + the logits
+# Measured 5.01-69.0 MiB over four shapes (n_embd 256-2048, n_ff 512-11264, 512-2048 cells, 1-4
+# sequences): exact on two, 1-3% above on n_ff 11264 and 17-19% above on n_embd 2048 with a
+# narrow attention (n_head x head_dim 256), never below.
+# tests/test_plan.py checks both against llama-completion when the tools are built.
 COMPUTE_SLACK = 64 << 10
 COMPUTE_TOLERANCE = 0.10  # the tests' bound on (predicted - reported) / reported
 
@@ -226,15 +233,24 @@ def kv_bytes_per_layer(model: ModelSizes, cells: int, alignment: int = DEFAULT_A
 
 
 def compute_buffer_bytes(
-    model: ModelSizes, cells: int, last: bool, ubatch: int = DEFAULT_UBATCH, parallel: int = 1
+    model: ModelSizes,
+    cells: int,
+    last: bool,
+    ubatch: int = DEFAULT_UBATCH,
+    parallel: int = 1,
+    devices: int = 2,
 ) -> int:
-    """The estimated compute buffer of one device (the formula above COMPUTE_SLACK)."""
+    """The estimated compute buffer of one of `devices` devices (the formulas above
+    COMPUTE_SLACK: one for a device alone, one for a pipelined split)."""
     tokens = min(ubatch, cells)
+    per_sequence = cells // max(1, parallel)
+    logits = F32 * model.n_vocab * parallel if last else 0
+    if devices == 1:
+        activations = F32 * tokens * (3 * model.n_embd + 3 * model.n_ff)
+        return activations + 2 * tokens * per_sequence + COMPUTE_SLACK + logits
     narrower_q = max(0, model.n_embd - model.n_head * model.head_dim_k)
     activations = F32 * tokens * (4 * model.n_embd + 4 * model.n_ff + 2 * narrower_q)
-    mask = 8 * tokens * (cells // max(1, parallel))
-    logits = F32 * model.n_vocab * parallel if last else 0
-    return activations + mask + COMPUTE_SLACK + logits
+    return activations + 8 * tokens * per_sequence + COMPUTE_SLACK + logits
 
 
 @dataclass(frozen=True)
@@ -541,14 +557,14 @@ class DoesNotFit(PlanError):
 
 
 def stage_memory(
-    model: ModelSizes, node: NodeFacts, layers: range, last: bool, work: Workload
+    model: ModelSizes, node: NodeFacts, layers: range, last: bool, work: Workload, devices: int
 ) -> StageMemory:
     align = node.alignment
     weights = sum(model.layer_bytes(il, align) for il in layers) + (model.output_bytes(align) if last else 0)
     return StageMemory(
         weights=weights,
         kv=len(layers) * kv_bytes_per_layer(model, work.cells, align),
-        compute=compute_buffer_bytes(model, work.cells, last, work.ubatch, work.parallel),
+        compute=compute_buffer_bytes(model, work.cells, last, work.ubatch, work.parallel, devices),
         free=node.free,
     )
 
@@ -572,7 +588,7 @@ def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
         prefix = _weight_prefix(model, node.alignment)
         kv = kv_bytes_per_layer(model, work.cells, node.alignment)
         room = usable_memory(node.free) - compute_buffer_bytes(
-            model, work.cells, last, work.ubatch, work.parallel
+            model, work.cells, last, work.ubatch, work.parallel, len(order)
         )
         room -= model.output_bytes(node.alignment) if last else 0
         nxt, took = [math.inf] * (n + 1), [0] * (n + 1)
@@ -650,7 +666,7 @@ def _default_split(model: ModelSizes, fleet: Fleet, work: Workload) -> tuple[lis
     start = 0
     for pos, i in enumerate(order):
         memory = stage_memory(
-            model, fleet.nodes[i], range(start, start + counts[i]), pos == len(order) - 1, work
+            model, fleet.nodes[i], range(start, start + counts[i]), pos == len(order) - 1, work, len(order)
         )
         if memory.total > memory.usable:
             return None
@@ -662,7 +678,7 @@ def _plan(model, fleet: Fleet, work: Workload, order, counts) -> Plan:
     stages, start = [], 0
     for pos, (i, c) in enumerate(zip(order, counts)):
         node, last = fleet.nodes[i], pos == len(order) - 1
-        memory = stage_memory(model, node, range(start, start + c), last, work)
+        memory = stage_memory(model, node, range(start, start + c), last, work, len(order))
         stages.append(Stage(i, node.name, node.endpoint, start, c, last, memory))
         start += c
     notes = list(fleet.notes)
@@ -687,14 +703,14 @@ def _does_not_fit(model: ModelSizes, fleet: Fleet, work: Workload) -> DoesNotFit
     counts = layers_from_split([max(n.free, 1) for n in nodes], model.n_layer)
     shortfalls, start = {}, 0
     for pos, (node, c) in enumerate(zip(nodes, counts)):
-        memory = stage_memory(model, node, range(start, start + c), pos == len(nodes) - 1, work)
+        memory = stage_memory(model, node, range(start, start + c), pos == len(nodes) - 1, work, len(nodes))
         start += c
         if memory.total > memory.usable:
             shortfalls[node.name] = memory.total - memory.usable
     need = sum(model.layer_bytes(il) for il in range(model.n_layer)) + model.output_bytes()
     need += model.n_layer * kv_bytes_per_layer(model, work.cells)
     need += sum(
-        compute_buffer_bytes(model, work.cells, i == len(nodes) - 1, work.ubatch, work.parallel)
+        compute_buffer_bytes(model, work.cells, i == len(nodes) - 1, work.ubatch, work.parallel, len(nodes))
         for i in range(len(nodes))
     )
     have = sum(usable_memory(n.free) for n in nodes)
