@@ -89,9 +89,10 @@ def column(p: Pipeline, seconds: list[float]) -> dict:
 
 def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
     """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
-    SET_TENSOR, direct COPY_TENSOR_TO, async COPY_TENSOR_TO_ASYNC + PEER_WAIT, each followed by
-    one round trip to the destination (what the destination's next command waits for anyway:
-    the hub's SET is pipelined, not landed)."""
+    SET_TENSOR, direct COPY_TENSOR_TO, async COPY_TENSOR_TO_ASYNC + PEER_GATE (PEER_WAIT where
+    the destination has no gate), each followed by one round trip to the destination (what the
+    destination's next command waits for anyway: the hub's SET and the gate are pipelined, not
+    landed; the gate's answer is read before the round trip's)."""
     seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
     arms = list(pipes)
     for i in range(moves):
@@ -99,6 +100,10 @@ def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[f
             p = pipes[arm]
             t0 = time.perf_counter()
             how = p._move(0)
+            if how == "gate":
+                p.settle_gates(first=False)
+                how = "direct" if p._gate_tally == [1, 0] else "fallback"
+                p._gate_tally = [0, 0]
             p.stages[1].client.sync()
             seconds[arm].append(time.perf_counter() - t0)
             if how != ("direct" if arm == "async" else arm):

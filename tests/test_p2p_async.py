@@ -390,22 +390,68 @@ def _settled(check, seconds: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_pipeline_with_asynchronous_boundaries_matches_the_hub(fleetd_server):
+@pytest.mark.parametrize(
+    "gate, local_last", [(True, False), (False, False), (True, True)], ids=["gate", "wait", "gate-local-last"]
+)
+def test_a_pipeline_with_asynchronous_boundaries_matches_the_hub(
+    fleetd_server, gate, local_last, monkeypatch
+):
     """The layer-split coordinator over 3 servers: same outputs as the hub path, one
-    COPY_TENSOR_TO_ASYNC and one PEER_WAIT per remote boundary per step, no fallback."""
+    COPY_TENSOR_TO_ASYNC and one PEER_GATE per remote boundary per step (PEER_WAIT where the
+    servers do not advertise the gate), no fallback. With the coordinator's own device last,
+    the last remote stage is read (GET_TENSOR) right behind its gate."""
     from fleetd.pipeline import Pipeline
+    from fleetd.pipeline.stages import RemoteStage
 
+    if not gate:  # a server of an older fleetd: bit 1 without bit 2
+        monkeypatch.setattr(RemoteStage, "peer_gate", property(lambda stage: False))
     eps = [endpoint(fleetd_server()) for _ in range(3)]
-    kw = dict(layers=3, rows=4, n_embd=64, timeout=BOUNDED, stats=False)
+    kw = dict(
+        layers=4 if local_last else 3, rows=4, n_embd=64, timeout=BOUNDED, stats=False, local_last=local_last
+    )
     with Pipeline(eps, p2p=False, **kw) as hub:
         reference = [r.md5 for r in hub.run(3)]
     with Pipeline(eps, p2p=True, async_copy=True, **kw) as p:
         results = p.run(3)
     assert [r.md5 for r in results] == reference
+    wait = Cmd.PEER_GATE if gate else Cmd.PEER_WAIT
     for r in results:
         assert (r.direct, r.fallbacks) == (2, 0)
-        assert r.counters.count[Cmd.COPY_TENSOR_TO_ASYNC] == 2 and r.counters.count[Cmd.PEER_WAIT] == 2
+        assert r.counters.count[Cmd.COPY_TENSOR_TO_ASYNC] == 2 and r.counters.count[wait] == 2
         assert Cmd.COPY_TENSOR_TO not in r.counters.count
+        assert (Cmd.PEER_WAIT if gate else Cmd.PEER_GATE) not in r.counters.count
+
+
+@pytest.mark.parametrize("when", ["first_step", "later_step"])
+def test_a_pipeline_redoes_the_step_on_the_hub_path_when_a_gate_fails(fleetd_server, when):
+    """The middle server turns its peer copy off under a gated pipeline: its pushes are
+    refused, the gates behind them answer 0 and their stages skip their graphs. The step is
+    redone from that boundary on the hub path (on the first step the skipped GRAPH_COMPUTE is
+    sent whole again): the same outputs as the hub, every failed gate counted, no hang."""
+    from fleetd.pipeline import Pipeline
+
+    servers = [fleetd_server() for _ in range(4)]
+    for srv in servers:
+        short_waits(srv, 0.5)
+    eps = [endpoint(srv) for srv in servers]
+    kw = dict(layers=4, rows=4, n_embd=64, timeout=BOUNDED, stats=False)
+    with Pipeline(eps, p2p=False, **kw) as hub:
+        reference = [r.md5 for r in hub.run(3)]
+    with Pipeline(eps, p2p=True, async_copy=True, **kw) as p:
+        results = [] if when == "first_step" else [p.step()]
+        servers[1].state.set_p2p(False)
+        results += p.run(3 - len(results))
+        servers[1].state.set_p2p(True)
+        results.append(p.step())  # and the gates work again
+    assert [r.md5 for r in results] == reference + [results[-1].md5]
+    assert results[-1].md5 != reference[-1]  # a new input: not the last step's bytes again
+    off = results[1:3] if when == "later_step" else results[0:3]
+    for r in off:
+        assert r.direct + r.fallbacks == 3 and r.fallbacks >= 2, (r.direct, r.fallbacks)
+        assert r.counters.count[Cmd.PEER_RESUME] == r.fallbacks
+    assert (results[-1].direct, results[-1].fallbacks) == (3, 0)
+    gates_failed = sum(srv.state.peer_stats.as_dict()["gates_failed"] for srv in servers)
+    assert gates_failed == sum(r.fallbacks for r in results)
 
 
 def test_a_stream_holds_a_bounded_number_of_copies_not_waited_for(pair, monkeypatch):

@@ -383,7 +383,9 @@ def test_stale_after_two_missed_intervals_and_up_again(local):
                 # The other node is unaffected. On a loaded 2-core CI machine its own answer can
                 # be late by two 0.2 s intervals too, so wait for it rather than read it once,
                 # while node 1 stays stopped and so stays stale.
-                assert await settle(pilot, lambda: cell(table, "0", "state") == "up"), cell(table, "0", "state")
+                assert await settle(pilot, lambda: cell(table, "0", "state") == "up"), cell(
+                    table, "0", "state"
+                )
                 assert screen.is_stale(key) and cell(table, key, "state") == "stale"
             finally:
                 os.kill(proc.pid, signal.SIGCONT)

@@ -12,8 +12,14 @@ after), and each boundary moves the hidden state to the next stage:
 - direct: one COPY_TENSOR_TO to the source, when both ends advertised Feature.PEER_COPY and
           GGML_RPC_P2P is not "0"; an answer of 0 falls back to the hub path for that step.
           With `async_copy` (and both ends advertising Feature.PEER_COPY_ASYNC): a
-          COPY_TENSOR_TO_ASYNC to the source, not answered, then PEER_WAIT on the destination;
-          a wait of 0 takes the source's kept bytes (PEER_TAKE) and SETs them.
+          COPY_TENSOR_TO_ASYNC to the source, not answered, then, where the destination
+          advertises Feature.PEER_GATE, a PEER_GATE on it, not waited for either (as the patched
+          llama.cpp client does): the destination's graph is sent right behind it and the gates'
+          answers are read before the next reply from a gated stage (settle_gates). A gate of 0
+          made its stage skip what followed: the step is redone from that boundary on the hub
+          path (PEER_RESUME, the source's kept bytes by PEER_TAKE, the graphs sent again).
+          Without the gate bit: PEER_WAIT on the destination; a wait of 0 takes the source's
+          kept bytes (PEER_TAKE) and SETs them.
 
 The last stage's output comes back with one GET_TENSOR (or a local read). All counters are the
 coordinator's (ClientCounters, shared by every stage's client); GGML_RPC_STATS=1 prints one line
@@ -68,6 +74,8 @@ class Pipeline:
         self.counters = ClientCounters()
         self.steps: list[StepResult] = []
         self.stages: list[RemoteStage | LocalStage] = []
+        self._gates: list[tuple[int, int, int]] = []  # (boundary, stream, seq): answers not read
+        self._gate_tally = [0, 0]  # this step's gates: landed, failed
         peers = peer_endpoints or [None] * len(endpoints)
         if len(peers) != len(endpoints):
             raise ValueError("peer_endpoints must name one endpoint per remote stage")
@@ -116,9 +124,12 @@ class Pipeline:
             stage.compute(self.graphs[i].graph, first)
             if i + 1 == len(self.stages):
                 break
-            moved = self._move(i)
+            moved = self._move(i, first)
             direct += moved == "direct"
             fallbacks += moved == "fallback"
+        self.settle_gates(first)
+        direct, fallbacks = direct + self._gate_tally[0], fallbacks + self._gate_tally[1]
+        self._gate_tally = [0, 0]
         output = self.stages[-1].get_tensor(self.graphs[-1].hidden_out.rpc())
         result = StepResult(index, output, self.counters.minus(before), direct, fallbacks)
         self.steps.append(result)
@@ -126,7 +137,9 @@ class Pipeline:
             print(step_line(result), file=sys.stderr)
         return result
 
-    def _move(self, i: int) -> str:
+    def _move(self, i: int, first: bool = False) -> str:
+        """Boundary i -> i+1: "direct", "fallback", "hub", or "gate" (its answer read later by
+        settle_gates, which counts it)."""
         src_stage, dst_stage = self.stages[i], self.stages[i + 1]
         src = self.graphs[i].hidden_out.rpc()
         dst = self.graphs[i + 1].hidden_in.rpc()
@@ -139,16 +152,52 @@ class Pipeline:
         ):
             stream, seq = dst_stage.next_copy()
             src_stage.client.copy_tensor_to_async(src, dst, src.nbytes, dst_stage.peer_endpoint, stream, seq)
+            if dst_stage.peer_gate:
+                dst_stage.client.peer_gate(stream, seq)
+                self._gates.append((i, stream, seq))
+                return "gate"
             if dst_stage.client.peer_wait(stream, seq):
                 return "direct"
             dst_stage.set_tensor(dst, src_stage.client.peer_take(stream, seq, src.nbytes))
             return "fallback"
+        if self._gates and self._gates[-1][0] == i - 1:  # a reply from stage i comes after its gate's
+            self.settle_gates(first)
         if self.direct_boundary(i):
             if src_stage.client.copy_tensor_to(src, dst, src.nbytes, dst_stage.peer_endpoint):
                 return "direct"
             how = "fallback"
-        dst_stage.set_tensor(dst, src_stage.get_tensor(src))
+        return self._move_hub(i, how)
+
+    def _move_hub(self, i: int, how: str = "hub") -> str:
+        dst = self.graphs[i + 1].hidden_in.rpc()
+        self.stages[i + 1].set_tensor(dst, self.stages[i].get_tensor(self.graphs[i].hidden_out.rpc()))
         return how
+
+    def settle_gates(self, first: bool) -> None:
+        """Read every open gate's answer, in order, and count them (landed, failed) into the
+        step's tally. A stage whose gate said 0
+        skipped everything sent after it (its graph, its own copy onwards, so the next gates
+        fail too): from the first such boundary the step is redone on the hub path, with the
+        source's kept bytes, the graphs sent again (whole on the first step: a skipped
+        GRAPH_COMPUTE stored nothing)."""
+        gates, self._gates = self._gates, []
+        answers = [self.stages[i + 1].client.gate_result() for i, _, _ in gates]
+        bad = answers.index(False) if not all(answers) else len(gates)
+        self._gate_tally[0] += bad
+        self._gate_tally[1] += len(gates) - bad
+        if bad == len(gates):
+            return
+        for (i, _, _), landed in zip(gates, answers):
+            if not landed:
+                self.stages[i + 1].client.peer_resume()
+        start, stream, seq = gates[bad]
+        last = gates[-1][0] + 1  # the last stage that had a gate: what comes after was not sent
+        src, dst = self.graphs[start].hidden_out.rpc(), self.graphs[start + 1].hidden_in.rpc()
+        self.stages[start + 1].set_tensor(dst, self.stages[start].client.peer_take(stream, seq, src.nbytes))
+        for k in range(start + 1, last + 1):
+            self.stages[k].compute(self.graphs[k].graph, first)
+            if k < last:
+                self._move_hub(k)
 
     def run(self, steps: int) -> list[StepResult]:
         return [self.step() for _ in range(steps)]

@@ -43,6 +43,10 @@ class RemoteStage:
     def peer_copy_async(self) -> bool:
         return bool(self.client.features & Feature.PEER_COPY_ASYNC)
 
+    @property
+    def peer_gate(self) -> bool:
+        return bool(self.client.features & Feature.PEER_GATE)
+
     def next_copy(self) -> tuple[int, int]:
         """(stream, seq) for the next asynchronous copy into this stage."""
         if not self._stream:
@@ -81,6 +85,7 @@ class LocalStage:
 
     peer_copy = False
     peer_copy_async = False
+    peer_gate = False
     client = None
 
     def __init__(self) -> None:
