@@ -107,7 +107,11 @@ class PeerStreams:
             elif not self.memory.reserve(push.size):
                 reason = f"no room: {self.memory.held} of {self.memory.limit} peer-copy bytes held"
             stream.slots[push.seq] = REFUSED if reason else ARRIVING
-            self._cond.notify_all()
+            # A refusal answers the wait now. An arrival only lengthens it, which the waiter
+            # finds when it next looks (at its deadline at the latest): waking it for that
+            # would cost the copy's critical path a thread switch for nothing.
+            if reason:
+                self._cond.notify_all()
             return reason
 
     def stage(self, stream_id: int, seq: int, dst: RpcTensor, data: bytearray) -> None:
