@@ -56,6 +56,11 @@ LOAD = Dims(n_embd=2048, n_head=16, n_head_kv=4, head_dim=128, n_ff=5632, n_laye
 HASH = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=1)
 # The same with two layers (~70 MB f16), so a split over two nodes gives each some: fleetctl stage's test.
 HASH2 = Dims(n_embd=512, n_head=8, n_head_kv=4, head_dim=64, n_ff=11264, n_layer=2)
+# benchmarks/stage_lab.py's model: ~680 MB f16 (6 layers, 2 per node of a 3-node lab), every
+# matrix but K and V above the 10 MiB hash threshold (Q and the attention output 2304 x 2304 in
+# f16: 10.1 MiB; the FFN 6144 x 2304: 27 MiB), so ~94% of the bytes go by hash, as in a real
+# model's f16 or Q8_0 weights.
+STAGE = Dims(n_embd=2304, n_head=18, n_head_kv=6, head_dim=128, n_ff=6144, n_layer=6)
 SIZES = {
     "tiny": TINY,
     "bench": BENCH,
@@ -65,6 +70,7 @@ SIZES = {
     "load": LOAD,
     "hash": HASH,
     "hash2": HASH2,
+    "stage": STAGE,
 }
 # Random weights make chaotic models: rounding-level differences between two correct servers
 # grow until a near-tie flips a greedy token. Small layer gains (the residual stream

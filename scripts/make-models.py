@@ -2,7 +2,7 @@
 """Write the small deterministic GGUF models of fleetd.models (see there for what they are).
 
 scripts/make-models.py [--out DIR] [--arch llama,qwen3,qwen3moe,gemma3] [--types f32,f16,q8_0,q4_k]
-                       [--size tiny|bench|wide|load|hash]
+                       [--size tiny|bench|mid|wide|wide12|load|hash|hash2|stage]
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def main() -> int:
         "--size",
         default="tiny",
         choices=sorted(SIZES),
-        help="tiny: tests; bench: benchmarks; wide: the lab; load: benchmarks/load.py; hash: its test",
+        help="tiny: tests; bench: benchmarks; wide: the lab; load: benchmarks/load.py; hash: its test; "
+        "stage: benchmarks/stage_lab.py (~680 MB f16)",
     )
     args = ap.parse_args()
     for arch in args.arch.split(","):

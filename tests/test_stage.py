@@ -277,3 +277,38 @@ def test_without_a_plan_file_stage_plans_first(model, fleet):
     nodes = json.loads(p.stdout)["nodes"]
     assert all(n["ok"] for n in nodes.values())
     assert sum(n["files"] for n in nodes.values()) == 2 * len(HASHED)
+
+
+def test_a_lab_node_is_staged_in_place_without_ssh(tmp_path):
+    """A `fleetctl lab` node (via_netns) is a namespace of this host: its cache directory is this
+    host's directory, written without SSH; without cache_dir= there is none to guess (no deploy)."""
+    from fleetd.fleet.node import Node
+    from fleetd.fleet.nodes_file import NodeSpec
+    from fleetd.fleet.stage_store import NoCacheDir, open_store
+
+    spec = NodeSpec(host="10.210.0.11", name="lab-0", via_netns="fl0n0", cache_dir=str(tmp_path))
+    store = open_store(Node(spec))
+    try:
+        assert isinstance(store, LocalStore) and store.where == str(tmp_path)
+    finally:
+        store.close()
+    with pytest.raises(NoCacheDir, match="lab-0: no cache directory known"):
+        open_store(Node(NodeSpec(host="10.210.0.11", name="lab-0", via_netns="fl0n0")))
+
+
+def test_the_stage_lab_model_is_half_a_gigabyte_mostly_sent_by_hash():
+    """fleetd.models "stage" (benchmarks/stage_lab.py), sized from its dims without writing it:
+    >= 0.5 GB in f16, and every matrix but K and V above the client's hash threshold."""
+    from fleetd.models import SIZES
+
+    d = SIZES["stage"]
+    q = d.n_head * d.head_dim
+    kv = d.n_head_kv * d.head_dim
+    matrices = {"q": (q, d.n_embd), "o": (d.n_embd, q), "k": (kv, d.n_embd), "v": (kv, d.n_embd)}
+    matrices |= {"gate": (d.n_ff, d.n_embd), "up": (d.n_ff, d.n_embd), "down": (d.n_embd, d.n_ff)}
+    sizes = {name: rows * cols * 2 for name, (rows, cols) in matrices.items()}  # f16
+    hashed = {name for name, size in sizes.items() if size > HASH_THRESHOLD}
+    assert hashed == {"q", "o", "gate", "up", "down"}
+    assert d.n_layer * sum(sizes.values()) >= 500_000_000
+    assert sum(sizes[n] for n in hashed) / sum(sizes.values()) > 0.9
+    assert d.n_layer % 3 == 0  # an even split over the lab's 3 nodes

@@ -1,5 +1,6 @@
 """A node's cache directory as `fleetctl stage` and `fleetctl status` reach it: a plain directory for
-a node on this host, SFTP (paramiko) for one over SSH. Same verbs either way:
+a node on this host (a local node, or a `fleetctl lab` node: its network namespace shares this
+host's file system), SFTP (paramiko) for one over SSH. Same verbs either way:
 
     store.sizes()                 {file name: size} of what the directory holds now
     store.put(name, view, done)   write `view` as <dir>/<name>, atomically (below)
@@ -203,8 +204,16 @@ class SftpStore:
         self.sftp.close()
 
 
+def on_this_host(node: Node) -> bool:
+    """The node's files are this host's: a local node, or a lab node (fleetctl lab: a network
+    namespace of this host, reached without SSH, sharing its file system)."""
+    return node.is_local or bool(node.spec.via_netns)
+
+
 def deployed_cache_dir(node: Node) -> str | None:
     """The cache_dir of the fleetd.toml that `fleetctl deploy` wrote on the node, if any."""
+    if node.spec.via_netns:  # a lab node: started by fleetctl lab with its own flags, never deployed
+        return None
     root = default_root(node.spec.user)
     path = f"{root}/{DEPLOYED_CONFIG}"
     if node.is_local:
@@ -231,7 +240,7 @@ def open_store(node: Node) -> LocalStore | SftpStore:
     path = node.spec.cache_dir or deployed_cache_dir(node)
     if not path:
         raise NoCacheDir(enable_hint(node))
-    store = LocalStore(path) if node.is_local else SftpStore(node, path)
+    store = LocalStore(path) if on_this_host(node) else SftpStore(node, path)
     if not store.exists():
         store.close()
         raise NoCacheDir(
