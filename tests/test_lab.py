@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -156,3 +158,54 @@ def test_failed_up_leaves_nothing(tmp_path):
     assert namespaces() == before_ns
     assert root_links() == before_links
     assert not (lab.dir / "lab.json").exists()
+
+
+@needs_root
+def test_a_supervised_fleetd_killed_comes_back_and_down_leaves_nothing(tmp_path):
+    """`lab up --restart`: SIGKILL a node's fleetd, as a crash would; its supervisor starts it
+    again after restart_s (a line with the time in the node's log) and the control API answers
+    with the new pid within RESTART_BOUND_S; `lab down` then leaves no supervisor, no fleetd and
+    no namespace, and no supervisor starts one meanwhile."""
+    restart_s = 0.5
+    # restart_s, then fleetd's start (imports, ggml, listen: ~1-3 s on two busy cores)
+    bound_s = restart_s + 10.0
+    lab = Lab(tmp_path / "lab")
+    before_ns = namespaces()
+    nodes = lab.up(2, parse_rate("100mbit"), parse_rate("1gbit"), restart_s=restart_s)
+    try:
+        supervisors = list(lab.state["supervisors"])
+        assert len(supervisors) == 2 and lab.state["pids"] == []
+        old = [lab.fleetd_pid(j) for j in range(2)]
+        assert all(old) and fleetd_pids_in(old) == old
+        with Fleet.load(lab.nodes_file) as fleet:
+            assert fleet[1].status().doc["pid"] == old[1]
+            killed_at = time.monotonic()
+            assert lab.kill_fleetd(nodes[1].name) == old[1]
+            new_pid, answered_s = None, None
+            while time.monotonic() - killed_at < bound_s:
+                try:
+                    new_pid = fleet[1].status().doc["pid"]
+                except Exception:  # down, or not listening yet  # noqa: BLE001
+                    new_pid = None
+                if new_pid not in (None, old[1]):
+                    answered_s = time.monotonic() - killed_at
+                    break
+                time.sleep(0.1)
+            assert answered_s is not None, f"no answer with a new pid within {bound_s}s"
+            assert answered_s >= restart_s
+            assert lab.fleetd_pid(1) == new_pid and lab.fleetd_pid(0) == old[0]
+            assert fleet[0].status().doc["pid"] == old[0]  # the other node untouched
+        log = (lab.dir / f"{nodes[1].name}.log").read_text()
+        assert re.search(rf"\d\d:\d\d:\d\d,\d{{3}} fleetd.supervise: .*pid {old[1]}\) killed by SIGKILL", log)
+        assert f"started python -m fleetd.server again, pid {new_pid}" in log.replace(
+            os.path.basename(sys.executable), "python"
+        )
+    finally:
+        removed = lab.down()
+    assert {f"supervisor pid {p}" for p in supervisors} <= set(removed)
+    assert f"fleetd pid {new_pid}" in removed
+    time.sleep(restart_s + 0.5)  # a supervisor that survived would have started fleetd again
+    assert namespaces() == before_ns
+    assert fleetd_pids_in([*supervisors, *old, new_pid]) == []
+    assert not any(os.path.exists(f"/proc/{p}") for p in supervisors)
+    assert not list(lab.dir.glob("*.pid"))

@@ -324,3 +324,20 @@ def test_one_node_is_sized_as_one_device_not_as_a_pipeline(model_path, tmp_path)
 
 def test_padded():
     assert padded(1, 32) == 32 and padded(64, 32) == 64 and padded(0, 32) == 0
+
+
+def test_a_split_given_by_hand_is_described_and_checked(model):
+    from fleetd.fleet.plan import PlanError, split_plan
+
+    fleet = Fleet((node("a", 1 << 34), node("b", 1 << 34)))
+    plan = split_plan(model, fleet, Workload(ctx=CTX), (1, 0), [3, 4])
+    assert [(s.name, s.first_layer, s.layers, s.output) for s in plan.stages] == [
+        ("b", 0, 3, False),
+        ("a", 3, 4, True),
+    ]
+    assert plan.stages[0].memory.compute < plan.stages[1].memory.compute  # the logits on the last
+    alone = split_plan(model, fleet, Workload(ctx=CTX), (0,), [7])
+    assert alone.stages[0].memory.compute < plan.stages[1].memory.compute  # not pipelined
+    for order, counts in (((0, 1), [3, 3]), ((0, 0), [3, 4]), ((0, 2), [3, 4]), ((0, 1), [0, 7]), ((), [])):
+        with pytest.raises(PlanError):
+            split_plan(model, fleet, Workload(ctx=CTX), order, counts)

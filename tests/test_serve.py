@@ -32,16 +32,7 @@ import pytest
 from helpers import needs_tool
 
 from fleetd.fleet.local import LocalFleet
-from fleetd.fleet.plan import (
-    MEMORY_MARGIN,
-    MEMORY_MARGIN_BYTES,
-    Workload,
-    compute_buffer_bytes,
-    kv_bytes_per_layer,
-    optimise,
-    read_model,
-)
-from fleetd.fleet.plan import Fleet as PlanFleet
+from fleetd.fleet.plan import Workload, read_model, split_plan
 from fleetd.fleet.plan_probe import measure
 from fleetd.fleet.serve import ServeConfig, Service
 from fleetd.fleet.serve_control import read_serving, serving_rates
@@ -74,16 +65,14 @@ def fleet(tmp_path):
 
 
 def one_layer_each(model: Path, local: LocalFleet) -> dict:
-    """A real plan (measured on the nodes) in which each node's free memory holds one layer, so
-    both nodes serve: the plan file a memory-tight fleet would get."""
+    """A real plan (measured on the nodes) with one layer on each node, so both nodes serve. The
+    optimiser alone would put this tiny model on one node whatever the free memory: a node alone
+    needs a smaller compute buffer than each node of a split (plan.stage_memory), so a node that
+    holds one layer of the split holds both alone. The split is fixed here (plan.split_plan)."""
     sizes = read_model(model)
     work = Workload(ctx=CTX)
     facts = measure(local.fleet, sizes)
-    per_layer = sizes.layer_bytes(0) + kv_bytes_per_layer(sizes, work.cells)
-    need = per_layer + compute_buffer_bytes(sizes, work.cells, True) + sizes.output_bytes() + per_layer // 2
-    room = int((need + MEMORY_MARGIN_BYTES) / (1 - MEMORY_MARGIN)) + 1
-    tight = PlanFleet(tuple(dataclasses.replace(f, free=room) for f in facts.nodes), facts.peers, facts.notes)
-    doc = optimise(sizes, tight, work).as_dict()
+    doc = split_plan(sizes, facts, work, (0, 1), [1, 1]).as_dict()
     assert [s["layer_count"] for s in doc["stages"]] == [1, 1], doc["stages"]
     return doc
 

@@ -9,7 +9,6 @@ deadline passes, then the test's assert reports what the screen shows.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import http.client
 import json
 import os
@@ -30,16 +29,7 @@ from fleetd.client import RpcClient
 from fleetd.ctl import main
 from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.node import Fleet
-from fleetd.fleet.plan import (
-    MEMORY_MARGIN,
-    MEMORY_MARGIN_BYTES,
-    Workload,
-    compute_buffer_bytes,
-    kv_bytes_per_layer,
-    optimise,
-    read_model,
-)
-from fleetd.fleet.plan import Fleet as PlanFleet
+from fleetd.fleet.plan import Workload, read_model, split_plan
 from fleetd.fleet.plan_probe import memory_only
 from fleetd.fleet.serve import ServeConfig, Service
 from fleetd.fleet.serve_control import ServeRecord, ServingRates, remove_state, write_state
@@ -733,16 +723,11 @@ def serve_fleet(tmp_path_factory):
 
 
 def one_layer_each(model, local: LocalFleet) -> dict:
-    """A plan in which each node's memory holds one layer (tests/test_serve.py's, from the nodes'
-    free memory only): both nodes serve, so the panel has two to show."""
+    """A plan with one layer on each node (as tests/test_serve.py's, from the nodes' free memory
+    only): both nodes serve, so the panel has two to show."""
     sizes = read_model(model)
     work = Workload(ctx=SERVE_CTX)
-    facts = memory_only(local.fleet)
-    per_layer = sizes.layer_bytes(0) + kv_bytes_per_layer(sizes, work.cells)
-    need = per_layer + compute_buffer_bytes(sizes, work.cells, True) + sizes.output_bytes() + per_layer // 2
-    room = int((need + MEMORY_MARGIN_BYTES) / (1 - MEMORY_MARGIN)) + 1
-    tight = PlanFleet(tuple(dataclasses.replace(f, free=room) for f in facts.nodes), facts.peers, facts.notes)
-    doc = optimise(sizes, tight, work).as_dict()
+    doc = split_plan(sizes, memory_only(local.fleet), work, (0, 1), [1, 1]).as_dict()
     assert [s["layer_count"] for s in doc["stages"]] == [1, 1], doc["stages"]
     return doc
 

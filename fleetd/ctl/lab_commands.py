@@ -5,7 +5,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fleetd.fleet.lab import MAX_NODES, Lab, fmt_rate, parse_rate, parse_rates
+from fleetd.fleet.lab import (
+    MAX_NODES,
+    MAX_RESTART_S,
+    RESTART_BURST,
+    RESTART_INTERVAL_S,
+    Lab,
+    fmt_rate,
+    parse_rate,
+    parse_rates,
+)
 
 LAB_HELP = "an emulated network on this machine: fleetd in network namespaces, tc-rated links"
 DEFAULT_DIR = Path("/tmp/fleetd-lab")
@@ -30,6 +39,17 @@ def configure_lab(p) -> None:
         help="rate of each node's link to the others, both ways (default 2gbit)",
     )
     up.add_argument("--threads", type=int, default=1, help="threads per fleetd (default 1)")
+    up.add_argument(
+        "--restart",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run each fleetd under a supervisor that starts it again SECONDS after it dies, "
+        f"however it ended, at most {RESTART_BURST} starts in {RESTART_INTERVAL_S:g}s (as the "
+        "deploy's systemd unit: Restart=always, RestartSec=2); each restart is a line in the "
+        "node's log, fleetd's pid is in DIR/NODE.pid (default: unsupervised, a fleetd that dies "
+        "stays down)",
+    )
     down = sub.add_parser("down", help="stop the lab's fleetd and remove its namespaces and links")
     for q in (up, down):
         q.add_argument(
@@ -56,14 +76,21 @@ def cmd_lab(args) -> int:
         return _usage_error(f"--nodes {args.nodes}: must be in 1..{MAX_NODES}")
     if not 1 <= args.threads <= 64:
         return _usage_error(f"--threads {args.threads}: must be in 1..64")
+    if args.restart is not None and not 0 <= args.restart <= MAX_RESTART_S:
+        return _usage_error(f"--restart {args.restart:g}: must be in 0..{MAX_RESTART_S:g}")
     try:
         coord = parse_rates(args.coordinator_link, args.nodes)
         peer = parse_rate(args.peer_link)
     except ValueError as exc:
         return _usage_error(str(exc))
-    nodes = lab.up(args.nodes, coord, peer, args.threads)
+    nodes = lab.up(args.nodes, coord, peer, args.threads, restart_s=args.restart)
     links = fmt_rate(coord[0]) if len(set(coord)) == 1 else ",".join(map(fmt_rate, coord))
     print(f"lab up: {len(nodes)} nodes, coordinator links {links}, peer links {fmt_rate(peer)}")
+    if args.restart is not None:
+        print(
+            f"  supervised: a fleetd that dies starts again after {args.restart:g}s "
+            f"(pid in {args.dir}/NODE.pid, restarts in {args.dir}/NODE.log)"
+        )
     for n, bits in zip(nodes, coord, strict=True):
         print(
             f"  {n.name}  rpc {n.address}:50052  netns {n.netns}  "

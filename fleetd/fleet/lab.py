@@ -19,8 +19,19 @@ inside that namespace (fleetd/fleet/netns.py). The RPC endpoints are plain addre
 The coordinator links may differ per node (`--coordinator-link 1gbit,1gbit,100mbit`: a node
 behind a slower link); `Lab.up` also takes extra fleetd flags and the cores per node.
 
+With `restart_s` (`fleetctl lab up --restart S`) each fleetd runs under a supervisor in its
+namespace (`python -m fleetd.supervise`), as the deploy's systemd unit runs it in production
+(fleetd.fleet.agent.unit_text, ansible's fleetd.service.j2: Restart=always, RestartSec=2,
+StartLimitBurst=10 in StartLimitIntervalSec=60): a fleetd that dies, however, is started again
+`restart_s` seconds later, at most RESTART_BURST starts within RESTART_INTERVAL_S (then the
+supervisor gives up, as systemd marks the unit failed). Each exit and restart is a line with the
+time in the node's log; fleetd's current pid is in `<dir>/<node>.pid`. `Lab.fleetd_pid` and
+`Lab.kill_fleetd` are how a test or a benchmark crashes a node.
+
 Everything is recorded in `<dir>/lab.json` before it is made, so `down` (idempotent) removes
-all of it, also after a failed `up`. Needs root, iproute2 and the sch_tbf module.
+all of it, also after a failed `up`: the supervisors first (SIGTERM: they pass it on to fleetd
+and do not restart it), then any fleetd left, then the namespaces. Needs root, iproute2 and the
+sch_tbf module.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ STATE_FILE = "lab.json"
 PEER_NET, COORD_NET = "10.210", "10.211"
 # tbf's queue: long enough that TCP at the full rate does not lose packets to it.
 TBF_LATENCY = "100ms"
+# The supervisor's limits, as the deploy's unit (StartLimitBurst=10, StartLimitIntervalSec=60).
+RESTART_BURST, RESTART_INTERVAL_S = 10, 60.0
+MAX_RESTART_S = 3600.0
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|k|m|g)?$", re.I)
 _UNITS = {"bit": 1, "kbit": 1e3, "k": 1e3, "mbit": 1e6, "m": 1e6, "gbit": 1e9, "g": 1e9}
@@ -179,6 +193,7 @@ class Lab:
         python: str = sys.executable,
         node_args: Sequence[Sequence[str]] | None = None,
         node_cpus: Sequence[Sequence[int] | None] | None = None,
+        restart_s: float | None = None,
     ) -> list[LabNode]:
         """Build the namespaces and rated links and start a fleetd in each; each step is recorded
         first, so a failure part way is undone by `down()` before it re-raises.
@@ -186,9 +201,13 @@ class Lab:
         `coordinator_bits`: one rate for every node's coordinator link, or one per node (a
         node behind a slower link). `node_args`: extra fleetd flags per node (`--max-memory`);
         `node_cpus`: the cores each node's fleetd may run on (None: all), set before it starts,
-        so its fork server and compute workers inherit them."""
+        so its fork server and compute workers inherit them. `restart_s`: run each fleetd under
+        a supervisor that starts it again that many seconds after it dies (None: unsupervised, a
+        fleetd that dies stays down)."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
+        if restart_s is not None and not 0 <= restart_s <= MAX_RESTART_S:
+            raise ValueError(f"restart_s {restart_s}: must be in 0..{MAX_RESTART_S:g}")
         rates = per_node_rates(coordinator_bits, nodes)
         for name, given in (("node_args", node_args), ("node_cpus", node_cpus)):
             if given is not None and len(given) != nodes:
@@ -206,6 +225,8 @@ class Lab:
             "namespaces": [],
             "links": [],
             "pids": [],
+            "supervisors": [],
+            "restart_s": restart_s,
             "nodes": [],
         }
         self._save()
@@ -278,7 +299,7 @@ class Lab:
         self._save()
         for j, n in enumerate(lab_nodes):
             cpus = node_cpus[j] if node_cpus is not None else None
-            self._start_fleetd(j, n, subnet, threads, python, node_args[j], cpus)
+            self._start_fleetd(j, n, subnet, threads, python, node_args[j], cpus, self.state["restart_s"])
         self.nodes_file.write_text(
             f"# fleetctl lab: {count} nodes, coordinator links {','.join(map(fmt_rate, coord_rates))}, "
             f"peer links {fmt_rate(peer_bits)}; control API inside each namespace\n"
@@ -300,12 +321,9 @@ class Lab:
         python: str,
         extra: Sequence[str] = (),
         cpus: Sequence[int] | None = None,
+        restart_s: float | None = None,
     ) -> None:
-        args = [
-            "ip",
-            "netns",
-            "exec",
-            n.netns,
+        fleetd = [
             python,
             "-m",
             "fleetd.server",
@@ -328,10 +346,17 @@ class Lab:
             str((self.dir / f"{n.name}.log").absolute()),
             *extra,
         ]
+        if restart_s is None:
+            supervisor = []
+        else:  # the supervisor in the namespace, fleetd its child (inherits the namespace, cores)
+            supervisor = [python, "-m", "fleetd.supervise", "--restart-sec", f"{restart_s:g}", "--always"]
+            supervisor += ["--burst", str(RESTART_BURST), "--interval", f"{RESTART_INTERVAL_S:g}"]
+            supervisor += ["--pid-file", str(self._pid_file(n.name).absolute()), "--"]
+        args = ["ip", "netns", "exec", n.netns, *supervisor, *fleetd]
         pin = set(cpus) if cpus else None
         with open(self.dir / f"{n.name}.log", "ab") as log:
             # its own session: the lab outlives `fleetctl lab up`; `ip netns exec` execs, so
-            # the pid is fleetd's
+            # the pid is fleetd's (or its supervisor's)
             proc = subprocess.Popen(
                 args,
                 stdout=log,
@@ -342,7 +367,10 @@ class Lab:
                 preexec_fn=(lambda: os.sched_setaffinity(0, pin)) if pin else None,
             )
         self._procs.append(proc)
-        self._record("pids", proc.pid)
+        self._record("pids" if restart_s is None else "supervisors", proc.pid)
+
+    def _pid_file(self, name: str) -> Path:
+        return self.dir / f"{name}.pid"
 
     def _wait_ready(self, lab_nodes: list[LabNode]) -> None:
         fleet = Fleet.load(self.nodes_file)
@@ -356,23 +384,63 @@ class Lab:
             log = self.dir / f"{n.name}.log"
             wait_answering(proc, checks, deadline, f"lab: {n.name}: fleetd on {endpoint}", log)
 
+    # -- a node's fleetd (tests, benchmarks) ---------------------------------------------------
+
+    def _node_index(self, node: int | str) -> int:
+        self.state = self.state or self._load()
+        names = [n["name"] for n in self.state.get("nodes", [])]
+        if isinstance(node, str):
+            if node not in names:
+                raise FleetError(f"lab: no node {node!r} (nodes: {', '.join(names) or 'none'})")
+            return names.index(node)
+        if not 0 <= node < len(names):
+            raise FleetError(f"lab: no node {node} ({len(names)} nodes)")
+        return node
+
+    def fleetd_pid(self, node: int | str) -> int | None:
+        """The pid of node `node`'s fleetd now (by index or name), None when none runs (killed
+        and not restarted yet, or its supervisor gave up)."""
+        j = self._node_index(node)
+        if self.state.get("supervisors"):
+            try:
+                pid = int(self._pid_file(self.state["nodes"][j]["name"]).read_text())
+            except (OSError, ValueError):
+                return None
+        else:
+            pids = self.state.get("pids", [])
+            pid = pids[j] if j < len(pids) else 0
+        return pid if pid and _alive(pid) and _is_lab_fleetd(pid) else None
+
+    def kill_fleetd(self, node: int | str, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` (SIGKILL: a crash, the OOM killer) to node `node`'s fleetd; its pid. A
+        supervised lab starts it again after restart_s; FleetError when none runs."""
+        pid = self.fleetd_pid(node)
+        if pid is None:
+            raise FleetError(f"lab: node {node}: no fleetd runs")
+        os.kill(pid, sig)
+        return pid
+
     # -- down --------------------------------------------------------------------------------
 
     def down(self) -> list[str]:
-        """Remove everything the state file lists (what is already gone is skipped); what was removed."""
+        """Remove everything the state file lists (what is already gone is skipped): the
+        supervisors (so none starts fleetd again), the fleetd, the namespaces and links; what was
+        removed."""
         self.state = self.state or self._load()
         if self.state and os.geteuid() != 0:
             raise FleetError("lab: removing network namespaces needs root")
         removed = []
-        pids = [p for p in self.state.get("pids", []) if _is_lab_fleetd(p)]
-        for pid in pids:
-            _signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for pid in pids:
-            _signal(pid, signal.SIGKILL)
-            removed.append(f"fleetd pid {pid}")
+        # the fleetd the supervisors run now, read before they end (they remove the pid files)
+        current = [
+            pid
+            for n in self.state.get("nodes", [])
+            if (pid := _read_pid(self._pid_file(n["name"]))) is not None
+        ]
+        fleetd = [p for p in dict.fromkeys([*self.state.get("pids", []), *current]) if _is_lab_fleetd(p)]
+        supervisors = [p for p in self.state.get("supervisors", []) if _cmdline_has(p, b"fleetd.supervise")]
+        removed += _stop(supervisors, "supervisor")  # SIGTERM: each passes it on to its fleetd
+        _stop([p for p in fleetd if _is_lab_fleetd(p)], "fleetd")  # any a supervisor did not end
+        removed += [f"fleetd pid {pid}" for pid in fleetd]
         for proc in self._procs:
             _reap(proc)
         self._procs = []
@@ -391,7 +459,8 @@ class Lab:
                 and _sh("ip", "link", "del", link, check=False).returncode == 0
             ):
                 removed.append(f"link {link}")
-        for path in (self.state_path, self.nodes_file):
+        pid_files = [self._pid_file(n["name"]) for n in self.state.get("nodes", [])]
+        for path in (self.state_path, self.nodes_file, *pid_files):
             path.unlink(missing_ok=True)
         self.state = {}
         return removed
@@ -420,12 +489,36 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _is_lab_fleetd(pid: int) -> bool:
-    """The pid is still the fleetd we started (not a reused pid)."""
+def _cmdline_has(pid: int, word: bytes) -> bool:
     try:
-        return b"fleetd.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return word in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def _is_lab_fleetd(pid: int) -> bool:
+    """The pid is still a fleetd we started (not a reused pid, not its supervisor)."""
+    return _cmdline_has(pid, b"fleetd.server") and not _cmdline_has(pid, b"fleetd.supervise")
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _stop(pids: list[int], what: str) -> list[str]:
+    """SIGTERM each, SIGKILL what is left after STOP_TIMEOUT_S; one entry per pid signalled."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in pids:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    return [f"{what} pid {pid}" for pid in pids]
 
 
 def _signal(pid: int, sig: int) -> None:

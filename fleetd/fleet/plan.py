@@ -691,6 +691,21 @@ def _plan(model, fleet: Fleet, work: Workload, order, counts) -> Plan:
     return Plan(model, work, tuple(stages), speeds, unused, tuple(notes), fleet)
 
 
+def split_plan(
+    model: ModelSizes, fleet: Fleet, work: Workload, order: Sequence[int], counts: Sequence[int]
+) -> Plan:
+    """The plan of a split given by hand (`order`: node indices, `counts`: layers each, in
+    order), with its memory and predicted speed, as optimise would describe it; not checked
+    against the nodes' memory (the stages' `memory` says whether it fits)."""
+    if len(order) != len(counts) or len(set(order)) != len(order) or not order:
+        raise PlanError(f"split: {len(order)} distinct nodes wanted for {len(counts)} counts")
+    if any(c < 1 for c in counts) or sum(counts) != model.n_layer:
+        raise PlanError(f"split: counts {list(counts)} must each be >= 1 and add up to {model.n_layer}")
+    if not all(0 <= i < len(fleet.nodes) for i in order):
+        raise PlanError(f"split: node index out of 0..{len(fleet.nodes) - 1}")
+    return _plan(model, fleet, work, list(order), list(counts))
+
+
 def even_counts(n_layer: int, nodes: int) -> list[int]:
     """llama.cpp's split for equal shares."""
     return layers_from_split([1.0] * nodes, n_layer)
