@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,7 @@ def main() -> int:
     ap.add_argument("--batch-gen", type=int, default=32)
     ap.add_argument("--text-gen", type=int, default=32, help="greedy tokens for the md5 (default 32)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--fleetd-args", default="", help="more fleetd flags (--fleetd-args='--max-memory 1G')")
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
     a = ap.parse_args()
@@ -175,7 +177,7 @@ def main() -> int:
     lab = Lab(work / "lab")
     stock: list[subprocess.Popen] = []
     try:
-        lab_nodes = lab.up(a.nodes, coord, peer)
+        lab_nodes = lab.up(a.nodes, coord, peer, node_args=[shlex.split(a.fleetd_args)] * a.nodes)
         stock = start_stock(lab_nodes, 1, work)
         rpc = {
             "stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes),

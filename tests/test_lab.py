@@ -99,6 +99,9 @@ def test_per_node_coordinator_links_flags_and_cores(tmp_path):
                 free.append(c.get_device_memory(0)[0])
         assert free[1] <= 64 << 20 < free[0], free
         assert os.sched_getaffinity(lab.state["pids"][1]) == {0}
+        # the nodes share this machine's cores: no daemon pins its workers as if it were alone
+        for pid in lab.state["pids"]:
+            assert b"--no-pin-workers" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     finally:
         lab.down()
     assert namespaces() == before_ns
