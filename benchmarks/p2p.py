@@ -101,9 +101,7 @@ def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[f
             t0 = time.perf_counter()
             how = p._move(0)
             if how == "gate":
-                p.settle_gates(first=False)
-                how = "direct" if p._gate_tally == [1, 0] else "fallback"
-                p._gate_tally = [0, 0]
+                how = "direct" if p.settle_gates(first=False) == (1, 0) else "fallback"
             p.stages[1].client.sync()
             seconds[arm].append(time.perf_counter() - t0)
             if how != ("direct" if arm == "async" else arm):

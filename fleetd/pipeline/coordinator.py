@@ -118,6 +118,7 @@ class Pipeline:
         first = index == 0
         before = self.counters.snapshot()
         direct = fallbacks = 0
+        self._gate_tally = [0, 0]
         hidden = self.work.hidden_input(index)
         self.stages[0].set_tensor(self.graphs[0].hidden_in.rpc(), hidden)
         for i, stage in enumerate(self.stages):
@@ -129,7 +130,6 @@ class Pipeline:
             fallbacks += moved == "fallback"
         self.settle_gates(first)
         direct, fallbacks = direct + self._gate_tally[0], fallbacks + self._gate_tally[1]
-        self._gate_tally = [0, 0]
         output = self.stages[-1].get_tensor(self.graphs[-1].hidden_out.rpc())
         result = StepResult(index, output, self.counters.minus(before), direct, fallbacks)
         self.steps.append(result)
@@ -173,20 +173,19 @@ class Pipeline:
         self.stages[i + 1].set_tensor(dst, self.stages[i].get_tensor(self.graphs[i].hidden_out.rpc()))
         return how
 
-    def settle_gates(self, first: bool) -> None:
-        """Read every open gate's answer, in order, and count them (landed, failed) into the
-        step's tally. A stage whose gate said 0
-        skipped everything sent after it (its graph, its own copy onwards, so the next gates
-        fail too): from the first such boundary the step is redone on the hub path, with the
-        source's kept bytes, the graphs sent again (whole on the first step: a skipped
-        GRAPH_COMPUTE stored nothing)."""
+    def settle_gates(self, first: bool) -> tuple[int, int]:
+        """Read every open gate's answer, in order: (landed, failed), also counted into the
+        step's tally. A stage whose gate said 0 skipped everything sent after it (its graph,
+        its own copy onwards, so the next gates fail too): from the first such boundary the
+        step is redone on the hub path, with the source's kept bytes, the graphs sent again
+        (whole on the first step: a skipped GRAPH_COMPUTE stored nothing)."""
         gates, self._gates = self._gates, []
         answers = [self.stages[i + 1].client.gate_result() for i, _, _ in gates]
         bad = answers.index(False) if not all(answers) else len(gates)
         self._gate_tally[0] += bad
         self._gate_tally[1] += len(gates) - bad
         if bad == len(gates):
-            return
+            return bad, 0
         for (i, _, _), landed in zip(gates, answers):
             if not landed:
                 self.stages[i + 1].client.peer_resume()
@@ -198,6 +197,7 @@ class Pipeline:
             self.stages[k].compute(self.graphs[k].graph, first)
             if k < last:
                 self._move_hub(k)
+        return bad, len(gates) - bad
 
     def run(self, steps: int) -> list[StepResult]:
         return [self.step() for _ in range(steps)]
