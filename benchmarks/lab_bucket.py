@@ -1,15 +1,16 @@
 """Does the lab charge decode for its coordinator links? Hub vs asynchronous direct decode with
-the links' token bucket as `fleetctl lab` sets it, and with a bucket of two Ethernet frames,
-switched live in one lab so the arms are paired.
+the links' token bucket as `fleetctl lab` set it before 2026-12-06 (4 ms at the rate, at least
+64 KiB) and with two Ethernet frames (what it sets now), switched live in one lab so the arms
+are paired.
 
     sudo .venv/bin/python benchmarks/lab_bucket.py [--rounds 4] [--n-gen 128] [--link 200mbit]
 
-The lab's tbf bucket is at least 64 KiB (4 ms at the rate, fleetd.fleet.lab._tbf), so a decode
-step's few KiB pass at memory speed: an 8 KiB GET over a "200 Mbit/s" link comes back as if the
-link were not there, where a real line serialises it (0.33 ms). With two frames in the bucket
-they pay the rate. Per round, four cells in ABBA order: (bucket as shipped, two frames) x (hub,
-async), each `llama-bench -p 0 -n N -r 2` over 3 nodes (the 12-layer wide model). Prints the
-t/s per cell and async/hub per round; writes benchmarks/results/lab_bucket.json. About 2.5 min.
+The old bucket passed a decode step's few KiB at memory speed: an 8 KiB GET over a "200
+Mbit/s" link came back as if the link were not there, where a real line serialises it (0.33 ms).
+With two frames in the bucket they pay the rate. Per round, four cells in ABBA order: (old
+bucket, two frames) x (hub, async), each `llama-bench -p 0 -n N -r 2` over 3 nodes (the 12-layer
+wide model). Prints the t/s per cell and async/hub per round; writes
+benchmarks/results/lab_bucket.json. About 2.5 min.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from fleetd.models import generate_named  # noqa: E402
 from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
 
 FRAME = 1514
-BUCKETS = ("as shipped", "two frames")
+BUCKETS = ("4 ms (old)", "two frames")
 ARMS = ("hub", "async")
 
 
-def shipped_burst(bits: int) -> int:
-    return max(64 * 1024, int(bits / 8 * 0.004))  # fleetd.fleet.lab._tbf
+def old_burst(bits: int) -> int:
+    return max(64 * 1024, int(bits / 8 * 0.004))  # fleetd.fleet.lab._tbf before 2026-12-06
 
 
 def set_bucket(lab_nodes, bits: int, burst: int) -> None:
@@ -75,7 +76,7 @@ def main() -> int:
         for r in range(a.rounds):
             for bucket, arm in cells if r % 2 == 0 else cells[::-1]:
                 print(f"round {r + 1}/{a.rounds}: {bucket}, {arm}", file=sys.stderr, flush=True)
-                set_bucket(nodes, bits, shipped_burst(bits) if bucket == BUCKETS[0] else 2 * FRAME)
+                set_bucket(nodes, bits, old_burst(bits) if bucket == BUCKETS[0] else 2 * FRAME)
                 out = run("llama-bench", args, arm)
                 tps[(bucket, arm)].append(parse_bench_json(out.stdout, ("tg_tps",))["tg_tps"])
     finally:

@@ -93,6 +93,9 @@ def test_per_node_coordinator_links_flags_and_cores(tmp_path):
             node_q = sh("ip", "netns", "exec", n.netns, "tc", "qdisc", "show", "dev", "coord0")
             assert re.search(rf"tbf .* rate {rate}", root_q), root_q
             assert re.search(rf"tbf .* rate {rate}", node_q), node_q
+            # a bucket of a few frames: a small message pays the rate, as on a physical line
+            burst = int(re.search(r"burst (\d+)b", root_q).group(1))
+            assert 2 * 1500 <= burst <= max(2 * 1514, parse_rate(rate) // 8 // 10_000) + 64, root_q
         free = []
         for n in nodes:  # GET_DEVICE_MEMORY: what --max-memory leaves
             with RpcClient(f"{n.address}:{DEFAULT_RPC_PORT}").open() as c:

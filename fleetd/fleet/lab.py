@@ -64,6 +64,15 @@ STATE_FILE = "lab.json"
 PEER_NET, COORD_NET = "10.210", "10.211"
 # tbf's queue: long enough that TCP at the full rate does not lose packets to it.
 TBF_LATENCY = "100ms"
+# The token bucket: two full-size Ethernet frames, or 100 us at the rate where that is more.
+# A physical line of the rate serialises a frame at a time, so an 8 KiB hidden state takes its
+# 0.33 ms on a 200 Mbit/s link (tbf cuts GSO packets into frames that fit). The bucket of
+# 4 ms at the rate (at least 64 KiB) used before let a decode step's few KiB through at memory
+# speed: an 8 KiB GET came back in ~0.1 ms, so decode never paid the link it crossed
+# (benchmarks/lab_bucket.py). Bulk transfers keep the rate: 191 of 200 Mbit/s, 921 of 1000.
+FRAME_BYTES = 1514
+LINK_BURST_FRAMES = 2
+LINK_BURST_S = 100e-6
 # The supervisor's limits, as the deploy's unit (StartLimitBurst=10, StartLimitIntervalSec=60).
 RESTART_BURST, RESTART_INTERVAL_S = 10, 60.0
 MAX_RESTART_S = 3600.0
@@ -129,8 +138,7 @@ def _sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.Comp
 
 
 def _tbf(dev: str, bits: int, ns: str | None) -> None:
-    # burst: 4 ms at the rate, at least 64 KiB (a GSO packet); a smaller bucket caps TCP below it.
-    burst = max(64 * 1024, int(bits / 8 * 0.004))
+    burst = max(LINK_BURST_FRAMES * FRAME_BYTES, int(bits / 8 * LINK_BURST_S))
     _sh(
         "tc",
         "qdisc",
