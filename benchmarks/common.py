@@ -27,6 +27,20 @@ CLIENT_CPUS = set(CPUS[:1]) if len(CPUS) > 1 else set(CPUS)
 SERVER_CPUS = set(CPUS[1:]) if len(CPUS) > 1 else set(CPUS)
 
 
+def stop_processes(procs, timeout: float = 10.0) -> None:
+    """SIGTERM every process still running, then wait for each, SIGKILL one that outlives
+    `timeout`."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout)
+
+
 def _pin(cpus: set[int]):
     return lambda: os.sched_setaffinity(0, cpus)
 
@@ -67,12 +81,7 @@ def stock_process(
         wait_listening(port)
         yield f"127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
 
 
 def show(title: str, columns: list[str], rows: list[list]) -> None:

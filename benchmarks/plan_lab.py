@@ -48,7 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show  # noqa: E402
+from common import save, show, stop_processes  # noqa: E402
 
 from fleetd.errors import FleetdError, FleetError  # noqa: E402
 from fleetd.fleet.chart import write_bar_chart  # noqa: E402
@@ -211,13 +211,7 @@ def memory_after_load(
             time.sleep(POLL_S)
         raise FleetError(f"the nodes' memory did not settle while llama-completion ran ({polls} polls)")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes([proc])
         reader.join(10)
 
 

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show  # noqa: E402
+from common import save, show, stop_processes  # noqa: E402
 from plan_lab import room_for  # noqa: E402
 
 from fleetd.ctl.plan_command import DEFAULT_CTX  # noqa: E402
@@ -213,21 +213,9 @@ def start_stock(lab_nodes: list[LabNode], cache_root: Path, log_dir: Path) -> li
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise FleetError(f"stock ggml-rpc-server on {n.address} did not start") from None
     except BaseException:
-        stop_all(procs)
+        stop_processes(procs)
         raise
     return procs
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 # -- one load ------------------------------------------------------------------------------------
@@ -331,13 +319,7 @@ def serve_load(ctx: dict, label: str) -> dict:
             raise FleetError(f"fleetctl serve --stop: exit {stop.returncode}: {stop.stderr.strip()}")
         proc.wait(STOP_TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_processes([proc])
         reader.join(10)
     return {
         "load_s": load_s,
@@ -420,7 +402,7 @@ def run_arm(arm: str, rnd: int, ctx: dict) -> dict:
                 load["cache_after"] = [held(cache_root / n.name) for n in ctx["lab_nodes"]]
                 out["loads"].append(load)
         finally:
-            stop_all(procs)
+            stop_processes(procs)
     return out
 
 
