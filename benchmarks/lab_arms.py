@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show  # noqa: E402
+from common import save, show, stop_processes  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.chart import write_bar_chart  # noqa: E402
@@ -53,40 +54,38 @@ METRICS = {"pp_tps": "prompt tok/s", "tg_tps": "decode tok/s", "batched_tps": "b
 TOOL_TIMEOUT_S = 600
 
 
-def start_stock(lab_nodes, threads: int, log_dir: Path) -> list[subprocess.Popen]:
+def start_stock(
+    lab_nodes, threads: int, log_dir: Path, extra: Sequence[str] = (), env_for: Callable | None = None
+) -> list[subprocess.Popen]:
+    """A stock ggml-rpc-server (`extra` flags, `env_for(node)` its environment) in each node's
+    namespace on STOCK_PORT, each answering before this returns; all stopped if one does not."""
     procs = []
     exe = str(find_tool("ggml-rpc-server"))
-    for n in lab_nodes:
-        with open(log_dir / f"stock-{n.name}.log", "ab") as log:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        "ip",
-                        "netns",
-                        "exec",
-                        n.netns,
-                        exe,
-                        "-H",
-                        n.address,
-                        "-p",
-                        str(STOCK_PORT),
-                        "-t",
-                        str(threads),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
+    try:
+        for n in lab_nodes:
+            with open(log_dir / f"stock-{n.name}.log", "ab") as log:
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", n.netns, exe, "-H", n.address, "-p", str(STOCK_PORT)]
+                        + ["-t", str(threads), *extra],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env_for(n) if env_for else None,
+                    )
                 )
-            )
-    for n, proc in zip(lab_nodes, procs, strict=True):
-        deadline = time.monotonic() + 30
-        while True:  # the root namespace reaches the node's address over its coordinator link
-            try:
-                wait_listening(STOCK_PORT, timeout=1.0, host=n.address)
-                break
-            except TimeoutError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise FleetError(f"stock ggml-rpc-server on {n.address} did not start") from None
+        for n, proc in zip(lab_nodes, procs, strict=True):
+            deadline = time.monotonic() + 30
+            while True:  # the root namespace reaches the node's address over its coordinator link
+                try:
+                    wait_listening(STOCK_PORT, timeout=1.0, host=n.address)
+                    break
+                except TimeoutError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise FleetError(f"stock ggml-rpc-server on {n.address} did not start") from None
+    except BaseException:
+        stop_processes(procs)
+        raise
     return procs
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, stop_processes  # noqa: E402
+from lab_arms import STOCK_PORT, start_stock  # noqa: E402
 from plan_lab import room_for  # noqa: E402
 
 from fleetd.ctl.plan_command import DEFAULT_CTX  # noqa: E402
@@ -71,15 +72,13 @@ from fleetd.fleet.model_ab import PROMPT  # noqa: E402
 from fleetd.fleet.node import Fleet  # noqa: E402
 from fleetd.fleet.plan import Workload, read_model  # noqa: E402
 from fleetd.fleet.serve import ServeConfig, llama_server_args  # noqa: E402
-from fleetd.fleet.server_load import LlamaServer, completion_body  # noqa: E402
+from fleetd.fleet.server_load import LlamaServer, completion_body, health_status  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
-from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
-from fleetd.tools import find_p2p_tool, find_tool  # noqa: E402
-from fleetd.transport import free_port, wait_listening  # noqa: E402
+from fleetd.tools import find_p2p_tool  # noqa: E402
+from fleetd.transport import free_port  # noqa: E402
 
 ARMS = ("unstaged", "staged", "stock")
 LABELS = {"unstaged": "fleetd unstaged", "staged": "fleetd staged + serve", "stock": "stock -c"}
-STOCK_PORT = DEFAULT_RPC_PORT + 1
 FLEETCTL = str(Path(sys.executable).parent / "fleetctl")
 CMD_TIMEOUT_S = 600  # fleetctl plan / stage
 HTTP_TIMEOUT_S = 300  # one completion
@@ -184,38 +183,12 @@ def held(directory: Path) -> tuple[int, int]:
 # -- stock servers -------------------------------------------------------------------------------
 
 
-def start_stock(lab_nodes: list[LabNode], cache_root: Path, log_dir: Path) -> list[subprocess.Popen]:
+def start_stock_cached(lab_nodes: list[LabNode], cache_root: Path, log_dir: Path) -> list[subprocess.Popen]:
     """A stock `ggml-rpc-server -c` in each node's namespace; its cache `<cache_root>/<node>/rpc`
     ($LLAMA_CACHE/rpc: tools/rpc/rpc-server.cpp's fs_get_cache_directory)."""
-    exe = str(find_tool("ggml-rpc-server"))
-    procs = []
-    try:
-        for n in lab_nodes:
-            env = dict(os.environ, LLAMA_CACHE=str(cache_root / n.name))
-            with open(log_dir / f"stock-{n.name}.log", "ab") as log:
-                procs.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", n.netns, exe, "-H", n.address, "-p", str(STOCK_PORT)]
-                        + ["-t", "1", "-c"],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=env,
-                    )
-                )
-        for n, proc in zip(lab_nodes, procs, strict=True):
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    wait_listening(STOCK_PORT, timeout=1.0, host=n.address)
-                    break
-                except TimeoutError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise FleetError(f"stock ggml-rpc-server on {n.address} did not start") from None
-    except BaseException:
-        stop_processes(procs)
-        raise
-    return procs
+    return start_stock(
+        lab_nodes, 1, log_dir, ["-c"], lambda n: dict(os.environ, LLAMA_CACHE=str(cache_root / n.name))
+    )
 
 
 # -- one load ------------------------------------------------------------------------------------
@@ -236,17 +209,6 @@ def complete(port: int, n_predict: int) -> str:
         if resp.status != 200:
             raise FleetError(f"/completion: HTTP {resp.status}: {body[:200]!r}")
         return json.loads(body)["content"]
-    finally:
-        conn.close()
-
-
-def health(port: int) -> int | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status
-    except (OSError, http.client.HTTPException):
-        return None
     finally:
         conn.close()
 
@@ -297,7 +259,7 @@ def serve_load(ctx: dict, label: str) -> dict:
     reader.start()
     try:
         deadline = t0 + a.start_timeout
-        while health(port) != 200:
+        while health_status(port) != 200:
             if proc.poll() is not None:
                 raise FleetError(f"fleetctl serve exited {proc.returncode}: {' | '.join(lines[-3:])}")
             if time.monotonic() > deadline:
@@ -394,7 +356,7 @@ def run_arm(arm: str, rnd: int, ctx: dict) -> dict:
     else:
         cache_root = ctx["work"] / "stock-cache" / f"r{rnd}"
         cache_root.mkdir(parents=True)
-        procs = start_stock(ctx["lab_nodes"], cache_root, ctx["work"])
+        procs = start_stock_cached(ctx["lab_nodes"], cache_root, ctx["work"])
         try:
             for i in (1, 2):
                 say(f"round {rnd}: {arm} load {i}")

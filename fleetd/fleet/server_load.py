@@ -56,7 +56,7 @@ def _last_line(log) -> str:
     return _LOG_PREFIX.sub("", lines[-1]).strip() if lines else "no output"
 
 
-def _health(port: int) -> int | None:
+def health_status(port: int) -> int | None:
     """/health's HTTP status (200 ready, 503 loading), None while nothing answers."""
     conn = http.client.HTTPConnection(HOST, port, timeout=HEALTH_REQUEST_TIMEOUT_S)
     try:
@@ -116,7 +116,7 @@ class LlamaServer:
 
     def _wait_ready(self, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + self.start_timeout
-        while _health(self.port) != 200:
+        while health_status(self.port) != 200:
             code = proc.poll()
             if code is not None:
                 raise FleetError(
