@@ -9,10 +9,10 @@ links --peer-link 2gbit), each fleetd supervised with --restart 1 s (`Lab.up(res
 deploy's unit has Restart=always, RestartSec=2, StartLimitBurst=10 in 60 s; 1 s here keeps the
 rounds short, and the bound below is counted from the node's return, not from the kill). The
 model is generated (`fleetd.models`, --model llama-q8_0-wide12: 12 layers, 62 MB). The plan is
-`fleetctl plan`'s (measured on the lab's nodes, `plan_probe.measure`, then `plan.optimise`) with
-each node's free memory set to the least that holds the model, so no node or pair of nodes holds
-it and every node serves 4 layers (a node that holds nothing would be no fault). Then the real
-command, a subprocess:
+llama.cpp's even split in the nodes file's order, measured on the lab's nodes as `fleetctl plan`
+measures (`plan_probe.measure`, `plan.split_plan`), so every node serves 4 layers (the
+optimiser would put a model this small on one node, and a node that holds nothing would be no
+fault). Then the real command, a subprocess:
 
     fleetctl serve MODEL lab/nodes.txt --plan plan.json --port P --threads 1
 
@@ -64,7 +64,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,15 +74,7 @@ from fleetd.client import RpcClient  # noqa: E402
 from fleetd.errors import FleetdError, FleetError  # noqa: E402
 from fleetd.fleet.lab import Lab, fmt_rate, parse_rate  # noqa: E402
 from fleetd.fleet.node import Fleet as NodeFleet  # noqa: E402
-from fleetd.fleet.plan import (  # noqa: E402
-    MEMORY_MARGIN_BYTES,
-    DoesNotFit,
-    Workload,
-    kv_bytes_per_layer,
-    optimise,
-    read_model,
-)
-from fleetd.fleet.plan import Fleet as PlanFleet  # noqa: E402
+from fleetd.fleet.plan import Workload, even_counts, read_model, split_plan  # noqa: E402
 from fleetd.fleet.plan_probe import measure  # noqa: E402
 from fleetd.fleet.serve import BACKOFF_MAX_S  # noqa: E402
 from fleetd.fleet.server_load import completion_body  # noqa: E402
@@ -198,29 +190,16 @@ class ClosedLoop:
 # -- the lab and the plan -------------------------------------------------------------------------
 
 
-def one_layer_each(model: Path, nodes_file: Path, nodes: int) -> dict:
-    """`fleetctl plan` on the lab's nodes (measured), with each node's free memory set to the
-    least that still holds the model (raised 2% at a time from one layer's worth): no node holds
-    two nodes' share, so every node gets a layer."""
+def even_plan(model: Path, nodes_file: Path, nodes: int) -> dict:
+    """The plan of llama.cpp's even split over the lab's nodes in their file order, measured on
+    them as `fleetctl plan` measures (plan.split_plan): every node serves, so each is a fault."""
     sizes = read_model(model)
     work = Workload(ctx=CTX)
     with NodeFleet.load(nodes_file) as fleet:
         facts = measure(fleet, sizes, prompt_tokens=work.prompt_tokens)
-    per_layer = sizes.layer_bytes(0) + kv_bytes_per_layer(sizes, work.cells)
-    room = per_layer + MEMORY_MARGIN_BYTES
-    for _ in range(400):
-        tight = PlanFleet(tuple(replace(f, free=int(room)) for f in facts.nodes), facts.peers, facts.notes)
-        try:
-            doc = optimise(sizes, tight, work).as_dict()
-            break
-        except DoesNotFit:
-            room *= 1.02
-    else:
-        raise FleetError("no plan found for the model over the lab's nodes")
-    counts = [s["layer_count"] for s in doc["stages"]]
-    if len(counts) != nodes or min(counts) < 1:
-        raise FleetError(f"the plan does not give every node a layer: {doc['stages']}")
-    return doc
+    if sizes.n_layer < nodes:
+        raise FleetError(f"{model.name}: {sizes.n_layer} layers for {nodes} nodes")
+    return split_plan(sizes, facts, work, range(nodes), even_counts(sizes.n_layer, nodes)).as_dict()
 
 
 def node_pid(fleet: NodeFleet, name: str) -> int | None:
@@ -496,7 +475,7 @@ def main() -> int:
             file=sys.stderr,
             flush=True,
         )
-        doc = one_layer_each(model, lab.nodes_file, nodes)
+        doc = even_plan(model, lab.nodes_file, nodes)
         plan_file = work_dir / "plan.json"
         plan_file.write_text(json.dumps(doc))
         stages = [(s["name"], s["endpoint"], s["layer_count"]) for s in doc["stages"]]
