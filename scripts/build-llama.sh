@@ -45,10 +45,14 @@ have_ggml() {
 }
 
 # fleetd's own helpers (FNV-1a for the cache directory, the session's fast path for whole
-# SET_TENSOR/GET_TENSOR requests): the C files next to fleetd/compute/native/__init__.py, rebuilt
+# SET_TENSOR/GET_TENSOR requests and GRAPH_RECOMPUTE, the compute worker's loop): the C files next to fleetd/compute/native/__init__.py, rebuilt
 # when missing or older than any source, without touching ggml. Plain -O2, no -march: they ship
 # with the portable libs.
-NATIVE_SRCS=("$HERE/../fleetd/compute/native/fnv1a.c" "$HERE/../fleetd/compute/native/fastpath.c")
+NATIVE_SRCS=(
+    "$HERE/../fleetd/compute/native/fnv1a.c"
+    "$HERE/../fleetd/compute/native/fastpath.c"
+    "$HERE/../fleetd/compute/native/worker_loop.c"
+)
 NATIVE_LIB="$GGML_LIB/libfleetd-native.so"
 have_native() {
     [ -f "$NATIVE_LIB" ] || return 1

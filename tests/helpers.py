@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,18 @@ def skip_unless_built(*names: str) -> None:
     reason = missing_tools(*names)
     if reason is not None:
         pytest.skip(reason)
+
+
+def wait_until(predicate, timeout: float = 5.0, every: float = 0.005) -> bool:
+    """Whether predicate() turns true within `timeout` seconds (polled; bounded). For what a
+    server thread does just after its reply left, e.g. a session folding the counts of the
+    requests its C loop served into its counters."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every)
+    return True
 
 
 def endpoint(srv) -> str:

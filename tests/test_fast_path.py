@@ -17,7 +17,7 @@ import struct
 
 import numpy as np
 import pytest
-from helpers import connection_closed
+from helpers import connection_closed, wait_until
 
 from fleetd.client import RpcClient
 from fleetd.compute import native
@@ -259,7 +259,8 @@ def test_a_real_session_serves_small_commands_in_c_and_counts_them(daemon):
             c.set_tensor(t, x)
             assert np.array_equal(np.frombuffer(c.get_tensor(t), np.float32), x)
         s = _session(srv, c)
-        assert s.fast.requests_served >= 100  # every SET and GET above took the C path
+        # every SET and GET above took the C path (counted once the session folds them in)
+        assert wait_until(lambda: s.fast.requests_served >= 100)
         assert s.counters.count[Cmd.SET_TENSOR] == 50 and s.counters.count[Cmd.GET_TENSOR] == 50
         assert s.counters.response_bytes[Cmd.GET_TENSOR] == 50 * (8 + 1024)
 
@@ -287,7 +288,24 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
 
 
 def test_fast_path_binding_layout_matches_the_c_struct():
-    # fastpath.c's struct fleetd_fast: int, int, 3 pointers, u32, int, then 5 x u64
-    assert ctypes.sizeof(native.FastRegion) == 40
-    assert native.FastContext.served.offset % 8 == 0
-    assert ctypes.sizeof(native.FastContext) == native.FastContext.served.offset + 40
+    # the ctypes mirrors against what the compiler laid out (fastpath.c's fleetd_fast_layout)
+    layout = native.load().fleetd_fast_layout
+    layout.argtypes, layout.restype = [ctypes.c_int], ctypes.c_size_t
+    assert layout(0) == ctypes.sizeof(native.FastContext)
+    assert layout(1) == ctypes.sizeof(native.FastServed)
+    assert layout(2) == ctypes.sizeof(native.FastRecompute)
+    assert layout(3) == ctypes.sizeof(native.FastRegion)
+    assert layout(4) == native.FastContext.served.offset
+    assert layout(5) == native.FastContext.have.offset
+    assert layout(6) == native.FastContext.rc.offset
+    assert layout(7) == native.FastRecompute.timeout_ns.offset
+
+
+def test_worker_loop_binding_layout_matches_the_c_struct():
+    layout = native.load().fleetd_worker_layout
+    layout.argtypes, layout.restype = [ctypes.c_int], ctypes.c_size_t
+    assert layout(0) == ctypes.sizeof(native.WorkerState)
+    assert layout(1) == ctypes.sizeof(native.WorkerCopy)
+    assert layout(2) == ctypes.sizeof(native.WorkerIndexCheck)
+    assert layout(3) == native.WorkerState.runs.offset
+    assert layout(4) == native.WorkerIndexCheck.elem.offset

@@ -158,7 +158,7 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
             if proc_status(pid)["State"].startswith("Z"):
                 time.sleep(0.01)
                 continue
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # ESRCH: reaped while being read
             return True
         time.sleep(0.01)
     return False

@@ -11,6 +11,7 @@ destination's handle); guessing another session's is hopeless.
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import threading
 import types
@@ -90,6 +91,8 @@ class BufferRegistry:
         self._by_owner: dict[int, int] = {}  # bytes allocated per owner
         self._free_hooks: list[Callable[[Buffer], None]] = []
         self.frees = 0  # bumped on every free: a stored graph built before it rechecks
+        # the same count where C reads it (a session's fast loop, fleetd.server.fast_path)
+        self.frees_cell = ctypes.c_uint64(0)
 
     def alloc(
         self,
@@ -164,6 +167,7 @@ class BufferRegistry:
                 self._spans = [s for s in self._spans if s[0] != buf.base]
             buf.freed = True
             self.frees += 1
+            self.frees_cell.value = self.frees
             hooks = list(self._free_hooks)
         self._release(buf.owner, buf.size)
         for hook in hooks:

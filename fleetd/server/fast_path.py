@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 # and the call is not worth making.
 SMALLEST = 9 + 305 + 1
 _FAST_COMMANDS = (Cmd.SET_TENSOR, Cmd.GET_TENSOR)
+RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
+# Between requests, how long C waits for a byte before the session's own recv (and its idle
+# timeout) takes over; and how long C serves before the counters are brought up to date.
+LOOP_WAIT_MS = 20
+LOOP_BUDGET_MS = 100
 _SIZE = struct.Struct("<Q")
 
 _BLCK = (ctypes.c_uint32 * GGML_TYPE_COUNT)(
@@ -60,6 +65,12 @@ class FastPath:
         self._ctx.n_types = GGML_TYPE_COUNT
         self._ctx_ref = ctypes.byref(self._ctx)
         self.requests_served = 0  # by C, since the session began
+        self._loop = native.fast_loop()
+        self._ctx.rc.device = -1
+        self._written = (ctypes.c_int32 * 0)()
+        self._recomputes = (0, 0.0)  # GRAPH_RECOMPUTEs C ran, not yet taken by the session
+        self._armed: tuple | None = None  # what arm() last set up
+        self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
 
     @property
     def available(self) -> bool:
@@ -107,7 +118,79 @@ class FastPath:
             raise ConnectionError(code, f"reply not sent: {os.strerror(code)}")
         return used
 
+    # -- the loop: recv and serve in C, the armed GRAPH_RECOMPUTE included ---------------------
+
+    @property
+    def loop_available(self) -> bool:
+        return self._loop is not None and bool(self._buffers)
+
+    def written_regions(self, buffers) -> list[int] | None:
+        """The region indices of `buffers` (what a graph writes); None when one is not the
+        session's own (C could not mark it written)."""
+        index = {id(b): i for i, b in enumerate(self._buffers)}
+        out = [index.get(id(b)) for b in buffers]
+        return None if None in out else out  # type: ignore[return-value]
+
+    def arm(
+        self,
+        device: int,
+        worker_fd: int,
+        threads: int,
+        written: list[int],
+        frees,
+        frees_seen: int,
+        computing,
+        timeout_s: float,
+    ) -> None:
+        """Let the next loop hand GRAPH_RECOMPUTE of `device` to the worker on `worker_fd`."""
+        rc = self._ctx.rc
+        key = (worker_fd, threads, tuple(written), id(frees), id(computing), timeout_s)
+        if key == self._armed:  # as last time (a decode stream re-arms after every step)
+            rc.device, rc.frees_seen = device, frees_seen
+            return
+        self._armed = key
+        self._written = (ctypes.c_int32 * len(written))(*written)
+        rc.device, rc.worker_fd, rc.threads = device, worker_fd, threads
+        rc.n_written, rc.written = len(written), self._written
+        rc.frees, rc.frees_seen = ctypes.pointer(frees), frees_seen
+        rc.computing = ctypes.pointer(computing)
+        rc.timeout_ns = int(timeout_s * 1e9)
+
+    def disarm(self) -> None:
+        self._ctx.rc.device = -1
+
+    @property
+    def handed_over_at(self) -> float:
+        """time.monotonic() when the loop handed its last GRAPH_RECOMPUTE to the worker."""
+        return self._ctx.rc.started_ns / 1e9
+
+    def loop(self, scratch, capacity: int) -> tuple[int, int]:
+        """Serve in C from `scratch` (a ctypes buffer of `capacity` bytes, empty) until a request
+        is Python's; (LOOP_* answer, bytes of the next request left at scratch's front). What C
+        served is folded into the counters (GRAPH_RECOMPUTEs: see take_recomputes). Raises what
+        serve() raises when a reply could not be sent, OSError when a recv failed."""
+        ctx = self._ctx
+        ctx.have = 0
+        answer = self._loop(self._ctx_ref, scratch, capacity, LOOP_WAIT_MS, LOOP_BUDGET_MS)
+        self._fold()
+        if answer == native.LOOP_ERROR:
+            code = -ctx.error
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise BlockingIOError(code, os.strerror(code))
+            raise ConnectionError(code, f"fast loop: {os.strerror(code)}")
+        return answer, ctx.have
+
+    def take_recomputes(self) -> tuple[int, float]:
+        """GRAPH_RECOMPUTEs the loop computed since the last call, and their seconds."""
+        n, seconds = self._recomputes
+        self._recomputes = (0, 0.0)
+        return n, seconds
+
     def _account(self, conn: ServerConnection, used: int) -> None:
+        self._fold()
+        conn.served(used)
+
+    def _fold(self) -> None:
         """Fold what C served into the counters and the buffers' write generations."""
         served = self._ctx.served
         for r, b in zip(self._regions, self._buffers):
@@ -125,5 +208,12 @@ class FastPath:
                 c.count[Cmd.GET_TENSOR] += gets
                 c.request_bytes[Cmd.GET_TENSOR] += served.get_bytes
                 c.response_bytes[Cmd.GET_TENSOR] += served.get_reply_bytes
+        recomputes = served.recompute_count
+        if recomputes:
+            self.requests_served += recomputes
+            n, seconds = self._recomputes
+            self._recomputes = (n + recomputes, seconds + served.recompute_ns / 1e9)
+            if self._counters is not None:
+                self._counters.count[Cmd.GRAPH_RECOMPUTE] += recomputes
+                self._counters.request_bytes[Cmd.GRAPH_RECOMPUTE] += recomputes * RECOMPUTE_BYTES
         ctypes.memset(ctypes.addressof(served), 0, ctypes.sizeof(served))
-        conn.served(used)

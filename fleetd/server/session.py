@@ -8,6 +8,7 @@ traceback and closes this socket; the daemon and every other session carry on.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -17,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fleetd.compute import native
 from fleetd.compute.buffers import Buffer
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
 from fleetd.server import regions
+from fleetd.server.fast_path import RECOMPUTE_BYTES, FastPath
 from fleetd.server.fast_path import SMALLEST as FAST_SMALLEST
-from fleetd.server.fast_path import FastPath
 from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.peer_async import AsyncCopies
@@ -150,6 +152,9 @@ class Session:
         self.fast = FastPath(sock, self.counters if state.config.count_commands else None)
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
+        # where C's fast loop reads into (the same bytes; the export keeps the array in place)
+        self._scratch_c = (ctypes.c_char * RECV_CHUNK).from_buffer(self._scratch)
+        self._scratch_address = ctypes.addressof(self._scratch_c)
         self._local_addr: str | None | object = _UNKNOWN
 
     # -- the loop ---------------------------------------------------------------------------
@@ -192,7 +197,25 @@ class Session:
         floor = self.state.receive_budget.FLOOR
         idle = self.limits.idle_timeout
         fast = self.fast
+        looping = fast.loop_available
         while True:
+            if (
+                looping
+                and not conn.buffered
+                and not self.skipping
+                and self._greeted
+                and conn.pending_requests() is not None
+            ):
+                answer = self._fast_loop()
+                if answer == native.LOOP_EOF:
+                    if conn.buffered:
+                        raise ConnectionError("peer closed in the middle of a request")
+                    return
+                # the request at the front, or the next recv, is Python's; then C again
+                looping = answer in (native.LOOP_BUDGET, native.LOOP_WORKER, native.LOOP_SERVED)
+                if conn.buffered and (conn.held > floor or self._charged):
+                    self._charge(conn.held)
+                continue
             if conn.buffered >= FAST_SMALLEST and not self.skipping and fast.serve(conn):
                 continue
             event = conn.next_event()
@@ -223,6 +246,71 @@ class Session:
                 sent = HANDLERS[type(event)](self, event)
             self._request_waited, self._request_got = 0.0, 0  # the next request starts afresh
             record(cmd, conn.request_bytes, sent)
+            looping = fast.loop_available
+
+    def _fast_loop(self) -> int:
+        """Serve in C (FastPath.loop) until a request is Python's, the stored graph's
+        GRAPH_RECOMPUTE included when it can go straight to the worker; the bytes C read of the
+        next request go into the receive buffer. Returns the loop's LOOP_* answer."""
+        fast = self.fast
+        held = self._arm_recompute()
+        try:
+            answer, have = fast.loop(self._scratch_address, RECV_CHUNK)
+            if answer == native.LOOP_WORKER:  # handed over; its answer is Python's to read
+                assert held is not None
+                fast.handovers += 1
+                pool, worker, graph = held
+                deadline = fast.handed_over_at + self.limits.graph_timeout
+                pool.finish_fast(self.id, worker, deadline, self.sock)
+                for buf in graph.plan.written:
+                    buf.touched()
+                self._recomputed(1, time.monotonic() - fast.handed_over_at)
+                if self.state.config.count_commands:
+                    self.counters.record(Cmd.GRAPH_RECOMPUTE, RECOMPUTE_BYTES, 0)
+        finally:
+            if held is not None:
+                pool, worker, _ = held
+                self._recomputed(*fast.take_recomputes())
+                pool.release_fast(worker, used=True)
+                fast.disarm()
+        if have:
+            self.conn.receive_data(self._scratch_view[:have])
+        return answer
+
+    def _arm_recompute(self):
+        """(pool, worker, stored graph) when the session's one stored graph can be recomputed
+        in C: a ggml graph whose buffers were not freed since it was checked, whose worker
+        holds it, writing only the session's own buffers. None: Python recomputes."""
+        if len(self.graphs) != 1:
+            return None
+        ((index, graph),) = self.graphs.items()
+        dev = self.state.devices[index]
+        pool = getattr(dev, "workers", None)
+        registry = self.state.registry
+        if dev.kind != "ggml" or pool is None or graph.frees != registry.frees:
+            return None
+        written = self.fast.written_regions(graph.plan.written)
+        if written is None:
+            return None
+        worker = pool.hold_for_fast(self.id, graph.plan)
+        if worker is None:
+            return None
+        self.fast.arm(
+            index,
+            worker.sock.fileno(),
+            pool.threads,
+            written,
+            registry.frees_cell,
+            graph.frees,
+            pool.computing.cell,
+            self.limits.graph_timeout,
+        )
+        return pool, worker, graph
+
+    def _recomputed(self, n: int, seconds: float) -> None:
+        if n:
+            self.counters.graph_computes += n
+            self.counters.compute_seconds += seconds
 
     def _skip(self, event) -> int:
         """A command after a failed PEER_GATE: read (its streamed body too) and not served."""

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    from fleetd.compute import sandbox
+    from fleetd.compute import native, sandbox
     from fleetd.compute.ggml import (
         channel,
         worker,  # noqa: F401 (imported once, before any fork)
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     events = socket.socket(fileno=events_fd)
     try:
         lib = ggml.load()
+        native.worker_loop()  # fleetd's C loop mapped now: a sandboxed worker cannot open it
         identity = sandbox.worker_identity(user)
         seccomp_lib = sandbox.load_libseccomp()
     except OSError as exc:

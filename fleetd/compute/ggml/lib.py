@@ -171,6 +171,11 @@ class GgmlLibrary:
                 f"{LLAMA_VERSION} (overhead {self.ggml_tensor_overhead()}, expected {expected})"
             )
 
+    def function_address(self, name: str) -> int:
+        """The C address of a bound function, for C code that calls it (worker_loop.c)."""
+        fn: Any = getattr(self, name)
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
     # -- libggml-base ---------------------------------------------------------------------------
 
     @ggml_base_function("ggml_init", [GgmlInitParams], ggml_context_p)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fleetd.compute import native
 from fleetd.compute.ggml import lib as ggml
 from fleetd.compute.ggml.channel import (
     MSG_COMPUTE,
@@ -85,11 +86,24 @@ class WorkerPlan:
         self.checks: list[tuple[memoryview, memoryview, np.ndarray, int, str]] = []
         self.padded: list[tuple[np.ndarray, np.ndarray]] = []  # (source view, private copy)
         private: dict[int, int] = {}
+        native_checks = []
         for tid, handle, off, nbytes, typ, ne, nb, bound, what in spec.index_checks:
             copy = np.empty(nbytes, np.uint8)
             view = np.ndarray(ne[::-1], INDEX_DTYPES[typ], buffer=copy, strides=nb[::-1])
+            source = maps[handle].bytes_at(off, nbytes)
             # .data: memoryview(a), which numpy's stubs allow only from Python 3.12
-            self.checks.append((maps[handle].bytes_at(off, nbytes).data, copy.data, view, bound, what))
+            self.checks.append((source.data, copy.data, view, bound, what))
+            native_checks.append(
+                native.WorkerIndexCheck(
+                    source.ctypes.data,
+                    copy.ctypes.data,
+                    nbytes,
+                    tuple(ne),
+                    tuple(nb),
+                    bound,
+                    INDEX_DTYPES[typ].itemsize,
+                )
+            )
             private[tid] = copy.ctypes.data
         for tid, handle, off, nbytes, padded_nbytes in spec.padded:
             copy = np.ones(padded_nbytes // 4, np.float32).view(np.uint8)
@@ -98,6 +112,29 @@ class WorkerPlan:
             private[tid] = copy.ctypes.data
         if len(spec.order):
             self._build(spec, maps, private)
+        # what worker_loop.c needs to run it (the arrays above stay alive with this plan)
+        self._native_checks = (native.WorkerIndexCheck * len(native_checks))(*native_checks)
+        self._native_copies = (native.WorkerCopy * len(self.padded))(
+            *(native.WorkerCopy(s.ctypes.data, c.ctypes.data, s.size) for s, c in self.padded)
+        )
+
+    def native_state(self, sock: socket.socket, backend: int) -> native.WorkerState | None:
+        """The loop state for worker_loop.c, or None when there is no graph to run (Python
+        answers that case)."""
+        if self.graph is None:
+            return None
+        lib = self.lib
+        return native.WorkerState(
+            fd=sock.fileno(),
+            backend=backend,
+            graph=self.graph,
+            compute=lib.function_address("ggml_backend_graph_compute"),
+            set_threads=lib.function_address("ggml_backend_cpu_set_n_threads"),
+            n_copies=len(self._native_copies),
+            copies=self._native_copies,
+            n_checks=len(self._native_checks),
+            checks=self._native_checks,
+        )
 
     def _build(self, spec: GraphSpec, maps: dict[int, Mapping], private: dict[int, int]) -> None:
         """One ggml_tensor per reachable wire tensor, filled column-wise from the wire records
@@ -167,8 +204,15 @@ class WorkerPlan:
             return REPLY_DONE, ""
         status = self.lib.ggml_backend_graph_compute(backend, self.graph)
         if status != ggml.GGML_STATUS_SUCCESS:
-            return REPLY_FAILED, f"ggml compute: {self.lib.ggml_status_to_string(status).decode()}"
+            return self.failed(status)
         return REPLY_DONE, ""
+
+    def refused(self, check: int) -> tuple[int, str]:
+        *_, bound, what = self.checks[check]
+        return REPLY_REFUSED, f"GRAPH_COMPUTE: {what} holds a row outside [0, {bound})"
+
+    def failed(self, status: int) -> tuple[int, str]:
+        return REPLY_FAILED, f"ggml compute: {self.lib.ggml_status_to_string(status).decode()}"
 
     def free(self) -> None:
         for b in self.buffers:
@@ -205,7 +249,31 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
     plans: dict[int, WorkerPlan] = {}
     send_message(sock, REPLY_READY, ready.encode())
     key = -1  # the plan a RUN computes (a RUN before any COMPUTE: KeyError, the process ends)
+    loop = native.worker_loop()  # RUNs in C, while the plan stays; None: all in Python
+    state: native.WorkerState | None = None
+    state_of: WorkerPlan | None = None  # the plan `state` points into (its arrays, its graph)
     while True:
+        if loop is not None and key in plans:
+            if state_of is not plans[key]:
+                state_of = plans[key]
+                state = state_of.native_state(sock, backend)
+            if state is not None:
+                state.threads = current_threads
+                answer = loop(ctypes.byref(state))
+                current_threads = state.threads
+                if answer == native.WORKER_CLOSED:
+                    return
+                if answer == native.WORKER_ERROR:
+                    raise OSError(ctypes.get_errno(), "the channel to the daemon failed")
+                if answer in (native.WORKER_REFUSED, native.WORKER_FAILED):
+                    plan = plans[key]
+                    status, text = (
+                        plan.refused(state.failed)
+                        if answer == native.WORKER_REFUSED
+                        else plan.failed(state.failed)
+                    )
+                    send_message(sock, status, text.encode())
+                    continue
         try:
             kind, payload, fds = recv_message(sock, MAX_MESSAGE, max_fds=1 << 16)
         except EOFError:

@@ -42,6 +42,7 @@ from fleetd.compute.ggml.forkserver import EXITED, PID, SPAWN
 
 if TYPE_CHECKING:
     from fleetd.compute.buffers import Buffer
+from fleetd.compute import native
 from fleetd.compute.host_memory import memfd_of
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.transport.stream import set_recv_timeout
@@ -267,6 +268,11 @@ class Worker:
             self.kill()
             raise WorkerDied(f"compute worker {self.pid} died: {self._why(exc)}") from None
         self.built = plan
+        self.finish(deadline, client)
+
+    def finish(self, deadline: float, client: socket.socket | None) -> None:
+        """Wait for the answer to the graph handed over last (by compute() or by a session's
+        fast loop in C) and act on it, as compute() says."""
         kind, text = self._wait_reply(deadline, client)
         self.last_used = time.monotonic()
         if kind == REPLY_DONE:
@@ -377,7 +383,8 @@ class WorkerPool:
         self._server_lock = threading.Lock()
         self._by_session: dict[int, Worker | _Reserved] = {}
         self._cond = threading.Condition()
-        self._computing = 0
+        # sessions computing now; C's fast loops count theirs in the same cell
+        self.computing = native.SharedCount()
         self.deaths = 0  # workers that died or were killed mid-graph
         self.spawned = 0
         self.sandbox = ""  # what the last worker reported of its walls (uid, seccomp)
@@ -407,25 +414,59 @@ class WorkerPool:
         a worker that died on the way is forgotten and the error re-raised."""
         worker = self._acquire(session_id, deadline)
         try:
-            with self._cond:
-                self._computing += 1
-                share = max(1, self.threads // self._computing)
-            self.placer.place(worker, share)
+            share = max(1, self.threads // self.computing.add(1))
             try:
-                worker.compute(plan, share, deadline, client)
-            except (ComputeError, ClientGone):
-                if worker.dead:
-                    with self._cond:
-                        self.deaths += 1
-                        if self._by_session.get(session_id) is worker:
-                            del self._by_session[session_id]
-                        self._cond.notify_all()
-                raise
+                self.placer.place(worker, share)
+                self._settle(session_id, worker, lambda: worker.compute(plan, share, deadline, client))
             finally:
-                with self._cond:
-                    self._computing -= 1
+                self.computing.add(-1)
         finally:
             worker.lock.release()
+
+    def _settle(self, session_id: int, worker: Worker, run: Callable[[], None]) -> None:
+        """run(); a worker it left dead is counted and forgotten, and the error re-raised."""
+        try:
+            run()
+        except (ComputeError, ClientGone):
+            if worker.dead:
+                with self._cond:
+                    self.deaths += 1
+                    if self._by_session.get(session_id) is worker:
+                        del self._by_session[session_id]
+                    self._cond.notify_all()
+            raise
+
+    # -- a session's fast loop (fleetd.server.fast_path) hands GRAPH_RECOMPUTE over in C ------------
+
+    def hold_for_fast(self, session_id: int, plan) -> Worker | None:
+        """The session's worker, locked, when it holds `plan` built over buffers still live and
+        mapped (so a GRAPH_RECOMPUTE is one MSG_RUN and nothing else) and runs with the share of
+        a session computing alone; None otherwise (Python serves the recompute). The caller
+        gives it back with release_fast()."""
+        with self._cond:
+            w = self._by_session.get(session_id)
+        if not isinstance(w, Worker) or w.built is not plan or not w.lock.acquire(blocking=False):
+            return None
+        if (
+            w.dead
+            or w.built is not plan
+            or any(b.freed for b in w.mapped.values())
+            or any(h not in w.mapped for h in plan.spec.handles)
+        ):
+            w.lock.release()
+            return None
+        self.placer.place(w, self.threads)
+        return w
+
+    def finish_fast(self, session_id: int, worker: Worker, deadline: float, client) -> None:
+        """A GRAPH_RECOMPUTE the fast loop handed over whose answer was not a plain DONE: wait
+        for it and decide as compute() does (worker held by hold_for_fast)."""
+        self._settle(session_id, worker, lambda: worker.finish(deadline, client))
+
+    def release_fast(self, worker: Worker, used: bool) -> None:
+        if used:
+            worker.last_used = time.monotonic()
+        worker.lock.release()
 
     def _acquire(self, session_id: int, deadline: float) -> Worker:
         """This session's worker, locked; spawned (after evicting an idle one at the cap) when

@@ -1,7 +1,9 @@
 """libfleetd-native (the C files next to this file) through ctypes: FNV-1a 64 at C speed for the
-cache directory (fnv1a.c), and the sessions' fast path for whole SET_TENSOR / GET_TENSOR requests
-(fastpath.c, used by fleetd.server.fast_path). scripts/build-llama.sh builds it into the ggml
-libraries' directory and it is found the same way (fleetd.compute.ggml.lib.library_dirs).
+cache directory (fnv1a.c), the sessions' fast path for whole SET_TENSOR / GET_TENSOR requests
+and the stored graph's GRAPH_RECOMPUTE (fastpath.c, used by fleetd.server.fast_path), and a
+compute worker's loop for those recomputes (worker_loop.c, used by fleetd.compute.ggml.worker).
+scripts/build-llama.sh builds it into the ggml libraries' directory and it is found the same
+way (fleetd.compute.ggml.lib.library_dirs).
 Without it fleetd.wire.hashing's pure Python FNV-1a (the reference, ~15 MB/s) runs, with one
 warning, and every request takes the Python path.
 """
@@ -37,6 +39,20 @@ def load() -> ctypes.CDLL:
             if hasattr(lib, "fleetd_fast_requests"):  # an older build has only the hash
                 lib.fleetd_fast_requests.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
                 lib.fleetd_fast_requests.restype = ctypes.c_size_t
+            if hasattr(lib, "fleetd_fast_loop"):
+                lib.fleetd_fast_loop.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_size_t,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                ]
+                lib.fleetd_fast_loop.restype = ctypes.c_int
+                lib.fleetd_atomic_add.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+                lib.fleetd_atomic_add.restype = ctypes.c_int32
+            if hasattr(lib, "fleetd_worker_loop"):
+                lib.fleetd_worker_loop.argtypes = [ctypes.c_void_p]
+                lib.fleetd_worker_loop.restype = ctypes.c_int
             return lib
         tried.append(str(directory))
     raise OSError(f"{LIBRARY} not found in {', '.join(tried)} (run scripts/build-llama.sh ggml)")
@@ -80,6 +96,25 @@ class FastServed(ctypes.Structure):
         ("get_count", ctypes.c_uint64),
         ("get_bytes", ctypes.c_uint64),
         ("get_reply_bytes", ctypes.c_uint64),
+        ("recompute_count", ctypes.c_uint64),
+        ("recompute_ns", ctypes.c_uint64),
+    ]
+
+
+class FastRecompute(ctypes.Structure):
+    """fastpath.c's `struct fleetd_recompute`: the stored graph a loop may hand to the worker."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("worker_fd", ctypes.c_int32),
+        ("threads", ctypes.c_uint32),
+        ("n_written", ctypes.c_int32),
+        ("written", ctypes.POINTER(ctypes.c_int32)),
+        ("frees", ctypes.POINTER(ctypes.c_uint64)),
+        ("frees_seen", ctypes.c_uint64),
+        ("computing", ctypes.POINTER(ctypes.c_int32)),
+        ("timeout_ns", ctypes.c_int64),
+        ("started_ns", ctypes.c_int64),
     ]
 
 
@@ -95,6 +130,8 @@ class FastContext(ctypes.Structure):
         ("n_types", ctypes.c_uint32),
         ("error", ctypes.c_int),
         ("served", FastServed),
+        ("have", ctypes.c_uint64),
+        ("rc", FastRecompute),
     ]
 
 
@@ -103,6 +140,91 @@ def fast_requests():
     library is not there (or too old to have it)."""
     lib = _library()
     return getattr(lib, "fleetd_fast_requests", None) if lib is not None else None
+
+
+def fast_loop():
+    """fastpath.c's fleetd_fast_loop(context, buffer, capacity, wait_ms, budget_ms) -> LOOP_*, or
+    None without the library (or with one too old to have it)."""
+    lib = _library()
+    return getattr(lib, "fleetd_fast_loop", None) if lib is not None else None
+
+
+# fleetd_fast_loop's answers (fastpath.c)
+LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER, LOOP_SERVED = range(1, 8)
+
+
+class SharedCount:
+    """An int32 that C (fleetd_fast_loop) and Python both change atomically: the compute pool's
+    count of sessions computing now."""
+
+    def __init__(self) -> None:
+        lib = _library()
+        self._add = getattr(lib, "fleetd_atomic_add", None) if lib is not None else None
+        self.cell = ctypes.c_int32(0)
+        self._lock = threading.Lock()  # without the library: nothing in C shares the cell
+
+    def add(self, delta: int) -> int:
+        """Add `delta`; the new value."""
+        if self._add is not None:
+            return self._add(ctypes.byref(self.cell), delta)
+        with self._lock:
+            self.cell.value += delta
+            return self.cell.value
+
+    @property
+    def value(self) -> int:
+        return self.cell.value
+
+
+class WorkerCopy(ctypes.Structure):
+    """worker_loop.c's `struct fleetd_copy`: a padded tensor's bytes, refreshed per RUN."""
+
+    _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("n", ctypes.c_uint64)]
+
+
+class WorkerIndexCheck(ctypes.Structure):
+    """worker_loop.c's `struct fleetd_index_check`: row ids copied out and checked per RUN."""
+
+    _fields_ = [
+        ("src", ctypes.c_void_p),
+        ("copy", ctypes.c_void_p),
+        ("nbytes", ctypes.c_uint64),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_int64 * 4),
+        ("bound", ctypes.c_int64),
+        ("elem", ctypes.c_int32),
+    ]
+
+
+class WorkerState(ctypes.Structure):
+    """worker_loop.c's `struct fleetd_worker`: what one RUN of the built graph takes."""
+
+    _fields_ = [
+        ("fd", ctypes.c_int),
+        ("backend", ctypes.c_void_p),
+        ("graph", ctypes.c_void_p),
+        ("compute", ctypes.c_void_p),
+        ("set_threads", ctypes.c_void_p),
+        ("threads", ctypes.c_uint32),
+        ("n_copies", ctypes.c_int32),
+        ("copies", ctypes.POINTER(WorkerCopy)),
+        ("n_checks", ctypes.c_int32),
+        ("checks", ctypes.POINTER(WorkerIndexCheck)),
+        ("failed", ctypes.c_int32),
+        ("runs", ctypes.c_uint64),
+    ]
+
+
+# fleetd_worker_loop's answers (worker_loop.c)
+WORKER_PYTHON, WORKER_REFUSED, WORKER_FAILED, WORKER_CLOSED, WORKER_ERROR = range(1, 6)
+
+
+def worker_loop():
+    """worker_loop.c's fleetd_worker_loop(state) -> WORKER_*, or None without the library. A
+    compute worker calls this first in its fork server, so the library is mapped before the
+    sandbox forbids opening it."""
+    lib = _library()
+    return getattr(lib, "fleetd_worker_loop", None) if lib is not None else None
 
 
 def native_available() -> bool:

@@ -11,15 +11,19 @@
  *
  * Buffers of the session can only be freed by the session's own thread, which is the one
  * calling here, so the host pointers in `regions` stay valid for the call. */
+#define _GNU_SOURCE  /* POLLRDHUP */
 #include <errno.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define CMD_SET_TENSOR 6
 #define CMD_GET_TENSOR 8
+#define CMD_GRAPH_RECOMPUTE 16
 #define HEADER 9          /* | cmd u8 | payload_size u64 | */
 #define TENSOR 296        /* rpc_tensor */
 #define SET_FIXED 305     /* tensor, cache_flag u8, offset u64 */
@@ -46,6 +50,7 @@ struct fleetd_region {   /* one buffer of the session: its handle, its range, it
 struct fleetd_served {   /* what the call served, for the session's counters */
     uint64_t set_count, set_bytes;   /* request bytes, header included */
     uint64_t get_count, get_bytes, get_reply_bytes;
+    uint64_t recompute_count, recompute_ns;   /* GRAPH_RECOMPUTEs run in the worker, their time */
 };
 
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -112,6 +117,24 @@ static int send_reply(int fd, uint64_t size, const uint8_t *data) {
     return 0;
 }
 
+/* The session's stored graph, armed by Python for one fleetd_fast_loop call: a GRAPH_RECOMPUTE
+ * of `device` is then handed to the session's compute worker here (the channel's MSG_RUN), as
+ * fleetd.compute.ggml.workers would, while nothing it depends on can change: the session's own
+ * thread is the one in this call (so its stored graph, buffers and worker stay), the worker's
+ * lock is held (the reaper cannot take it), and a free by any session bumps `*frees`. */
+struct fleetd_recompute {
+    int32_t device;          /* -1: not armed, every GRAPH_RECOMPUTE is Python's */
+    int32_t worker_fd;       /* the channel to the session's worker */
+    uint32_t threads;        /* its threads when this session is the only one computing */
+    int32_t n_written;
+    const int32_t *written;  /* regions the graph writes: marked written (generation bump) */
+    const uint64_t *frees;   /* the registry's count of frees, ... */
+    uint64_t frees_seen;     /* ... as it was when the stored graph was last checked */
+    int32_t *computing;      /* sessions computing now (the pool's count, atomic) */
+    int64_t timeout_ns;      /* the per-graph deadline */
+    int64_t started_ns;      /* out: CLOCK_MONOTONIC when the last one was handed over */
+};
+
 struct fleetd_fast {      /* one session's fast path, set up once, passed by pointer */
     int fd;
     int n_regions;
@@ -121,6 +144,8 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     uint32_t n_types;
     int error;               /* 0, or -errno of a reply that could not be sent */
     struct fleetd_served served;
+    uint64_t have;           /* fleetd_fast_loop: bytes of a request left at the buffer's front */
+    struct fleetd_recompute rc;
 };
 
 /* Serve the whole fast requests at the front of data[0, len): the bytes consumed. A reply that
@@ -166,4 +191,159 @@ size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t l
         pos += HEADER + payload;
     }
     return pos;
+}
+
+/* fleetd_fast_loop's answers: why it gave the connection back to Python */
+enum {
+    LOOP_PYTHON = 1,   /* the request at the front is Python's (another command, too large, refused) */
+    LOOP_IDLE = 2,     /* no byte came for wait_ms */
+    LOOP_EOF = 3,      /* the client closed */
+    LOOP_ERROR = 4,    /* f->error: a reply not sent or a failed recv */
+    LOOP_BUDGET = 5,   /* ran budget_ms (checked between requests): Python folds the counters
+                          in and calls again */
+    LOOP_WORKER = 6,   /* a GRAPH_RECOMPUTE went to the worker and its answer is not a plain
+                          DONE (yet): Python waits for it and decides, as for its own */
+    LOOP_SERVED = 7,   /* served requests and would now wait for the next one: Python brings
+                          the counters up to date (a reader of the stats sees every request
+                          the client got an answer to) and calls again */
+};
+
+/* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
+#define MSG_RUN 3
+#define REPLY_DONE 100
+#define CHANNEL_HEADER 16
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Hand the armed graph to the worker and wait for its answer: 1 when it is DONE (consumed),
+ * 0 when Python must take over (any other answer, the worker or the client gone, the deadline,
+ * a failed send: Python's wait finds out which, kills what must be killed and says why). */
+static int recompute(struct fleetd_fast *f) {
+    struct fleetd_recompute *g = &f->rc;
+    uint8_t msg[CHANNEL_HEADER + 4] = {0};
+    uint32_t kind = MSG_RUN;
+    uint64_t length = 4;
+    memcpy(msg, &kind, 4);
+    memcpy(msg + 8, &length, 8);
+    memcpy(msg + CHANNEL_HEADER, &g->threads, 4);
+    g->started_ns = now_ns();
+    size_t sent = 0;
+    while (sent < sizeof msg) {
+        ssize_t n = send(g->worker_fd, msg + sent, sizeof msg - sent, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return 0;
+        sent += (size_t)n;
+    }
+    int64_t deadline = g->started_ns + g->timeout_ns;
+    struct pollfd p[2] = {{g->worker_fd, POLLIN, 0}, {f->fd, POLLRDHUP, 0}};
+    for (;;) {
+        int64_t left = deadline - now_ns();
+        if (left <= 0) return 0;
+        int ms = left > 1000000000 ? 1000 : (int)(left / 1000000) + 1;
+        int n = poll(p, 2, ms);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return 0;
+        if (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return 0;
+        if (p[0].revents) {
+            uint8_t h[CHANNEL_HEADER];
+            ssize_t k = recv(g->worker_fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+            uint32_t reply, n_fds;
+            uint64_t len;
+            memcpy(&reply, h, 4);
+            memcpy(&n_fds, h + 4, 4);
+            memcpy(&len, h + 8, 8);
+            if (k != CHANNEL_HEADER || reply != REPLY_DONE || n_fds != 0 || len != 0) return 0;
+            return recv(g->worker_fd, h, sizeof h, MSG_DONTWAIT) == CHANNEL_HEADER;
+        }
+    }
+}
+
+/* Serve the session from `buf` (cap bytes, f->have of them already there) until a request is
+ * Python's: whole fast requests as fleetd_fast_requests, the armed GRAPH_RECOMPUTE, and the
+ * recv between them, so a decode step costs no interpreter at all. Returns a LOOP_* answer,
+ * with the bytes left at buf's front in f->have (Python's receive buffer takes them). */
+int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_ms, int budget_ms) {
+    size_t have = f->have;
+    int64_t until = now_ns() + (int64_t)budget_ms * 1000000;
+    int answer, served = 0;
+    for (;;) {
+        size_t used = fleetd_fast_requests(f, buf, have);
+        if (used) {
+            memmove(buf, buf + used, have - used);
+            have -= used;
+            served = 1;
+        }
+        if (f->error) { answer = LOOP_ERROR; break; }
+        if (have >= HEADER) {
+            uint64_t payload = u64_at(buf + 1);
+            struct fleetd_recompute *g = &f->rc;
+            if (buf[0] == CMD_GRAPH_RECOMPUTE && payload == 4) {
+                if (have < HEADER + 4) goto more;
+                if (g->device < 0 || u32_at(buf + HEADER) != (uint32_t)g->device ||
+                    __atomic_load_n(g->frees, __ATOMIC_ACQUIRE) != g->frees_seen) {
+                    answer = LOOP_PYTHON; break;
+                }
+                if (__atomic_add_fetch(g->computing, 1, __ATOMIC_ACQ_REL) != 1) {
+                    /* another session computes: the thread share is Python's to decide */
+                    __atomic_sub_fetch(g->computing, 1, __ATOMIC_ACQ_REL);
+                    answer = LOOP_PYTHON; break;
+                }
+                int done = recompute(f);
+                __atomic_sub_fetch(g->computing, 1, __ATOMIC_ACQ_REL);
+                memmove(buf, buf + HEADER + 4, have - HEADER - 4);
+                have -= HEADER + 4;
+                if (!done) { answer = LOOP_WORKER; break; }
+                f->served.recompute_count += 1;
+                f->served.recompute_ns += (uint64_t)(now_ns() - g->started_ns);
+                for (int i = 0; i < g->n_written; ++i) f->regions[g->written[i]].written = 1;
+                served = 1;
+                continue;
+            }
+            /* a whole request fleetd_fast_requests left, another command, or one too large */
+            if ((buf[0] != CMD_SET_TENSOR && buf[0] != CMD_GET_TENSOR) || payload > cap - HEADER ||
+                HEADER + payload <= have) {
+                answer = LOOP_PYTHON; break;
+            }
+        }
+    more:
+        /* between requests only: a request C started reading stays C's to serve */
+        if (have == 0 && now_ns() >= until) { answer = LOOP_BUDGET; break; }
+        ssize_t n = recv(f->fd, buf + have, cap - have, MSG_DONTWAIT);
+        if (n > 0) { have += (size_t)n; continue; }
+        if (n == 0) { answer = LOOP_EOF; break; }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) { f->error = -errno; answer = LOOP_ERROR; break; }
+        if (served && have == 0) { answer = LOOP_SERVED; break; }
+        struct pollfd p = {f->fd, POLLIN, 0};
+        int k = poll(&p, 1, wait_ms);
+        if (k == 0) { answer = LOOP_IDLE; break; }
+        if (k < 0 && errno != EINTR) { f->error = -errno; answer = LOOP_ERROR; break; }
+    }
+    f->have = have;
+    return answer;
+}
+
+/* The pool's count of computing sessions, shared with fleetd_fast_loop. */
+int32_t fleetd_atomic_add(int32_t *p, int32_t delta) {
+    return __atomic_add_fetch(p, delta, __ATOMIC_ACQ_REL);
+}
+
+/* The layout the ctypes mirrors (fleetd.compute.native) must match, for tests/test_fast_path.py:
+ * sizes of the structs, then the offsets of fleetd_fast's later fields. */
+size_t fleetd_fast_layout(int which) {
+    switch (which) {
+    case 0: return sizeof(struct fleetd_fast);
+    case 1: return sizeof(struct fleetd_served);
+    case 2: return sizeof(struct fleetd_recompute);
+    case 3: return sizeof(struct fleetd_region);
+    case 4: return offsetof(struct fleetd_fast, served);
+    case 5: return offsetof(struct fleetd_fast, have);
+    case 6: return offsetof(struct fleetd_fast, rc);
+    case 7: return offsetof(struct fleetd_recompute, timeout_ns);
+    default: return 0;
+    }
 }

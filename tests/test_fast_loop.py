@@ -1,0 +1,276 @@
+"""A decode step in C end to end: the session's fast loop (fastpath.c's fleetd_fast_loop) serves
+SET_TENSOR, GET_TENSOR and the stored graph's GRAPH_RECOMPUTE, and the worker answers the RUN in
+worker_loop.c; every way out of those loops (a row id out of range, a worker killed or stopped,
+a client gone, a buffer freed, a second session computing) ends as the Python path ends."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import connection_closed, endpoint, wait_until
+from test_workers import Bystander, Slab, gone, long_graph, start, worker_pid_of_new_session
+
+from fleetd.client.rpc import RpcClient
+from fleetd.compute import native
+from fleetd.server import fast_path
+from fleetd.wire import Cmd, GgmlOp, GgmlType
+
+F32, I32 = GgmlType.F32, GgmlType.I32
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        native.fast_loop() is None or native.worker_loop() is None, reason="no libfleetd-native"
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def patient_loop(monkeypatch):
+    """C keeps waiting for the next request: on a loaded machine a client may pause past the
+    20 ms after which the session's own recv (and so Python) would serve it, which these tests
+    would read as a step C did not serve."""
+    monkeypatch.setattr(fast_path, "LOOP_WAIT_MS", 60_000)
+
+
+def served_so_far(s, gets: int) -> int:
+    """The session's requests served by C, once the counts of `gets` GET_TENSORs are folded in."""
+    assert wait_until(lambda: s.counters.count[Cmd.GET_TENSOR] == gets), s.counters.count[Cmd.GET_TENSOR]
+    return s.fast.requests_served
+
+
+@pytest.fixture
+def server():
+    srv = start()
+    yield srv
+    srv.stop()
+
+
+class Decoder:
+    """A stored graph shaped like a decode step: row ids pick rows of a table (GET_ROWS, its ids
+    checked on the worker's private copy), plus an input the client sets every step."""
+
+    ROWS, WIDTH = 64, 32
+
+    def __init__(self, ep: str, seed: int = 0):
+        self.client = RpcClient(ep).open()
+        self.slab = Slab(self.client, 1 << 16)
+        rng = np.random.default_rng(seed)
+        self.table_v = rng.standard_normal((self.ROWS, self.WIDTH)).astype(np.float32)
+        self.table = self.slab.place(F32, (self.WIDTH, self.ROWS))
+        self.ids = self.slab.place(I32, (2,))
+        self.x = self.slab.place(F32, (self.WIDTH, 2))
+        self.rows = self.slab.node(GgmlOp.GET_ROWS, F32, (self.WIDTH, 2), [self.table, self.ids])
+        self.out = self.slab.node(GgmlOp.ADD, F32, (self.WIDTH, 2), [self.rows, self.x])
+        self.client.set_tensor(self.table.rpc(), self.table_v.tobytes())
+        self.rng = rng
+
+    def step(self, first: bool = False, ids=None) -> None:
+        ids = np.asarray(ids if ids is not None else self.rng.integers(0, self.ROWS, 2), np.int32)
+        x = self.rng.standard_normal((2, self.WIDTH)).astype(np.float32)
+        self.client.set_tensor(self.ids.rpc(), ids.tobytes())
+        self.client.set_tensor(self.x.rpc(), x.tobytes())
+        if first:
+            self.client.graph_compute(self.slab.g.serialize([self.rows, self.out]))
+        else:
+            self.client.graph_recompute(0)
+        got = np.frombuffer(self.client.get_tensor(self.out.rpc()), np.float32).reshape(2, self.WIDTH)
+        np.testing.assert_array_equal(got, self.table_v[ids] + x)
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def session_of(srv, client: RpcClient):
+    port = client.sock.getsockname()[1]
+    for s in srv.state.sessions.live():
+        if s.peer.endswith(f":{port}"):
+            return s
+    raise AssertionError("session not found")
+
+
+def test_decode_steps_are_served_in_c_and_counted(server):
+    d = Decoder(endpoint(server))
+    d.step(first=True)
+    s = session_of(server, d.client)
+    before = served_so_far(s, 1)
+    for _ in range(200):
+        d.step()
+    # every SET, GET and GRAPH_RECOMPUTE of the 200 steps was served by C (Python does not
+    # count its own in requests_served)
+    assert served_so_far(s, 201) - before == 200 * 4
+    assert s.counters.count[Cmd.GRAPH_RECOMPUTE] == 200
+    assert s.counters.request_bytes[Cmd.GRAPH_RECOMPUTE] == 200 * 13
+    assert s.counters.graph_computes == 201 and s.counters.compute_seconds > 0
+    d.client.close()
+
+
+def test_a_row_id_out_of_range_in_a_recompute_closes_only_its_session(server, caplog):
+    ep = endpoint(server)
+    bystander = Bystander(ep, 1)
+    want = bystander.compute_and_check()
+    d = Decoder(ep)
+    d.step(first=True)
+    for _ in range(5):
+        d.step()
+    with caplog.at_level(logging.WARNING, logger="fleetd"):
+        d.client.set_tensor(d.ids.rpc(), np.array([3, Decoder.ROWS], np.int32).tobytes())
+        d.client.graph_recompute(0)
+        assert connection_closed(d.client.sock, 30)
+    assert any("holds a row outside [0, 64)" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    assert bystander.compute_and_check() == want
+    bystander.client.close()
+    d.client.close()
+
+
+def test_a_negative_int64_row_id_is_refused_in_c_too(server):
+    # GET_ROWS takes I32 ids; SET_ROWS's may be I64: the C check reads both widths
+    d = Decoder(server_ep := endpoint(server))
+    d.step(first=True)
+    d.step()
+    c = RpcClient(server_ep).open()
+    slab = Slab(c, 1 << 16)
+    dst = slab.place(F32, (8, 16))
+    src = slab.place(F32, (8, 2))
+    ids = slab.place(GgmlType.I64, (2,))
+    out = slab.node(GgmlOp.SET_ROWS, F32, (8, 16), [src, ids])
+    out.view_src = dst
+    c.set_tensor(src.rpc(), np.ones((2, 8), np.float32).tobytes())
+    c.set_tensor(ids.rpc(), np.array([0, 15], np.int64).tobytes())
+    c.graph_compute(slab.g.serialize([out]))
+    c.get_tensor(dst.rpc())
+    c.graph_recompute(0)
+    c.get_tensor(dst.rpc())
+    c.set_tensor(ids.rpc(), np.array([0, -1], np.int64).tobytes())
+    c.graph_recompute(0)
+    assert connection_closed(c.sock, 30)
+    d.step()  # the other session goes on
+    c.close()
+    d.client.close()
+
+
+def test_a_worker_killed_during_a_recompute_in_c_costs_only_its_session(server, caplog):
+    ep = endpoint(server)
+    pool = server.state.devices[0].workers
+    bystander = Bystander(ep, 2)
+    want = bystander.compute_and_check()
+    c = RpcClient(ep).open()
+    slab = Slab(c, 8 << 20)
+    known = set(pool.worker_pids().values())
+    c.graph_compute(long_graph(slab, 1000))
+    c.get_alignment()  # answered once the first compute is done
+    pid = worker_pid_of_new_session(server, known)
+    s = session_of(server, c)
+    ticks = cpu_ticks(pid)
+    c.graph_recompute(0)  # seconds of MUL_MATs, handed over in C
+    assert wait_until(lambda: cpu_ticks(pid) >= ticks + 3, 30), "the recompute never started"
+    os.kill(pid, signal.SIGSEGV)
+    assert connection_closed(c.sock, 30)
+    assert gone(pid)
+    assert wait_until(lambda: pool.deaths == 1)
+    assert s.fast.handovers == 1  # C handed the recompute over, Python read the death
+    assert bystander.compute_and_check() == want
+    closed = [r.getMessage() for r in caplog.records if "graph failed, closed" in r.getMessage()]
+    assert len(closed) == 1 and "killed by SIGSEGV" in closed[0], closed
+    c.close()
+    bystander.client.close()
+
+
+def test_a_stopped_worker_meets_the_deadline_during_a_recompute_in_c():
+    srv = start(graph_timeout=1.0)
+    try:
+        ep = endpoint(srv)
+        pool = srv.state.devices[0].workers
+        d = Decoder(ep)
+        d.step(first=True)
+        d.step()
+        s = session_of(srv, d.client)
+        pid = pool.worker_pids()[s.id]
+        os.kill(pid, signal.SIGSTOP)  # the next RUN is never answered
+        t0 = time.monotonic()
+        d.client.set_tensor(d.ids.rpc(), np.array([1, 2], np.int32).tobytes())
+        d.client.graph_recompute(0)
+        assert connection_closed(d.client.sock, 30)
+        assert time.monotonic() - t0 < 20
+        assert gone(pid)
+        assert pool.deaths == 1 and s.fast.handovers == 1
+        b = Bystander(ep, 3)
+        b.compute_and_check()
+        b.client.close()
+        d.client.close()
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_hangs_up_during_a_recompute_in_c_cancels_it(server):
+    ep = endpoint(server)
+    pool = server.state.devices[0].workers
+    d = Decoder(ep)
+    d.step(first=True)
+    d.step()
+    s = session_of(server, d.client)
+    pid = pool.worker_pids()[s.id]
+    os.kill(pid, signal.SIGSTOP)
+    d.client.graph_recompute(0)
+    time.sleep(0.2)
+    d.client.close()
+    assert gone(pid), "the worker outlived a client that had gone"
+    assert s.fast.handovers == 1
+    assert wait_until(lambda: server.state.sessions.count() == 0 and pool.live() == 0, 10)
+    b = Bystander(ep, 4)
+    b.compute_and_check()
+    b.client.close()
+
+
+def test_a_free_between_recomputes_is_checked_and_the_loop_goes_on(server):
+    ep = endpoint(server)
+    d = Decoder(ep)
+    d.step(first=True)
+    d.step()
+    with RpcClient(ep) as other:  # a free by another session: the next recompute is rechecked
+        spare, _ = other.alloc_buffer(4096)
+        other.free_buffer(spare)
+        other.get_alignment()  # FREE_BUFFER has no answer: this one comes after the free
+    s = session_of(server, d.client)
+    d.step()  # its GRAPH_RECOMPUTE rechecked in Python, the rest in C
+    before = served_so_far(s, 3)
+    assert before == 1 + 3 + 4 + 3  # the table's SET, then the three steps
+    for _ in range(20):
+        d.step()
+    assert served_so_far(s, 23) - before == 20 * 4
+    d.client.free_buffer(d.slab.handle)  # the graph's own buffer: gone with the stored graph
+    d.client.graph_recompute(0)
+    assert connection_closed(d.client.sock, 30)
+    d.client.close()
+
+
+def test_two_sessions_decoding_at_once_get_their_own_results(server):
+    ep = endpoint(server)
+    errors: list = []
+
+    def decode(seed: int) -> None:
+        try:
+            d = Decoder(ep, seed)
+            d.step(first=True)
+            for _ in range(300):
+                d.step()
+            d.client.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=decode, args=(seed,)) for seed in (10, 11, 12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert server.state.devices[0].workers.computing.value == 0
