@@ -274,3 +274,44 @@ def test_two_sessions_decoding_at_once_get_their_own_results(server):
         t.join(120)
     assert not errors, errors
     assert server.state.devices[0].workers.computing.value == 0
+
+
+def test_the_c_row_id_check_agrees_with_the_python_one():
+    """worker_loop.c's check against WorkerPlan.run's (numpy over the strided view), on seeded
+    random index tensors: widths, shapes with size-1 and empty dims, padded and permuted
+    strides, values on both sides of the bound."""
+    import ctypes
+
+    from fleetd.compute.ggml.worker import INDEX_DTYPES
+
+    check = native.load().fleetd_index_check_passes
+    check.argtypes, check.restype = [ctypes.c_void_p], ctypes.c_int
+    rng = np.random.default_rng(17)
+    disagreements, refused = [], 0
+    for case in range(3000):
+        typ = int(rng.choice([26, 27]))  # I32, I64
+        dtype = INDEX_DTYPES[typ]
+        ne = [int(rng.integers(0, 5)) if rng.random() < 0.1 else int(rng.integers(1, 5)) for _ in range(4)]
+        order = rng.permutation(4) if rng.random() < 0.3 else np.arange(4)
+        nb, step = [0] * 4, dtype.itemsize
+        for d in order:  # each dim's stride past the ones inside it, sometimes with a gap
+            nb[d] = step
+            step *= ne[d] if ne[d] else 1
+            step += dtype.itemsize * int(rng.integers(0, 3)) if rng.random() < 0.3 else 0
+        nbytes = dtype.itemsize + sum((n - 1) * b for n, b in zip(ne, nb)) if all(ne) else 0  # ggml_nbytes
+        bound = int(rng.integers(1, 100))
+        lo, hi = (-2, bound + 2) if rng.random() < 0.5 else (0, bound)
+        source = rng.integers(lo, hi, max(1, nbytes // dtype.itemsize + 1)).astype(dtype).view(np.uint8)
+        source = np.ascontiguousarray(source[:nbytes])
+        copy = np.zeros(max(nbytes, 1), np.uint8)
+        view = np.ndarray(ne[::-1], dtype, buffer=source, strides=nb[::-1]) if nbytes else np.zeros(0)
+        python_ok = not view.size or (int(view.min()) >= 0 and int(view.max()) < bound)
+        c = native.WorkerIndexCheck(
+            source.ctypes.data, copy.ctypes.data, nbytes, tuple(ne), tuple(nb), bound, dtype.itemsize
+        )
+        c_ok = bool(check(ctypes.byref(c)))
+        refused += not c_ok
+        if c_ok != python_ok:
+            disagreements.append((case, typ, ne, nb, bound))
+    assert not disagreements, disagreements[:5]
+    assert 300 < refused < 2700  # both answers were exercised

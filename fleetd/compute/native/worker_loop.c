@@ -136,7 +136,14 @@ int fleetd_worker_loop(struct fleetd_worker *w) {
     }
 }
 
-/* The layout the ctypes mirrors must match (tests/test_native.py). */
+/* One check as a RUN does it (copy out, then every element in range): 1 when it passes. For the
+ * differential test against WorkerPlan.run's numpy check (tests/test_fast_loop.py). */
+int fleetd_index_check_passes(const struct fleetd_index_check *c) {
+    memcpy(c->copy, c->src, c->nbytes);
+    return ids_in_range(c);
+}
+
+/* The layout the ctypes mirrors must match (tests/test_fast_path.py). */
 size_t fleetd_worker_layout(int which) {
     switch (which) {
     case 0: return sizeof(struct fleetd_worker);
