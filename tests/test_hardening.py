@@ -33,11 +33,13 @@ from helpers import (
     HELLO_FRAME,
     INIT_TENSOR,
     MEMSET_TENSOR,
+    SET_TENSOR,
     U32,
     Closed,
     Conn,
     frame,
     hello,
+    rpc_tensor,
     tensor,
 )
 
@@ -358,6 +360,46 @@ def test_slow_sender_is_cut(daemon, log_records):
         pass
     assert c.closed_by_daemon()
     assert any("slow sender" in m for m in log_records.lines())
+
+
+def _tensor_body_request(srv, size: int):
+    """A raw connection past HELLO with a buffer of its own, and a SET_TENSOR of `size` bytes
+    into it, framed: (connection, request) for a test to send as it likes."""
+    from fleetd.wire import GgmlType, SetTensor
+
+    c = Conn(port_of(srv))
+    hello(c)
+    handle, base = alloc(c, size)
+    t = rpc_tensor(GgmlType.F32, (size // 4,), buffer=handle, data=base)
+    body = SetTensor(t, 0, size, 0).encode() + bytes(size)
+    return c, frame(SET_TENSOR, body)
+
+
+@pytest.mark.parametrize("how", ["trickled", "stalled", "cut"])
+def test_a_tensor_body_read_in_c_keeps_the_request_rules(daemon, log_records, how):
+    # SET_TENSOR's data is read by fastpath.c's fleetd_recv_body: the same rules and texts as
+    # the Python reads (slow sender, no byte of a started request), and a cut body ends only
+    # its connection
+    srv = daemon(request_timeout=0.3, min_request_rate=100_000)
+    c, request = _tensor_body_request(srv, 1 << 20)
+    head = request[: len(request) - (1 << 20) + 70_000]  # the fixed part and some data
+    c.send(head)
+    stop = time.monotonic() + BOUND_S
+    try:
+        if how == "trickled":  # 200 B every 20 ms: 10 kB/s, far below 100 kB/s
+            rest = request[len(head) :]
+            while rest and time.monotonic() < stop:
+                c.send(rest[:200])
+                rest = rest[200:]
+                time.sleep(0.02)
+        elif how == "cut":
+            c.sock.shutdown(socket.SHUT_WR)
+    except Closed:
+        pass
+    assert c.closed_by_daemon()
+    want = {"trickled": "slow sender", "stalled": "no byte of a started request", "cut": "peer closed"}
+    assert any(want[how] in m for m in log_records.lines()), log_records.lines()
+    served(srv)
 
 
 def test_a_pause_between_requests_is_not_charged_to_the_next(daemon, log_records):

@@ -50,6 +50,18 @@ def load() -> ctypes.CDLL:
                 lib.fleetd_fast_loop.restype = ctypes.c_int
                 lib.fleetd_atomic_add.argtypes = [ctypes.c_void_p, ctypes.c_int32]
                 lib.fleetd_atomic_add.restype = ctypes.c_int32
+            if hasattr(lib, "fleetd_recv_body"):
+                lib.fleetd_recv_body.argtypes = [
+                    ctypes.c_int,
+                    ctypes.c_void_p,
+                    ctypes.c_size_t,
+                    ctypes.c_int,
+                    ctypes.c_uint64,
+                    ctypes.POINTER(ctypes.c_int64),
+                    ctypes.POINTER(ctypes.c_uint64),
+                    ctypes.POINTER(ctypes.c_int),
+                ]
+                lib.fleetd_recv_body.restype = ctypes.c_size_t
             if hasattr(lib, "fleetd_worker_loop"):
                 lib.fleetd_worker_loop.argtypes = [ctypes.c_void_p]
                 lib.fleetd_worker_loop.restype = ctypes.c_int
@@ -148,6 +160,16 @@ def fast_loop():
     lib = _library()
     return getattr(lib, "fleetd_fast_loop", None) if lib is not None else None
 
+
+def recv_body():
+    """fastpath.c's fleetd_recv_body(fd, dst, n, timeout_ms, min_rate, &waited_ns, &got, &why)
+    -> bytes read, or None without the library."""
+    lib = _library()
+    return getattr(lib, "fleetd_recv_body", None) if lib is not None else None
+
+
+# fleetd_recv_body's reasons to stop early (its *why)
+BODY_TOO_SLOW, BODY_NO_BYTE, BODY_CLOSED = 1, 2, 3
 
 # fleetd_fast_loop's answers (fastpath.c)
 LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER, LOOP_SERVED = range(1, 8)

@@ -347,3 +347,38 @@ size_t fleetd_fast_layout(int which) {
     default: return 0;
     }
 }
+
+/* A streamed request body (SET_TENSOR's data, PEER_PUSH's) read straight into dst[0, n) in one
+ * call, under the session's rules for a started request (Session.recv_in_request): no byte for
+ * timeout_ms, or past timeout_ms of waiting less than min_rate bytes a second of it, ends it.
+ * `*waited_ns` and `*got` carry the request's time spent waiting and bytes so far, in and out.
+ * Returns the bytes read (n when whole), or stops early with *why set: 1 the sender was too
+ * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
+size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
+                        int64_t *waited_ns, uint64_t *got, int *why) {
+    size_t done = 0;
+    *why = 0;
+    while (done < n) {
+        if (*waited_ns > (int64_t)timeout_ms * 1000000 &&
+            (u128)*got * 1000000000 < (u128)min_rate * (uint64_t)*waited_ns) {
+            *why = 1;
+            break;
+        }
+        ssize_t k = recv(fd, dst + done, n - done, MSG_DONTWAIT);
+        if (k > 0) {
+            done += (size_t)k;
+            *got += (uint64_t)k;
+            continue;
+        }
+        if (k == 0) { *why = 3; break; }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) { *why = -errno; break; }
+        struct pollfd p = {fd, POLLIN, 0};
+        int64_t t0 = now_ns();
+        int r = poll(&p, 1, timeout_ms);
+        *waited_ns += now_ns() - t0;
+        if (r == 0) { *why = 2; break; }
+        if (r < 0 && errno != EINTR) { *why = -errno; break; }
+    }
+    return done;
+}
