@@ -39,8 +39,8 @@ def patient_loop(monkeypatch):
 
 
 def served_so_far(s, gets: int) -> int:
-    """The session's requests served by C, once the counts of `gets` GET_TENSORs are folded in."""
-    assert wait_until(lambda: s.counters.count[Cmd.GET_TENSOR] == gets), s.counters.count[Cmd.GET_TENSOR]
+    """The session's requests served by C, once its `gets` GET_TENSORs are counted."""
+    assert wait_until(lambda: s.counters_now().count[Cmd.GET_TENSOR] == gets)
     return s.fast.requests_served
 
 
@@ -106,9 +106,19 @@ def test_decode_steps_are_served_in_c_and_counted(server):
     # every SET, GET and GRAPH_RECOMPUTE of the 200 steps was served by C (Python does not
     # count its own in requests_served)
     assert served_so_far(s, 201) - before == 200 * 4
-    assert s.counters.count[Cmd.GRAPH_RECOMPUTE] == 200
-    assert s.counters.request_bytes[Cmd.GRAPH_RECOMPUTE] == 200 * 13
-    assert s.counters.graph_computes == 201 and s.counters.compute_seconds > 0
+    # the counters as the control API reads them while the loop is still in C
+    now = s.counters_now()
+    assert now.count[Cmd.GRAPH_RECOMPUTE] == 200
+    assert now.request_bytes[Cmd.GRAPH_RECOMPUTE] == 200 * 13
+    assert now.graph_computes == 201 and now.compute_seconds > 0
+    from fleetd.server.control import stats_doc
+
+    total = stats_doc(server.state, 0.0)["total"]
+    assert total["commands"]["GRAPH_RECOMPUTE"]["count"] == 200 and total["graph_computes"] == 201
+    server.state.reset_stats()  # zeroes what C counted too
+    assert s.counters_now().count[Cmd.GRAPH_RECOMPUTE] == 0
+    d.step()
+    assert wait_until(lambda: s.counters_now().count[Cmd.GRAPH_RECOMPUTE] == 1)
     d.client.close()
 
 

@@ -83,14 +83,15 @@ def status_doc(state: ServerState) -> dict:
     features = state.features()
     sessions = []
     for s in sorted(state.live_sessions(), key=lambda s: s.id):
-        rx, tx = _bytes_moved(s.counters)
+        counters = s.counters_now()
+        rx, tx = _bytes_moved(counters)
         sessions.append(
             {
                 "id": s.id,
                 "peer": s.peer,
                 "started": s.started,
                 "age_seconds": round(now - s.started, 3),
-                "commands": sum(s.counters.count.values()),
+                "commands": sum(counters.count.values()),
                 "request_bytes": rx,
                 "response_bytes": tx,
                 # buffers this session holds, and the model layers whose weights it wrote there
@@ -138,7 +139,7 @@ def status_doc(state: ServerState) -> dict:
 def stats_doc(state: ServerState, reset_at: float) -> dict:
     sessions = []
     for s in sorted(state.live_sessions(), key=lambda s: s.id):
-        sessions.append({"id": s.id, "peer": s.peer, "started": s.started, **s.counters.as_dict()})
+        sessions.append({"id": s.id, "peer": s.peer, "started": s.started, **s.counters_now().as_dict()})
     return {
         "since": reset_at,
         "total": state.total_counters().as_dict(),

@@ -18,6 +18,7 @@ import ctypes
 import errno
 import os
 import struct
+import threading
 from typing import TYPE_CHECKING
 
 from fleetd.compute import native
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 # and the call is not worth making.
 SMALLEST = 9 + 305 + 1
 _FAST_COMMANDS = (Cmd.SET_TENSOR, Cmd.GET_TENSOR)
+_SERVED_FIELDS = [name for name, _ in native.FastServed._fields_]
+_SERVED_SIZE = ctypes.sizeof(native.FastServed)
 RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
 # Between requests, how long C waits for a byte before the session's own recv (and its idle
 # timeout) takes over; and how long C serves before the counters are brought up to date.
@@ -53,9 +56,13 @@ class FastPath:
     """One session's C fast path; `serve()` before each next_event, `set_buffers()` whenever the
     session's own buffers change."""
 
-    def __init__(self, sock: socket.socket, counters: CommandCounters | None) -> None:
+    def __init__(
+        self, sock: socket.socket, counters: CommandCounters | None, count_commands: bool = True
+    ) -> None:
         self._fn = native.fast_requests()
-        self._counters = counters  # None: counting is off
+        # the session's counters: per command when count_commands, graph computes always
+        self._counters = counters
+        self._count_commands = count_commands and counters is not None
         self._buffers: list[Buffer] = []
         self._regions = (native.FastRegion * 0)()
         self._ctx = native.FastContext()
@@ -64,13 +71,16 @@ class FastPath:
         self._ctx.tsize = _TSIZE
         self._ctx.n_types = GGML_TYPE_COUNT
         self._ctx_ref = ctypes.byref(self._ctx)
-        self.requests_served = 0  # by C, since the session began
+        # C's counts (ctx.served) only grow; _folded is what the counters hold of them so far.
+        # A reader on another thread (the control API) adds the difference (pending()).
+        self._folded = native.FastServed()
+        self.lock = threading.Lock()
         self._loop = native.fast_loop()
         self._ctx.rc.device = -1
         self._written = (ctypes.c_int32 * 0)()
-        self._recomputes = (0, 0.0)  # GRAPH_RECOMPUTEs C ran, not yet taken by the session
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
+        self.loop_calls = 0  # calls of the C loop (each return costs a turn of the session loop)
 
     @property
     def available(self) -> bool:
@@ -166,11 +176,13 @@ class FastPath:
 
     def loop(self, scratch, capacity: int) -> tuple[int, int]:
         """Serve in C from `scratch` (a ctypes buffer of `capacity` bytes, empty) until a request
-        is Python's; (LOOP_* answer, bytes of the next request left at scratch's front). What C
-        served is folded into the counters (GRAPH_RECOMPUTEs: see take_recomputes). Raises what
-        serve() raises when a reply could not be sent, OSError when a recv failed."""
+        is Python's; (LOOP_* answer, bytes of the next request left at scratch's front). While
+        it runs, what it serves is counted where pending() reads it; after, it is folded into
+        the counters. Raises what serve() raises when a reply could not be sent, OSError when a
+        recv failed."""
         ctx = self._ctx
         ctx.have = 0
+        self.loop_calls += 1
         answer = self._loop(self._ctx_ref, scratch, capacity, LOOP_WAIT_MS, LOOP_BUDGET_MS)
         self._fold()
         if answer == native.LOOP_ERROR:
@@ -180,40 +192,59 @@ class FastPath:
             raise ConnectionError(code, f"fast loop: {os.strerror(code)}")
         return answer, ctx.have
 
-    def take_recomputes(self) -> tuple[int, float]:
-        """GRAPH_RECOMPUTEs the loop computed since the last call, and their seconds."""
-        n, seconds = self._recomputes
-        self._recomputes = (0, 0.0)
-        return n, seconds
-
     def _account(self, conn: ServerConnection, used: int) -> None:
         self._fold()
         conn.served(used)
 
+    @property
+    def requests_served(self) -> int:
+        """Requests C served since the session began (tests, diagnostics)."""
+        s = self._ctx.served
+        return s.set_count + s.get_count + s.recompute_count
+
+    def pending(self) -> dict[str, int]:
+        """What C served that the counters do not hold yet, per FastServed field (any thread)."""
+        with self.lock:
+            return self._pending()
+
+    def _pending(self) -> dict[str, int]:
+        served, folded = self._ctx.served, self._folded
+        return {name: getattr(served, name) - getattr(folded, name) for name in _SERVED_FIELDS}
+
+    def add_pending(self, counters: CommandCounters) -> None:
+        """Add to `counters` (a copy of the session's) what C served since the last fold."""
+        with self.lock:
+            self._add(counters, self._pending(), self._count_commands)
+
+    def mark_folded(self) -> None:
+        """Count what C served so far as folded in (caller holds `lock`; the session's counters
+        are being zeroed)."""
+        ctypes.memmove(ctypes.addressof(self._folded), ctypes.addressof(self._ctx.served), _SERVED_SIZE)
+
+    @staticmethod
+    def _add(c: CommandCounters, d: dict[str, int], per_command: bool) -> None:
+        recomputes = d["recompute_count"]
+        c.graph_computes += recomputes
+        c.compute_seconds += d["recompute_ns"] / 1e9
+        if not per_command:
+            return
+        c.count[Cmd.SET_TENSOR] += d["set_count"]
+        c.request_bytes[Cmd.SET_TENSOR] += d["set_bytes"]
+        c.count[Cmd.GET_TENSOR] += d["get_count"]
+        c.request_bytes[Cmd.GET_TENSOR] += d["get_bytes"]
+        c.response_bytes[Cmd.GET_TENSOR] += d["get_reply_bytes"]
+        c.count[Cmd.GRAPH_RECOMPUTE] += recomputes
+        c.request_bytes[Cmd.GRAPH_RECOMPUTE] += recomputes * RECOMPUTE_BYTES
+
     def _fold(self) -> None:
-        """Fold what C served into the counters and the buffers' write generations."""
-        served = self._ctx.served
+        """Fold what C served into the counters and the buffers' write generations (the
+        session's thread, C not running)."""
         for r, b in zip(self._regions, self._buffers):
             if r.written:
                 r.written = 0
                 b.touched()
-        sets, gets = served.set_count, served.get_count
-        self.requests_served += sets + gets
-        if self._counters is not None:
-            c = self._counters
-            if sets:
-                c.count[Cmd.SET_TENSOR] += sets
-                c.request_bytes[Cmd.SET_TENSOR] += served.set_bytes
-            if gets:
-                c.count[Cmd.GET_TENSOR] += gets
-                c.request_bytes[Cmd.GET_TENSOR] += served.get_bytes
-                c.response_bytes[Cmd.GET_TENSOR] += served.get_reply_bytes
-        recomputes = served.recompute_count
-        if recomputes:
-            self.requests_served += recomputes
-            n, seconds = self._recomputes
-            self._recomputes = (n + recomputes, seconds + served.recompute_ns / 1e9)
-            if self._counters is not None:
-                self._counters.count[Cmd.GRAPH_RECOMPUTE] += recomputes
-                self._counters.request_bytes[Cmd.GRAPH_RECOMPUTE] += recomputes * RECOMPUTE_BYTES
-        ctypes.memset(ctypes.addressof(served), 0, ctypes.sizeof(served))
+        if self._counters is None:
+            return
+        with self.lock:
+            self._add(self._counters, self._pending(), self._count_commands)
+            self.mark_folded()

@@ -149,7 +149,7 @@ class Session:
         # them again once it wrote the copy itself).
         self.skipping = False
         # whole SET_TENSOR / GET_TENSOR requests on this session's own buffers, served in C
-        self.fast = FastPath(sock, self.counters if state.config.count_commands else None)
+        self.fast = FastPath(sock, self.counters, state.config.count_commands)
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         # where C's fast loop reads into (the same bytes; the export keeps the array in place)
@@ -213,7 +213,7 @@ class Session:
                         raise ConnectionError("peer closed in the middle of a request")
                     return
                 # the request at the front, or the next recv, is Python's; then C again
-                looping = answer in (native.LOOP_BUDGET, native.LOOP_WORKER, native.LOOP_SERVED)
+                looping = answer in (native.LOOP_BUDGET, native.LOOP_WORKER)
                 if conn.buffered and (conn.held > floor or self._charged):
                     self._charge(conn.held)
                 continue
@@ -265,13 +265,13 @@ class Session:
                 pool.finish_fast(self.id, worker, deadline, self.sock)
                 for buf in graph.plan.written:
                     buf.touched()
-                self._recomputed(1, time.monotonic() - fast.handed_over_at)
+                self.counters.graph_computes += 1
+                self.counters.compute_seconds += time.monotonic() - fast.handed_over_at
                 if self.state.config.count_commands:
                     self.counters.record(Cmd.GRAPH_RECOMPUTE, RECOMPUTE_BYTES, 0)
         finally:
             if held is not None:
                 pool, worker, _ = held
-                self._recomputed(*fast.take_recomputes())
                 pool.release_fast(worker, used=True)
                 fast.disarm()
         if have:
@@ -308,10 +308,19 @@ class Session:
         )
         return pool, worker, graph
 
-    def _recomputed(self, n: int, seconds: float) -> None:
-        if n:
-            self.counters.graph_computes += n
-            self.counters.compute_seconds += seconds
+    def counters_now(self) -> CommandCounters:
+        """A copy of the session's counters with what its C loop served up to now (the loop
+        folds its counts in only when it returns; a decode stream keeps it in C)."""
+        out = CommandCounters()
+        out.add(self.counters)
+        self.fast.add_pending(out)
+        return out
+
+    def reset_counters(self) -> None:
+        """Zero the counters (/v1/stats/reset), what C served so far included."""
+        with self.fast.lock:
+            self.fast.mark_folded()
+            self.counters.__init__()  # type: ignore[misc]
 
     def _skip(self, event) -> int:
         """A command after a failed PEER_GATE: read (its streamed body too) and not served."""

@@ -37,6 +37,12 @@ class LiveSession(Protocol):
     counters: CommandCounters
     layers: set[int]  # model layers whose weights it wrote (blk.N.*)
 
+    def counters_now(self) -> CommandCounters:
+        """A copy of `counters` with what its C fast loop served and has not folded in yet."""
+        ...
+
+    def reset_counters(self) -> None: ...
+
 
 class SessionTable:
     """The live sessions by id; ids are never reused within one daemon."""
@@ -182,14 +188,16 @@ class ServerState:
 
     def session_ended(self, session: LiveSession) -> None:
         self.sessions.remove(session)
-        self.stats.fold(session.counters)
+        self.stats.fold(session.counters_now())
 
     def total_counters(self) -> CommandCounters:
-        return self.stats.total([s.counters for s in self.sessions.live()])
+        return self.stats.total([s.counters_now() for s in self.sessions.live()])
 
     def reset_stats(self) -> None:
         """Zero every counter: live sessions, closed ones, peer copy."""
-        self.stats.reset([s.counters for s in self.sessions.live()])
+        self.stats.reset()
+        for s in self.sessions.live():
+            s.reset_counters()
         self.peer_stats.reset()
 
     # -- cache directory (SET_TENSOR cache flag, SET_TENSOR_HASH) ----------------------------

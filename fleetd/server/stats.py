@@ -88,8 +88,7 @@ class StatsBook:
                 out.add(c)
         return out
 
-    def reset(self, live: list[CommandCounters]) -> None:
+    def reset(self) -> None:
+        """Forget the closed sessions' totals (live sessions zero their own)."""
         with self._lock:
             self.closed = CommandCounters()
-        for c in live:
-            c.__init__()

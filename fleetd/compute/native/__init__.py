@@ -100,7 +100,7 @@ class FastRegion(ctypes.Structure):
 
 
 class FastServed(ctypes.Structure):
-    """fastpath.c's `struct fleetd_served`: what one call served, for the counters."""
+    """fastpath.c's `struct fleetd_served`: what C served, for the counters (only grows)."""
 
     _fields_ = [
         ("set_count", ctypes.c_uint64),
@@ -172,7 +172,7 @@ def recv_body():
 BODY_TOO_SLOW, BODY_NO_BYTE, BODY_CLOSED = 1, 2, 3
 
 # fleetd_fast_loop's answers (fastpath.c)
-LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER, LOOP_SERVED = range(1, 8)
+LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER = range(1, 7)
 
 
 class SharedCount:

@@ -47,7 +47,7 @@ struct fleetd_region {   /* one buffer of the session: its handle, its range, it
     uint64_t written;     /* set to 1 when a SET_TENSOR wrote into it (Python bumps generation) */
 };
 
-struct fleetd_served {   /* what the call served, for the session's counters */
+struct fleetd_served {   /* what C served, for the session's counters: they only grow */
     uint64_t set_count, set_bytes;   /* request bytes, header included */
     uint64_t get_count, get_bytes, get_reply_bytes;
     uint64_t recompute_count, recompute_ns;   /* GRAPH_RECOMPUTEs run in the worker, their time */
@@ -177,14 +177,15 @@ size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t l
             const uint8_t *src = checked_region(t, u64_at(t + TENSOR), size, f->regions,
                                                 f->n_regions, f->blck, f->tsize, f->n_types, &r);
             if (src == NULL) break;
+            /* counted before the reply leaves: a stats reader sees every answer the client got */
+            f->served.get_count += 1;
+            f->served.get_bytes += HEADER + payload;
+            f->served.get_reply_bytes += 8 + size;
             int rc = send_reply(f->fd, size, src);
             if (rc != 0) {
                 f->error = rc;
                 return pos;
             }
-            f->served.get_count += 1;
-            f->served.get_bytes += HEADER + payload;
-            f->served.get_reply_bytes += 8 + size;
         } else {
             break;
         }
@@ -203,9 +204,6 @@ enum {
                           in and calls again */
     LOOP_WORKER = 6,   /* a GRAPH_RECOMPUTE went to the worker and its answer is not a plain
                           DONE (yet): Python waits for it and decides, as for its own */
-    LOOP_SERVED = 7,   /* served requests and would now wait for the next one: Python brings
-                          the counters up to date (a reader of the stats sees every request
-                          the client got an answer to) and calls again */
 };
 
 /* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
@@ -269,13 +267,12 @@ static int recompute(struct fleetd_fast *f) {
 int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_ms, int budget_ms) {
     size_t have = f->have;
     int64_t until = now_ns() + (int64_t)budget_ms * 1000000;
-    int answer, served = 0;
+    int answer;
     for (;;) {
         size_t used = fleetd_fast_requests(f, buf, have);
         if (used) {
             memmove(buf, buf + used, have - used);
             have -= used;
-            served = 1;
         }
         if (f->error) { answer = LOOP_ERROR; break; }
         if (have >= HEADER) {
@@ -300,7 +297,6 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 f->served.recompute_count += 1;
                 f->served.recompute_ns += (uint64_t)(now_ns() - g->started_ns);
                 for (int i = 0; i < g->n_written; ++i) f->regions[g->written[i]].written = 1;
-                served = 1;
                 continue;
             }
             /* a whole request fleetd_fast_requests left, another command, or one too large */
@@ -317,7 +313,6 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
         if (n == 0) { answer = LOOP_EOF; break; }
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) { f->error = -errno; answer = LOOP_ERROR; break; }
-        if (served && have == 0) { answer = LOOP_SERVED; break; }
         struct pollfd p = {f->fd, POLLIN, 0};
         int k = poll(&p, 1, wait_ms);
         if (k == 0) { answer = LOOP_IDLE; break; }
