@@ -29,6 +29,7 @@ what was there before the compute, or any byte of Y_hi/Y_lo differs from the can
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -852,15 +853,20 @@ def fill_bytes(rng: np.random.Generator, t: Tensor, fill: Fill, n: int) -> bytes
     return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def write_plan(case: Case, base: int) -> list[tuple[int, bytes]]:
+def write_plan(case: Case, base: int, again: bool = False) -> list[tuple[int, bytes]]:
     """(offset in X, bytes) the client writes before the compute: every leaf's footprint, and
-    junk in the strided ARGSORT results' padding."""
-    rng = np.random.default_rng(case.seed)
+    junk in the strided ARGSORT results' padding. `again`: other bytes for the same leaves,
+    before a GRAPH_RECOMPUTE, with row ids out of range in half the cases (the worker checks
+    them again, in C, on every run)."""
+    rng = np.random.default_rng(case.seed ^ 0x5EED if again else case.seed)
+    hostile = again and case.seed % 2 == 1
     out = []
     for t in case.gen.roots:
         fill = case.gen.fills.get(t.id)
         if fill is None:
             continue
+        if hostile and fill.kind == "ids":
+            fill = dataclasses.replace(fill, oob=True)
         off = t.data - base
         n = min(nbytes(t.type, t.ne, t.nb), case.size - off)
         if n > 0:
@@ -1141,19 +1147,15 @@ def run_case(d: Daemon, seed: int) -> Result:
         set_whole(fuzzed, x_h, x_b, bytes(image))
         graph = case.gen.g.serialize(case.gen.nodes)
         fuzzed.graph_compute(graph)
-        try:
-            fuzzed.sync()
-            got = get_whole(fuzzed, x_h, x_b, case.size)
-            spans = diff_spans(got, bytes(image), computed_extents(case, x_b))
-            if spans:
-                res.corruptions.append(fmt_spans("own buffer outside the nodes' extents", spans, case.size))
-        except TimeoutError:
-            res.outcome = "hang"
-        except (FleetdError, OSError) as exc:
-            if isinstance(exc.__cause__, socket.timeout) or "timed out" in str(exc):
-                res.outcome = "hang"
-            else:
-                res.outcome = "closed"
+        got = _computed(res, fuzzed, case, x_h, x_b, bytes(image), "")
+        if res.outcome == "computed" and got is not None:
+            # the stored graph again over new input bytes: the worker's C loop runs it
+            image = bytearray(got)
+            for off, data in write_plan(case, x_b, again=True):
+                image[off : off + len(data)] = data
+            set_whole(fuzzed, x_h, x_b, bytes(image))
+            fuzzed.graph_recompute(0)
+            _computed(res, fuzzed, case, x_h, x_b, bytes(image), " (recompute)")
         if res.outcome == "hang" and d.proc is not None:
             try:  # a daemon dying slowly is a death, not a hang
                 d.proc.wait(5)
@@ -1200,6 +1202,25 @@ def run_case(d: Daemon, seed: int) -> Result:
         d.restart()
     res.seconds = round(time.monotonic() - t0, 3)
     return res
+
+
+def _computed(res: Result, fuzzed: RpcClient, case: Case, x_h: int, x_b: int, image: bytes, phase: str):
+    """After a compute: X read back and compared with `image` outside the computed extents (its
+    bytes), or res.outcome set to hang / closed (None)."""
+    try:
+        fuzzed.sync()
+        got = get_whole(fuzzed, x_h, x_b, case.size)
+    except TimeoutError:
+        res.outcome = "hang"
+        return None
+    except (FleetdError, OSError) as exc:
+        timed_out = isinstance(exc.__cause__, socket.timeout) or "timed out" in str(exc)
+        res.outcome = "hang" if timed_out else "closed"
+        return None
+    spans = diff_spans(got, image, computed_extents(case, x_b))
+    if spans:
+        res.corruptions.append(fmt_spans(f"own buffer outside the nodes' extents{phase}", spans, case.size))
+    return got
 
 
 def death_log(d: Daemon) -> str:
