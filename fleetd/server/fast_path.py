@@ -1,5 +1,8 @@
 """A session's fast path: whole SET_TENSOR and GET_TENSOR requests on the session's own buffers,
-served in C (fleetd/compute/native/fastpath.c) straight from the receive buffer.
+served in C (fleetd/compute/native/fastpath.c) straight from the receive buffer; and between
+requests the loop (`loop()`), which reads the socket itself and also hands an armed
+GRAPH_RECOMPUTE to the session's compute worker, so a decode step needs no interpreter at all
+(docs/DESIGN.md, "The session's fast path").
 
 A decode step sends each node a few small SET_TENSORs and one GET_TENSOR besides its graph; in
 Python each costs ~8 us of interpreter time, more than the stock server spends on it in C. The C
@@ -39,7 +42,8 @@ _SERVED_FIELDS = [name for name, _ in native.FastServed._fields_]
 _SERVED_SIZE = ctypes.sizeof(native.FastServed)
 RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
 # Between requests, how long C waits for a byte before the session's own recv (and its idle
-# timeout) takes over; and how long C serves before the counters are brought up to date.
+# timeout) takes over, letting go of the worker's lock; and how long C serves without a break
+# (the counters are live meanwhile: this bounds how long the worker stays locked to it).
 LOOP_WAIT_MS = 20
 LOOP_BUDGET_MS = 100
 _SIZE = struct.Struct("<Q")
@@ -72,7 +76,7 @@ class FastPath:
         self._ctx.n_types = GGML_TYPE_COUNT
         self._ctx_ref = ctypes.byref(self._ctx)
         # C's counts (ctx.served) only grow; _folded is what the counters hold of them so far.
-        # A reader on another thread (the control API) adds the difference (pending()).
+        # A reader on another thread (the control API) adds the difference (add_pending()).
         self._folded = native.FastServed()
         self.lock = threading.Lock()
         self._loop = native.fast_loop()
@@ -155,7 +159,7 @@ class FastPath:
         """Let the next loop hand GRAPH_RECOMPUTE of `device` to the worker on `worker_fd`."""
         rc = self._ctx.rc
         key = (worker_fd, threads, tuple(written), id(frees), id(computing), timeout_s)
-        if key == self._armed:  # as last time (a decode stream re-arms after every step)
+        if key == self._armed:  # as last time: nothing to rebuild
             rc.device, rc.frees_seen = device, frees_seen
             return
         self._armed = key
@@ -177,7 +181,7 @@ class FastPath:
     def loop(self, scratch, capacity: int) -> tuple[int, int]:
         """Serve in C from `scratch` (a ctypes buffer of `capacity` bytes, empty) until a request
         is Python's; (LOOP_* answer, bytes of the next request left at scratch's front). While
-        it runs, what it serves is counted where pending() reads it; after, it is folded into
+        it runs, what it serves is counted where add_pending() reads it; after, it is folded into
         the counters. Raises what serve() raises when a reply could not be sent, OSError when a
         recv failed."""
         ctx = self._ctx
@@ -202,12 +206,8 @@ class FastPath:
         s = self._ctx.served
         return s.set_count + s.get_count + s.recompute_count
 
-    def pending(self) -> dict[str, int]:
-        """What C served that the counters do not hold yet, per FastServed field (any thread)."""
-        with self.lock:
-            return self._pending()
-
     def _pending(self) -> dict[str, int]:
+        """What C served that the counters do not hold yet, per FastServed field (under `lock`)."""
         served, folded = self._ctx.served, self._folded
         return {name: getattr(served, name) - getattr(folded, name) for name in _SERVED_FIELDS}
 
