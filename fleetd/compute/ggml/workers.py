@@ -467,6 +467,8 @@ class WorkerPool:
         if used:
             worker.last_used = time.monotonic()
         worker.lock.release()
+        with self._cond:  # a session waiting at the cap may evict it now, if it stays idle
+            self._cond.notify_all()
 
     def _acquire(self, session_id: int, deadline: float) -> Worker:
         """This session's worker, locked; spawned (after evicting an idle one at the cap) when
