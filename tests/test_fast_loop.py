@@ -195,17 +195,24 @@ def test_a_worker_killed_during_a_recompute_in_c_costs_only_its_session(server, 
     bystander.client.close()
 
 
+def decoding_with_a_stopped_worker(srv):
+    """A decoder two steps in and its session, whose worker is then SIGSTOPped: the next RUN
+    is never answered. (decoder, session, worker pid)"""
+    d = Decoder(endpoint(srv))
+    d.step(first=True)
+    d.step()
+    s = session_of(srv, d.client)
+    pid = srv.state.devices[0].workers.worker_pids()[s.id]
+    os.kill(pid, signal.SIGSTOP)
+    return d, s, pid
+
+
 def test_a_stopped_worker_meets_the_deadline_during_a_recompute_in_c():
     srv = start(graph_timeout=1.0)
     try:
         ep = endpoint(srv)
         pool = srv.state.devices[0].workers
-        d = Decoder(ep)
-        d.step(first=True)
-        d.step()
-        s = session_of(srv, d.client)
-        pid = pool.worker_pids()[s.id]
-        os.kill(pid, signal.SIGSTOP)  # the next RUN is never answered
+        d, s, pid = decoding_with_a_stopped_worker(srv)
         t0 = time.monotonic()
         d.client.set_tensor(d.ids.rpc(), np.array([1, 2], np.int32).tobytes())
         d.client.graph_recompute(0)
@@ -224,12 +231,7 @@ def test_a_stopped_worker_meets_the_deadline_during_a_recompute_in_c():
 def test_a_client_that_hangs_up_during_a_recompute_in_c_cancels_it(server):
     ep = endpoint(server)
     pool = server.state.devices[0].workers
-    d = Decoder(ep)
-    d.step(first=True)
-    d.step()
-    s = session_of(server, d.client)
-    pid = pool.worker_pids()[s.id]
-    os.kill(pid, signal.SIGSTOP)
+    d, s, pid = decoding_with_a_stopped_worker(server)
     d.client.graph_recompute(0)
     time.sleep(0.2)
     d.client.close()

@@ -288,25 +288,35 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
         )
 
 
-def test_fast_path_binding_layout_matches_the_c_struct():
-    # the ctypes mirrors against what the compiler laid out (fastpath.c's fleetd_fast_layout)
-    layout = native.load().fleetd_fast_layout
+@pytest.mark.parametrize(
+    "function, expected",
+    [
+        (
+            "fleetd_fast_layout",  # fastpath.c
+            lambda: [
+                ctypes.sizeof(native.FastContext),
+                ctypes.sizeof(native.FastServed),
+                ctypes.sizeof(native.FastRecompute),
+                ctypes.sizeof(native.FastRegion),
+                native.FastContext.served.offset,
+                native.FastContext.have.offset,
+                native.FastContext.rc.offset,
+                native.FastRecompute.timeout_ns.offset,
+            ],
+        ),
+        (
+            "fleetd_worker_layout",  # worker_loop.c
+            lambda: [
+                ctypes.sizeof(native.WorkerState),
+                ctypes.sizeof(native.WorkerCopy),
+                ctypes.sizeof(native.WorkerIndexCheck),
+                native.WorkerState.runs.offset,
+                native.WorkerIndexCheck.elem.offset,
+            ],
+        ),
+    ],
+)
+def test_the_ctypes_mirrors_match_what_the_compiler_laid_out(function, expected):
+    layout = getattr(native.load(), function)
     layout.argtypes, layout.restype = [ctypes.c_int], ctypes.c_size_t
-    assert layout(0) == ctypes.sizeof(native.FastContext)
-    assert layout(1) == ctypes.sizeof(native.FastServed)
-    assert layout(2) == ctypes.sizeof(native.FastRecompute)
-    assert layout(3) == ctypes.sizeof(native.FastRegion)
-    assert layout(4) == native.FastContext.served.offset
-    assert layout(5) == native.FastContext.have.offset
-    assert layout(6) == native.FastContext.rc.offset
-    assert layout(7) == native.FastRecompute.timeout_ns.offset
-
-
-def test_worker_loop_binding_layout_matches_the_c_struct():
-    layout = native.load().fleetd_worker_layout
-    layout.argtypes, layout.restype = [ctypes.c_int], ctypes.c_size_t
-    assert layout(0) == ctypes.sizeof(native.WorkerState)
-    assert layout(1) == ctypes.sizeof(native.WorkerCopy)
-    assert layout(2) == ctypes.sizeof(native.WorkerIndexCheck)
-    assert layout(3) == native.WorkerState.runs.offset
-    assert layout(4) == native.WorkerIndexCheck.elem.offset
+    assert [layout(i) for i in range(len(expected()))] == expected()
