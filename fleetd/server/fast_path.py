@@ -84,7 +84,6 @@ class FastPath:
         self._written = (ctypes.c_int32 * 0)()
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
-        self.loop_calls = 0  # calls of the C loop (each return costs a turn of the session loop)
 
     @property
     def available(self) -> bool:
@@ -186,7 +185,6 @@ class FastPath:
         recv failed."""
         ctx = self._ctx
         ctx.have = 0
-        self.loop_calls += 1
         answer = self._loop(self._ctx_ref, scratch, capacity, LOOP_WAIT_MS, LOOP_BUDGET_MS)
         self._fold()
         if answer == native.LOOP_ERROR:

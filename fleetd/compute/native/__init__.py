@@ -27,6 +27,32 @@ _lock = threading.Lock()
 _loaded: list = []  # [library or None] once a load was tried
 
 
+# Every function fleetd calls in the library: name -> (argtypes, restype).
+_SIGNATURES: dict[str, tuple[list, object]] = {
+    "fleetd_fnv1a_64": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64], ctypes.c_uint64),
+    "fleetd_fast_requests": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_size_t),
+    "fleetd_fast_loop": (
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int],
+        ctypes.c_int,
+    ),
+    "fleetd_atomic_add": ([ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32),
+    "fleetd_recv_body": (
+        [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_int),
+        ],
+        ctypes.c_size_t,
+    ),
+    "fleetd_worker_loop": ([ctypes.c_void_p], ctypes.c_int),
+}
+
+
 def load() -> ctypes.CDLL:
     """The library from the first directory that has it; OSError says where it looked."""
     tried = []
@@ -34,37 +60,10 @@ def load() -> ctypes.CDLL:
         path = Path(directory) / LIBRARY
         if path.exists():
             lib = ctypes.CDLL(str(path))
-            lib.fleetd_fnv1a_64.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
-            lib.fleetd_fnv1a_64.restype = ctypes.c_uint64
-            if hasattr(lib, "fleetd_fast_requests"):  # an older build has only the hash
-                lib.fleetd_fast_requests.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-                lib.fleetd_fast_requests.restype = ctypes.c_size_t
-            if hasattr(lib, "fleetd_fast_loop"):
-                lib.fleetd_fast_loop.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_void_p,
-                    ctypes.c_size_t,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                ]
-                lib.fleetd_fast_loop.restype = ctypes.c_int
-                lib.fleetd_atomic_add.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-                lib.fleetd_atomic_add.restype = ctypes.c_int32
-            if hasattr(lib, "fleetd_recv_body"):
-                lib.fleetd_recv_body.argtypes = [
-                    ctypes.c_int,
-                    ctypes.c_void_p,
-                    ctypes.c_size_t,
-                    ctypes.c_int,
-                    ctypes.c_uint64,
-                    ctypes.POINTER(ctypes.c_int64),
-                    ctypes.POINTER(ctypes.c_uint64),
-                    ctypes.POINTER(ctypes.c_int),
-                ]
-                lib.fleetd_recv_body.restype = ctypes.c_size_t
-            if hasattr(lib, "fleetd_worker_loop"):
-                lib.fleetd_worker_loop.argtypes = [ctypes.c_void_p]
-                lib.fleetd_worker_loop.restype = ctypes.c_int
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(lib, name, None)  # an older build lacks the later ones
+                if fn is not None:
+                    fn.argtypes, fn.restype = argtypes, restype
             return lib
         tried.append(str(directory))
     raise OSError(f"{LIBRARY} not found in {', '.join(tried)} (run scripts/build-llama.sh ggml)")
@@ -82,9 +81,14 @@ def _library() -> ctypes.CDLL | None:
     return _loaded[0]
 
 
-def _native_fnv():
+def _function(name: str):
+    """The library's function `name`, or None without the library (or in an older build)."""
     lib = _library()
-    return lib.fleetd_fnv1a_64 if lib is not None else None
+    return getattr(lib, name, None) if lib is not None else None
+
+
+def _native_fnv():
+    return _function("fleetd_fnv1a_64")
 
 
 class FastRegion(ctypes.Structure):
@@ -150,22 +154,19 @@ class FastContext(ctypes.Structure):
 def fast_requests():
     """fastpath.c's fleetd_fast_requests(context, data, length) -> bytes served, or None when the
     library is not there (or too old to have it)."""
-    lib = _library()
-    return getattr(lib, "fleetd_fast_requests", None) if lib is not None else None
+    return _function("fleetd_fast_requests")
 
 
 def fast_loop():
     """fastpath.c's fleetd_fast_loop(context, buffer, capacity, wait_ms, budget_ms) -> LOOP_*, or
     None without the library (or with one too old to have it)."""
-    lib = _library()
-    return getattr(lib, "fleetd_fast_loop", None) if lib is not None else None
+    return _function("fleetd_fast_loop")
 
 
 def recv_body():
     """fastpath.c's fleetd_recv_body(fd, dst, n, timeout_ms, min_rate, &waited_ns, &got, &why)
     -> bytes read, or None without the library."""
-    lib = _library()
-    return getattr(lib, "fleetd_recv_body", None) if lib is not None else None
+    return _function("fleetd_recv_body")
 
 
 # fleetd_recv_body's reasons to stop early (its *why)
@@ -180,8 +181,7 @@ class SharedCount:
     count of sessions computing now."""
 
     def __init__(self) -> None:
-        lib = _library()
-        self._add = getattr(lib, "fleetd_atomic_add", None) if lib is not None else None
+        self._add = _function("fleetd_atomic_add")
         self.cell = ctypes.c_int32(0)
         self._lock = threading.Lock()  # without the library: nothing in C shares the cell
 
@@ -245,8 +245,7 @@ def worker_loop():
     """worker_loop.c's fleetd_worker_loop(state) -> WORKER_*, or None without the library. A
     compute worker calls this first in its fork server, so the library is mapped before the
     sandbox forbids opening it."""
-    lib = _library()
-    return getattr(lib, "fleetd_worker_loop", None) if lib is not None else None
+    return _function("fleetd_worker_loop")
 
 
 def native_available() -> bool:

@@ -200,8 +200,8 @@ enum {
     LOOP_IDLE = 2,     /* no byte came for wait_ms */
     LOOP_EOF = 3,      /* the client closed */
     LOOP_ERROR = 4,    /* f->error: a reply not sent or a failed recv */
-    LOOP_BUDGET = 5,   /* ran budget_ms (checked between requests): Python folds the counters
-                          in and calls again */
+    LOOP_BUDGET = 5,   /* ran budget_ms (checked between requests): Python lets go of the
+                          worker's lock for a moment and calls again */
     LOOP_WORKER = 6,   /* a GRAPH_RECOMPUTE went to the worker and its answer is not a plain
                           DONE (yet): Python waits for it and decides, as for its own */
 };
