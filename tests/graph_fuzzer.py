@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -1026,6 +1027,8 @@ class Result:
     log: str = ""  # the daemon's line about this case's session (refusal, failure)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    step: str = ""  # a hang: the step that got no answer
+    stacks: str = ""  # a hang: where each thread of the daemon and its workers waited
 
     @property
     def finding(self) -> bool:
@@ -1125,6 +1128,7 @@ def run_case(d: Daemon, seed: int) -> Result:
     res = Result(seed, case.op, "computed", notes=case.notes)
     d.new_log()
     victim = fuzzed = None
+    step = "set-up"
     try:
         victim = client(d).open()
         hi_h, _ = victim.alloc_buffer(VICTIM_SIZE)
@@ -1146,6 +1150,7 @@ def run_case(d: Daemon, seed: int) -> Result:
             image[off : off + len(data)] = data
         set_whole(fuzzed, x_h, x_b, bytes(image))
         graph = case.gen.g.serialize(case.gen.nodes)
+        step = "GRAPH_COMPUTE"
         fuzzed.graph_compute(graph)
         got = _computed(res, fuzzed, case, x_h, x_b, bytes(image), "")
         if res.outcome == "computed" and got is not None:
@@ -1153,9 +1158,13 @@ def run_case(d: Daemon, seed: int) -> Result:
             image = bytearray(got)
             for off, data in write_plan(case, x_b, again=True):
                 image[off : off + len(data)] = data
+            step = "SET_TENSOR before GRAPH_RECOMPUTE"
             set_whole(fuzzed, x_h, x_b, bytes(image))
+            step = "GRAPH_RECOMPUTE"
             fuzzed.graph_recompute(0)
             _computed(res, fuzzed, case, x_h, x_b, bytes(image), " (recompute)")
+        if res.outcome == "hang":
+            res.step, res.stacks = step, process_stacks(d)
         if res.outcome == "hang" and d.proc is not None:
             try:  # a daemon dying slowly is a death, not a hang
                 d.proc.wait(5)
@@ -1192,6 +1201,8 @@ def run_case(d: Daemon, seed: int) -> Result:
         else:
             res.outcome = "hang" if "timed out" in str(exc) else "worker_death"
             res.log = f"harness: {type(exc).__name__}: {exc}"
+            if res.outcome == "hang":
+                res.step, res.stacks = step, process_stacks(d)
     finally:
         for c in (fuzzed, victim):
             if c is not None:
@@ -1221,6 +1232,50 @@ def _computed(res: Result, fuzzed: RpcClient, case: Case, x_h: int, x_b: int, im
     if spans:
         res.corruptions.append(fmt_spans(f"own buffer outside the nodes' extents{phase}", spans, case.size))
     return got
+
+
+def process_stacks(d: Daemon) -> str:
+    """Where every thread of the daemon and of its children (fork server, workers) waits: a
+    hang's evidence, read from /proc before the harness closes anything."""
+    if d.proc is None:
+        return ""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo, tree = [], [d.proc.pid], []
+    while todo:
+        pid = todo.pop(0)
+        tree.append(pid)
+        todo += sorted(children.get(pid, []))
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda p: int(p.name)):
+            try:
+                comm = (task / "comm").read_text().strip()
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                wchan = (task / "wchan").read_text().strip() or "-"
+                syscall = (task / "syscall").read_text().split()[0]
+            except (OSError, IndexError):
+                continue
+            out.append(f"{pid}/{task.name} {comm} {state} {wchan} syscall={syscall}")
+    # and their Python stacks: fleetd and its workers dump them on SIGUSR1 (faulthandler)
+    size = d.log_path.stat().st_size if d.log_path and d.log_path.exists() else 0
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(0.5)
+    try:
+        with open(d.log_path, "rb") as f:
+            f.seek(size)
+            dumps = f.read(20000).decode(errors="replace")
+    except (OSError, TypeError):
+        dumps = ""
+    return " | ".join(out) + "\n" + dumps
 
 
 def death_log(d: Daemon) -> str:
@@ -1293,6 +1348,8 @@ def describe(r: Result) -> str:
     if r.corruptions and r.outcome != "computed":
         what += " + corruption"
     detail = "; ".join(r.corruptions) or r.log
+    if r.step:
+        detail += f"; no answer after {r.step}; threads: {r.stacks}"
     return f"seed {r.seed} {r.op}: {what}: {detail} [{'; '.join(r.notes)}]"
 
 

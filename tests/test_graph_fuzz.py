@@ -57,5 +57,5 @@ def test_graph_fuzz_no_daemon_death_no_corruption(daemon):
     assert results, "no case ran"
     assert not bad, (
         f"{len(bad)} of {len(results)} cases killed or wedged the daemon or corrupted a buffer:\n"
-        + "\n".join(gf.describe(r)[:600] for r in bad[:40])
+        + "\n".join(gf.describe(r)[: 6000 if r.step else 600] for r in bad[:40])
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import faulthandler
 import ipaddress
 import logging
 import os
@@ -285,6 +286,8 @@ def serve_forever(config: ServerConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a vanished peer is an EPIPE, never a death
+    # `kill -USR1`: every thread's Python stack into the log (a wedged session, seen live)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop.wait()
     log.info("fleetd stopping")
     server.stop()

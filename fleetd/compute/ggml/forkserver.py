@@ -10,6 +10,7 @@ it kills its workers and exits.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import select
 import signal
@@ -51,6 +52,8 @@ def main(argv: list[str]) -> int:
     exit on EVENTS_FD until CTL_FD closes."""
     ctl_fd, events_fd, threads, user = int(argv[0]), int(argv[1]), int(argv[2]), argv[3] or None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle
+    # `kill -USR1` on a worker: its Python stack into the daemon's log (workers inherit this)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)

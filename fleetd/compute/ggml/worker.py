@@ -288,8 +288,8 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
             continue
         msg = pickle.loads(payload)
         for handle in msg.get("unmap", ()):
-            for key in [k for k, p in plans.items() if handle in p.handles]:
-                plans.pop(key).free()
+            for stale in [k for k, p in plans.items() if handle in p.handles]:
+                plans.pop(stale).free()
             m = maps.pop(handle, None)
             if m is not None:
                 m.pages.close()
@@ -299,9 +299,9 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
             finally:
                 os.close(fd)  # the mapping keeps the memory; the worker holds no fd
         if kind == MSG_FORGET:
-            for key in msg.get("keys", ()):
-                if key in plans:
-                    plans.pop(key).free()
+            for stale in msg.get("keys", ()):
+                if stale in plans:
+                    plans.pop(stale).free()
             continue
         if kind != MSG_COMPUTE:
             raise ValueError(f"unknown message {kind}")
