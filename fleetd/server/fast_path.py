@@ -169,6 +169,17 @@ class FastPath:
         rc.computing = ctypes.pointer(computing)
         rc.timeout_ns = int(timeout_s * 1e9)
 
+    def set_request_rules(self, timeout_s: float, min_rate: int) -> None:
+        """The rules a SET_TENSOR too large for the loop's buffer is streamed under in C (the
+        session's for a started request); until called, such SETs are Python's."""
+        body = self._ctx.body
+        body.timeout_ms, body.min_rate = max(1, int(timeout_s * 1000)), min_rate
+
+    def body_cut(self) -> tuple[int, int, float]:
+        """After LOOP_BODY: (fleetd_recv_body's reason, the request's bytes, seconds it waited)."""
+        body = self._ctx.body
+        return body.why, body.got, body.waited_ns / 1e9
+
     def disarm(self) -> None:
         self._ctx.rc.device = -1
 

@@ -150,6 +150,7 @@ class Session:
         self.skipping = False
         # whole SET_TENSOR / GET_TENSOR requests on this session's own buffers, served in C
         self.fast = FastPath(sock, self.counters, state.config.count_commands)
+        self.fast.set_request_rules(self.limits.request_timeout, self.limits.min_request_rate)
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         # where C's fast loop reads into (the same bytes; the export keeps the array in place)
@@ -276,6 +277,9 @@ class Session:
                 fast.disarm()
         if have:
             self.conn.receive_data(self._scratch_view[:have])
+        if answer == native.LOOP_BODY:  # a SET_TENSOR streamed in C was cut
+            why, got, waited = fast.body_cut()
+            self._body_cut(why, got, waited, "SET_TENSOR")
         return answer
 
     def _arm_recompute(self):
@@ -486,11 +490,15 @@ class Session:
         self._request_waited, self._request_got = waited.value / 1e9, got.value
         if n:
             self.conn.body_received(n)
-        reason = why.value
+        self._body_cut(why.value, got.value, waited.value / 1e9, what)
+        return n
+
+    def _body_cut(self, reason: int, got: int, waited: float, what: str) -> None:
+        """Raise what recv_in_request raises for fleetd_recv_body's `reason` (0: nothing)."""
         if reason == native.BODY_TOO_SLOW:
             raise SessionTimeout(
-                f"slow sender: {got.value} bytes of a request in {waited.value / 1e9:.0f}s of "
-                f"waiting (minimum {limits.min_request_rate} bytes/s)"
+                f"slow sender: {got} bytes of a request in {waited:.0f}s of "
+                f"waiting (minimum {self.limits.min_request_rate} bytes/s)"
             )
         if reason == native.BODY_NO_BYTE:
             raise SessionTimeout(self._timeout_reason())
@@ -498,7 +506,6 @@ class Session:
             raise ConnectionError(f"peer closed in the middle of {what} data")
         if reason < 0:
             raise OSError(-reason, os.strerror(-reason))
-        return n
 
     def discard_body(self, what: str) -> None:
         """A streamed request body read and dropped (a refused PEER_PUSH)."""

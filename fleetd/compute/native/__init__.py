@@ -134,6 +134,19 @@ class FastRecompute(ctypes.Structure):
     ]
 
 
+class FastBody(ctypes.Structure):
+    """fastpath.c's `struct fleetd_body`: the rules a large SET_TENSOR streams under, and why
+    one was cut."""
+
+    _fields_ = [
+        ("timeout_ms", ctypes.c_int32),
+        ("why", ctypes.c_int32),
+        ("min_rate", ctypes.c_uint64),
+        ("waited_ns", ctypes.c_int64),
+        ("got", ctypes.c_uint64),
+    ]
+
+
 class FastContext(ctypes.Structure):
     """fastpath.c's `struct fleetd_fast`: one session's fast path, set up once."""
 
@@ -148,6 +161,7 @@ class FastContext(ctypes.Structure):
         ("served", FastServed),
         ("have", ctypes.c_uint64),
         ("rc", FastRecompute),
+        ("body", FastBody),
     ]
 
 
@@ -173,7 +187,7 @@ def recv_body():
 BODY_TOO_SLOW, BODY_NO_BYTE, BODY_CLOSED = 1, 2, 3
 
 # fleetd_fast_loop's answers (fastpath.c)
-LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER = range(1, 7)
+LOOP_PYTHON, LOOP_IDLE, LOOP_EOF, LOOP_ERROR, LOOP_BUDGET, LOOP_WORKER, LOOP_BODY = range(1, 8)
 
 
 class SharedCount:

@@ -135,6 +135,16 @@ struct fleetd_recompute {
     int64_t started_ns;      /* out: CLOCK_MONOTONIC when the last one was handed over */
 };
 
+/* A SET_TENSOR too large for the loop's buffer is streamed into its tensor here, under the
+ * session's rules for a started request (Session.recv_in_request), which Python sets once. */
+struct fleetd_body {
+    int32_t timeout_ms;      /* request_timeout; 0: such SETs are Python's */
+    int32_t why;             /* out, with LOOP_BODY: fleetd_recv_body's reason */
+    uint64_t min_rate;       /* min_request_rate, bytes a second */
+    int64_t waited_ns;       /* out: the cut request's time spent waiting ... */
+    uint64_t got;            /* ... and its bytes, for the message */
+};
+
 struct fleetd_fast {      /* one session's fast path, set up once, passed by pointer */
     int fd;
     int n_regions;
@@ -146,6 +156,7 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     struct fleetd_served served;
     uint64_t have;           /* fleetd_fast_loop: bytes of a request left at the buffer's front */
     struct fleetd_recompute rc;
+    struct fleetd_body body;
 };
 
 /* Serve the whole fast requests at the front of data[0, len): the bytes consumed. A reply that
@@ -204,7 +215,11 @@ enum {
                           worker's lock for a moment and calls again */
     LOOP_WORKER = 6,   /* a GRAPH_RECOMPUTE went to the worker and its answer is not a plain
                           DONE (yet): Python waits for it and decides, as for its own */
+    LOOP_BODY = 7,     /* a streamed SET_TENSOR was cut (f->body.why): the connection ends */
 };
+
+size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
+                        int64_t *waited_ns, uint64_t *got, int *why);
 
 /* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
 #define MSG_RUN 3
@@ -260,6 +275,33 @@ static int recompute(struct fleetd_fast *f) {
     }
 }
 
+/* A SET_TENSOR larger than the loop's buffer, its fixed part at buf's front (have bytes in
+ * all): checked as fleetd_fast_requests checks one, the bytes already here copied, the rest
+ * read from the socket straight into the tensor (one copy, no receive buffer in between).
+ * 1 served; 0 Python's (nothing consumed); -1 cut (f->body says why; the tensor holds what
+ * came, as on Python's streamed path, and the connection ends). */
+static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
+    const uint8_t *t = buf + HEADER;
+    if (t[TENSOR] != 0 || memcmp(t + T_NAME, "blk.", 4) == 0) return 0;
+    uint64_t size = payload - SET_FIXED;
+    struct fleetd_region *r;
+    uint8_t *dst = checked_region(t, u64_at(t + TENSOR + 1), size, f->regions, f->n_regions,
+                                  f->blck, f->tsize, f->n_types, &r);
+    if (dst == NULL) return 0;
+    size_t here = have - HEADER - SET_FIXED;  /* < size: the request is not whole */
+    memcpy(dst, t + SET_FIXED, here);
+    r->written = 1;
+    struct fleetd_body *b = &f->body;
+    b->waited_ns = 0;
+    b->got = have;
+    size_t n = fleetd_recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
+                                &b->waited_ns, &b->got, &b->why);
+    if (here + n < size) return -1;
+    f->served.set_count += 1;
+    f->served.set_bytes += HEADER + payload;
+    return 1;
+}
+
 /* Serve the session from `buf` (cap bytes, f->have of them already there) until a request is
  * Python's: whole fast requests as fleetd_fast_requests, the armed GRAPH_RECOMPUTE, and the
  * recv between them, so a decode step costs no interpreter at all. Returns a LOOP_* answer,
@@ -297,6 +339,15 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 f->served.recompute_count += 1;
                 f->served.recompute_ns += (uint64_t)(now_ns() - g->started_ns);
                 for (int i = 0; i < g->n_written; ++i) f->regions[g->written[i]].written = 1;
+                continue;
+            }
+            if (buf[0] == CMD_SET_TENSOR && payload > cap - HEADER && payload >= SET_FIXED &&
+                f->body.timeout_ms > 0) {
+                if (have < HEADER + SET_FIXED) goto more;
+                int r = stream_set(f, buf, have, payload);
+                if (r == 0) { answer = LOOP_PYTHON; break; }
+                have = 0;
+                if (r < 0) { answer = LOOP_BODY; break; }
                 continue;
             }
             /* a whole request fleetd_fast_requests left, another command, or one too large */
@@ -339,6 +390,8 @@ size_t fleetd_fast_layout(int which) {
     case 5: return offsetof(struct fleetd_fast, have);
     case 6: return offsetof(struct fleetd_fast, rc);
     case 7: return offsetof(struct fleetd_recompute, timeout_ns);
+    case 8: return offsetof(struct fleetd_fast, body);
+    case 9: return sizeof(struct fleetd_body);
     default: return 0;
     }
 }
