@@ -31,7 +31,7 @@ from fleetd.transport import free_port
 
 HOST = "127.0.0.1"
 _LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] ")  # "0.00.005.554 E " in llama.cpp's log
-HEALTH_POLL_S = 0.2
+HEALTH_POLL_S = 0.05  # a loopback GET: polling often costs nothing and starts serving sooner
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 STOP_TIMEOUT_S = 10.0
 _LOG_TAIL_BYTES = 64 << 10
