@@ -59,7 +59,7 @@ def load() -> ctypes.CDLL:
     for directory in library_dirs():
         path = Path(directory) / LIBRARY
         if path.exists():
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(path), use_errno=True)  # WORKER_ERROR reports it
             for name, (argtypes, restype) in _SIGNATURES.items():
                 fn = getattr(lib, name, None)  # an older build lacks the later ones
                 if fn is not None:
