@@ -50,7 +50,7 @@ COMPUTE_REPEATS = 5  # timed compute runs (the median counts: see _timed)
 PROMPT_BATCH = 32  # tokens of the prompt probe's batch unless the workload's is given
 MAX_PEER_NODES = 8  # node-to-node links are measured for fleets up to this size
 MIN_SECONDS = 1e-6  # a measured time below this is taken as this (a rate must stay finite)
-MAX_REPEATS = 8  # copies of a layer's matrices in one compute probe (see _compute)
+MAX_REPEATS = 16  # copies of a layer's matrices in one compute probe (see _compute)
 # Idle before each timed step: a node waits while the others compute, and a core that went idle
 # wakes slowly (on the 2-core VM here a step took ~0.4 ms back to back, ~0.8-1.0 ms after 5 ms
 # idle); 5 ms is about one decode step of the lab's fleets, long enough to reach that regime.
@@ -201,8 +201,13 @@ def _compute(
     copy with its own weights, and the time divided by the copies: a node computes several
     layers back to back, from memory rather than cache, and a one-layer graph of well under a
     millisecond is mostly dispatch and wake-up. The prompt's batch is the workload's own (the
-    matrices' per-token cost falls with the batch: at 32 tokens it was ~25% above that at 512)."""
-    budget = max(1 << 20, min(16 * PROBE_BYTES, free // 4))
+    matrices' per-token cost falls with the batch: at 32 tokens it was ~25% above that at 512).
+
+    The copies take up to half the node's free memory (at most 64 MiB): a split's decode reads
+    each weight once a token from memory, and copies that fit the last-level cache measure a
+    speed no split sees (the lab's nodes share a 32 MiB L3: at free // 4, 24 MiB of copies,
+    three equal nodes were predicted 1.5-1.7x the decode t/s they ran)."""
+    budget = max(1 << 20, min(16 * PROBE_BYTES, free // 2))
     total = sum(m.nbytes for m in matrices)
     reps = max(1, min(MAX_REPEATS, budget // max(1, total)))
     scaled, kept = _scaled(list(matrices) * reps, budget)
