@@ -72,6 +72,7 @@ def start_stock(
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         env=env_for(n) if env_for else None,
+                        preexec_fn=n.join_cpu_group if n.cpu_group else None,  # the node's quota
                     )
                 )
         for n, proc in zip(lab_nodes, procs, strict=True):
@@ -160,6 +161,12 @@ def main() -> int:
     ap.add_argument("--text-gen", type=int, default=32, help="greedy tokens for the md5 (default 32)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     ap.add_argument("--fleetd-args", default="", help="more fleetd flags (--fleetd-args='--max-memory 1G')")
+    ap.add_argument(
+        "--node-cores",
+        type=float,
+        help="CPU time per node in cores (a quota each node's fleetd or stock server runs under): "
+        "nodes that stand for machines, so that a 4th node adds compute (default: none, all share)",
+    )
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
     a = ap.parse_args()
@@ -176,7 +183,9 @@ def main() -> int:
     lab = Lab(work / "lab")
     stock: list[subprocess.Popen] = []
     try:
-        lab_nodes = lab.up(a.nodes, coord, peer, node_args=[shlex.split(a.fleetd_args)] * a.nodes)
+        lab_nodes = lab.up(
+            a.nodes, coord, peer, node_args=[shlex.split(a.fleetd_args)] * a.nodes, node_cores=a.node_cores
+        )
         stock = start_stock(lab_nodes, 1, work)
         rpc = {
             "stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes),
@@ -226,8 +235,9 @@ def main() -> int:
                 for ref in ("stock", "hub")
             ]
             rows.append([label, arm, f"{s['median']:.1f}", f"{s['min']:.1f}..{s['max']:.1f}", *vs])
+    cores = f" of {a.node_cores:g} cores" if a.node_cores else ""
     show(
-        f"{a.nodes} nodes, coordinator links {a.coordinator_link}, peer links {a.peer_link}, "
+        f"{a.nodes} nodes{cores}, coordinator links {a.coordinator_link}, peer links {a.peer_link}, "
         f"{model.name}, {a.rounds} rounds (ABBA)",
         ["metric", "arm", "median", "min..max", "x stock", "x hub"],
         rows,
@@ -253,7 +263,8 @@ def main() -> int:
             }
             for m, label in METRICS.items()
         }
-        title = f"{a.nodes} nodes, coordinator {a.coordinator_link}, peers {a.peer_link}: median, min..max"
+        title = f"{a.nodes} nodes{cores}, coordinator {a.coordinator_link}, peers {a.peer_link}"
+        title += ": median, min..max"
         print(f"wrote {write_bar_chart(a.chart, title, panels)}")
     return 0 if len(md5s) == 1 else 1
 

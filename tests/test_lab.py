@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from fleetd.client import RpcClient
 from fleetd.ctl.main import main
+from fleetd.errors import FleetError
 from fleetd.fleet.lab import Lab, parse_rate, parse_rates
 from fleetd.fleet.node import Fleet
 from fleetd.ports import DEFAULT_RPC_PORT
@@ -62,6 +64,8 @@ def test_rates_parse_and_bad_numbers_exit_2(capsys):
         ["lab", "up", "--threads", "0"],
         ["lab", "up", "--nodes", "3", "--coordinator-link", "1gbit,100mbit"],
         ["lab", "up", "--nodes", "2", "--coordinator-link", "1gbit,3furlongs"],
+        ["lab", "up", "--node-cores", "0"],
+        ["lab", "up", "--node-cores", "4096"],
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
@@ -108,6 +112,53 @@ def test_per_node_coordinator_links_flags_and_cores(tmp_path):
     finally:
         lab.down()
     assert namespaces() == before_ns
+
+
+def cgroup_of(pid: int) -> str:
+    """The cpu hierarchy's group of `pid` (v1 "N:cpu,...:/path", else v2 "0::/path")."""
+    lines = open(f"/proc/{pid}/cgroup").read().splitlines()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+
+
+@needs_root
+def test_node_cores_put_each_node_and_its_workers_under_a_quota(tmp_path):
+    from fleetd.fleet import lab as lab_module
+
+    try:
+        lab_module._cpu_group_path("probe")
+    except FleetError as exc:  # pragma: no cover - depends on the machine's kernel
+        pytest.skip(str(exc))
+    lab = Lab(tmp_path / "lab")
+    nodes = lab.up(2, parse_rate("1gbit"), parse_rate("1gbit"), node_cores=0.25)
+    groups = [n.cpu_group for n in nodes]
+    try:
+        assert len(set(groups)) == 2 and all(groups)
+        for n, pid in zip(nodes, lab.state["pids"], strict=True):
+            group = Path(n.cpu_group)
+            quota = group / "cpu.cfs_quota_us"
+            if quota.exists():
+                assert int(quota.read_text()) * 4 == int((group / "cpu.cfs_period_us").read_text())
+            else:
+                q, period = (group / "cpu.max").read_text().split()
+                assert int(q) * 4 == int(period)
+            # the daemon and what it started (its compute fork server) are in the node's group
+            assert group.name in cgroup_of(pid)
+            children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+            assert children and all(group.name in cgroup_of(c) for c in children)
+            # and so is a process the benchmark starts in the node (a stock server)
+            probe = subprocess.Popen(["sleep", "30"], preexec_fn=n.join_cpu_group)
+            try:
+                assert group.name in cgroup_of(probe.pid)
+            finally:
+                probe.kill()
+                probe.wait()
+    finally:
+        lab.down()
+    assert not any(os.path.exists(g) for g in groups)
 
 
 @needs_root

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def configure_lab(p) -> None:
         "node's log, fleetd's pid is in DIR/NODE.pid (default: unsupervised, a fleetd that dies "
         "stays down)",
     )
+    up.add_argument(
+        "--node-cores",
+        type=float,
+        default=None,
+        metavar="CORES",
+        help="CPU time each node may use, in cores (a CFS quota on its fleetd, fork server and "
+        "workers): nodes that stand for machines of their own, so that a node added adds compute "
+        "(default: none, every node shares all of this machine's cores)",
+    )
     down = sub.add_parser("down", help="stop the lab's fleetd and remove its namespaces and links")
     for q in (up, down):
         q.add_argument(
@@ -78,12 +88,15 @@ def cmd_lab(args) -> int:
         return _usage_error(f"--threads {args.threads}: must be in 1..64")
     if args.restart is not None and not 0 <= args.restart <= MAX_RESTART_S:
         return _usage_error(f"--restart {args.restart:g}: must be in 0..{MAX_RESTART_S:g}")
+    cores = os.cpu_count() or 1
+    if args.node_cores is not None and not 0.01 <= args.node_cores <= cores:
+        return _usage_error(f"--node-cores {args.node_cores:g}: must be in 0.01..{cores}")
     try:
         coord = parse_rates(args.coordinator_link, args.nodes)
         peer = parse_rate(args.peer_link)
     except ValueError as exc:
         return _usage_error(str(exc))
-    nodes = lab.up(args.nodes, coord, peer, args.threads, restart_s=args.restart)
+    nodes = lab.up(args.nodes, coord, peer, args.threads, restart_s=args.restart, node_cores=args.node_cores)
     links = fmt_rate(coord[0]) if len(set(coord)) == 1 else ",".join(map(fmt_rate, coord))
     print(f"lab up: {len(nodes)} nodes, coordinator links {links}, peer links {fmt_rate(peer)}")
     if args.restart is not None:
