@@ -9,6 +9,7 @@ from pathlib import Path
 from fleetd.fleet.lab import (
     MAX_NODES,
     MAX_RESTART_S,
+    MIN_NODE_CORES,
     RESTART_BURST,
     RESTART_INTERVAL_S,
     Lab,
@@ -89,8 +90,8 @@ def cmd_lab(args) -> int:
     if args.restart is not None and not 0 <= args.restart <= MAX_RESTART_S:
         return _usage_error(f"--restart {args.restart:g}: must be in 0..{MAX_RESTART_S:g}")
     cores = os.cpu_count() or 1
-    if args.node_cores is not None and not 0.01 <= args.node_cores <= cores:
-        return _usage_error(f"--node-cores {args.node_cores:g}: must be in 0.01..{cores}")
+    if args.node_cores is not None and not MIN_NODE_CORES <= args.node_cores <= cores:
+        return _usage_error(f"--node-cores {args.node_cores:g}: must be in {MIN_NODE_CORES:g}..{cores}")
     try:
         coord = parse_rates(args.coordinator_link, args.nodes)
         peer = parse_rate(args.peer_link)

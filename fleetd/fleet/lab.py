@@ -76,6 +76,11 @@ LINK_BURST_S = 100e-6
 # The supervisor's limits, as the deploy's unit (StartLimitBurst=10, StartLimitIntervalSec=60).
 RESTART_BURST, RESTART_INTERVAL_S = 10, 60.0
 MAX_RESTART_S = 3600.0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# a 10 ms period: a node over its quota stalls for milliseconds (at the default 100 ms it stalled
+# for most of a period: decode over 3 nodes of 0.4 cores scattered 49..133 t/s, now 136..172)
+CFS_PERIOD_US = 10_000
+MIN_NODE_CORES = 0.1  # the kernel's smallest quota, 1 ms, of that period
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|k|m|g)?$", re.I)
 _UNITS = {"bit": 1, "kbit": 1e3, "k": 1e3, "mbit": 1e6, "m": 1e6, "gbit": 1e9, "g": 1e9}
@@ -228,8 +233,8 @@ class Lab:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
         if restart_s is not None and not 0 <= restart_s <= MAX_RESTART_S:
             raise ValueError(f"restart_s {restart_s}: must be in 0..{MAX_RESTART_S:g}")
-        if node_cores is not None and not 0.01 <= node_cores <= (os.cpu_count() or 1):
-            raise ValueError(f"node_cores {node_cores:g}: must be in 0.01..{os.cpu_count()}")
+        if node_cores is not None and not MIN_NODE_CORES <= node_cores <= (os.cpu_count() or 1):
+            raise ValueError(f"node_cores {node_cores:g}: must be in {MIN_NODE_CORES:g}..{os.cpu_count()}")
         rates = per_node_rates(coordinator_bits, nodes)
         for name, given in (("node_args", node_args), ("node_cpus", node_cpus)):
             if given is not None and len(given) != nodes:
@@ -511,12 +516,6 @@ class Lab:
         return removed
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-# a 10 ms period: a node over its quota stalls for milliseconds (at the default 100 ms it stalled
-# for most of a period: decode over 3 nodes of 0.4 cores scattered 49..133 t/s, now 136..172)
-CFS_PERIOD_US = 10_000
-
-
 def _cpu_group_path(name: str) -> str:
     """Where a CPU quota group goes: the cgroup v1 cpu hierarchy, else the unified one (v2)."""
     v1 = CGROUP_ROOT / "cpu"
@@ -532,7 +531,7 @@ def _make_cpu_group(path: str, cores: float) -> None:
     group = Path(path)
     try:
         group.mkdir(exist_ok=True)
-        quota = max(1000, int(cores * CFS_PERIOD_US))
+        quota = int(cores * CFS_PERIOD_US)
         if (group / "cpu.cfs_quota_us").exists():
             (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
