@@ -159,6 +159,16 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     struct fleetd_body body;
 };
 
+/* Where a SET_TENSOR's data goes (its fixed part at `t`, `payload` bytes in all, at least
+ * SET_FIXED), or NULL when the request is Python's: the cache flag (Python stores the file), a
+ * model weight (Python notes its layer), or a region checked_region refuses. */
+static uint8_t *set_destination(struct fleetd_fast *f, const uint8_t *t, uint64_t payload,
+                                struct fleetd_region **which) {
+    if (t[TENSOR] != 0 || memcmp(t + T_NAME, "blk.", 4) == 0) return NULL;
+    return checked_region(t, u64_at(t + TENSOR + 1), payload - SET_FIXED, f->regions, f->n_regions,
+                          f->blck, f->tsize, f->n_types, which);
+}
+
 /* Serve the whole fast requests at the front of data[0, len): the bytes consumed. A reply that
  * could not be sent sets f->error (the connection is then broken) and stops there. */
 size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t len) {
@@ -172,13 +182,9 @@ size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t l
         struct fleetd_region *r;
         if (req[0] == CMD_SET_TENSOR) {
             if (payload < SET_FIXED) break;
-            if (t[TENSOR] != 0) break;  /* the cache flag: Python stores the file */
-            if (memcmp(t + T_NAME, "blk.", 4) == 0) break;  /* a weight: Python notes its layer */
-            uint64_t size = payload - SET_FIXED;
-            uint8_t *dst = checked_region(t, u64_at(t + TENSOR + 1), size, f->regions, f->n_regions,
-                                          f->blck, f->tsize, f->n_types, &r);
+            uint8_t *dst = set_destination(f, t, payload, &r);
             if (dst == NULL) break;
-            memcpy(dst, t + SET_FIXED, size);
+            memcpy(dst, t + SET_FIXED, payload - SET_FIXED);
             r->written = 1;
             f->served.set_count += 1;
             f->served.set_bytes += HEADER + payload;
@@ -281,15 +287,12 @@ static int recompute(struct fleetd_fast *f) {
  * 1 served; 0 Python's (nothing consumed); -1 cut (f->body says why; the tensor holds what
  * came, as on Python's streamed path, and the connection ends). */
 static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
-    const uint8_t *t = buf + HEADER;
-    if (t[TENSOR] != 0 || memcmp(t + T_NAME, "blk.", 4) == 0) return 0;
     uint64_t size = payload - SET_FIXED;
     struct fleetd_region *r;
-    uint8_t *dst = checked_region(t, u64_at(t + TENSOR + 1), size, f->regions, f->n_regions,
-                                  f->blck, f->tsize, f->n_types, &r);
+    uint8_t *dst = set_destination(f, buf + HEADER, payload, &r);
     if (dst == NULL) return 0;
     size_t here = have - HEADER - SET_FIXED;  /* < size: the request is not whole */
-    memcpy(dst, t + SET_FIXED, here);
+    memcpy(dst, buf + HEADER + SET_FIXED, here);
     r->written = 1;
     struct fleetd_body *b = &f->body;
     b->waited_ns = 0;
