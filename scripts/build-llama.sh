@@ -45,26 +45,29 @@ have_ggml() {
 }
 
 # fleetd's own helpers (FNV-1a for the cache directory, the session's fast path for whole
-# SET_TENSOR/GET_TENSOR requests and GRAPH_RECOMPUTE, the compute worker's loop): the C files next to fleetd/compute/native/__init__.py, rebuilt
+# SET_TENSOR/GET_TENSOR requests and GRAPH_RECOMPUTE, the compute worker's loop, the
+# asynchronous peer copy's staging): the C files next to fleetd/compute/native/__init__.py, rebuilt
 # when missing or older than any source, without touching ggml. Plain -O2, no -march: they ship
 # with the portable libs.
 NATIVE_SRCS=(
     "$HERE/../fleetd/compute/native/fnv1a.c"
     "$HERE/../fleetd/compute/native/fastpath.c"
     "$HERE/../fleetd/compute/native/worker_loop.c"
+    "$HERE/../fleetd/compute/native/peer_stage.c"
 )
+NATIVE_HEADERS=("$HERE/../fleetd/compute/native/peer_stage.h")
 NATIVE_LIB="$GGML_LIB/libfleetd-native.so"
 have_native() {
     [ -f "$NATIVE_LIB" ] || return 1
     local src
-    for src in "${NATIVE_SRCS[@]}"; do
+    for src in "${NATIVE_SRCS[@]}" "${NATIVE_HEADERS[@]}"; do
         [ "$src" -nt "$NATIVE_LIB" ] && return 1
     done
     return 0
 }
 build_native() {
     mkdir -p "$GGML_LIB"
-    "${CC:-cc}" -O2 -std=c99 -Wall -Werror -shared -fPIC -o "$NATIVE_LIB.tmp" "${NATIVE_SRCS[@]}"
+    "${CC:-cc}" -O2 -std=c99 -Wall -Werror -shared -fPIC -pthread -o "$NATIVE_LIB.tmp" "${NATIVE_SRCS[@]}"
     mv "$NATIVE_LIB.tmp" "$NATIVE_LIB"
 }
 

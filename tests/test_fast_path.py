@@ -304,6 +304,8 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
                 native.FastRecompute.timeout_ns.offset,
                 native.FastContext.body.offset,
                 ctypes.sizeof(native.FastBody),
+                native.FastContext.peer.offset,
+                ctypes.sizeof(native.FastPeer),
             ],
         ),
         (

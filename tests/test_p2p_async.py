@@ -84,6 +84,12 @@ def short_waits(srv, seconds: float = 0.5) -> None:
     srv.state.peer_timeouts = dataclasses.replace(srv.state.peer_timeouts, wait=seconds)
 
 
+def native_staging() -> bool:
+    from fleetd.compute import native
+
+    return native.peer_stage() is not None
+
+
 def held(*servers) -> list[int]:
     return [s.state.peer_memory.held for s in servers]
 
@@ -491,3 +497,52 @@ def test_a_copy_skipped_behind_a_failed_gate_fails_the_next_gate_at_once(fleetd_
         cb.copy_tensor_to_async(tb, tc, NB, endpoint(c_srv), stream_c, 2)
         assert bytes(cb.peer_take(stream_c, 2, NB)) == values(1)
         assert b_srv.state.peer_stats.as_dict()["commands_skipped"] == 1
+
+
+def _live_sessions(srv) -> list:
+    with srv.state.sessions._lock:
+        return list(srv.state.sessions._by_id.values())
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
+    """After the first push of a stream (Python checks its destination and vouches for it), the
+    destination's loops stage the pushes and answer the gates in C: the link's session and the
+    client's session serve them without the interpreter, the bytes land in order, and the
+    counters say every PEER_PUSH and PEER_GATE as the Python path would."""
+    p = pair()
+    steps = 40
+    for i in range(1, steps + 1):
+        seq = p.copy(values(i))
+        p.cd.peer_gate(p.stream, seq)
+        assert p.cd.gate_result() is True
+        assert p.cd.get_tensor(p.td) == values(i)
+    sessions = _live_sessions(p.dst_srv)
+    by_cmd: dict[int, int] = {}
+    for s in sessions:
+        counts = s.counters_now().count
+        for cmd in (Cmd.PEER_PUSH, Cmd.PEER_GATE):
+            by_cmd[cmd] = by_cmd.get(cmd, 0) + counts[cmd]
+    assert by_cmd == {Cmd.PEER_PUSH: steps, Cmd.PEER_GATE: steps}
+    served = {s.id: s.fast._ctx.served for s in sessions}
+    pushes = sum(v.push_count for v in served.values())
+    gates = sum(v.gate_count for v in served.values())
+    # the first push is Python's (it vouches), and a gate that outran its push by more than the
+    # loop's wait would be too: on loopback nearly all are C's
+    assert pushes >= steps - 5 and gates >= steps - 5, (pushes, gates)
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_a_free_sends_the_next_push_back_to_python_and_its_checks(pair):
+    """A vouched destination is trusted only until something is freed: after a free the next
+    push is checked in Python again, so one out of bounds now closes the link as before."""
+    p = pair()
+    assert p.cd.peer_wait(p.stream, p.copy(values(1))) is True  # vouched
+    q, _ = p.cd.alloc_buffer(NB)
+    p.cd.free_buffer(q)  # any free
+    bad = f32(p.pd, p.base_d, offset=NB // 2)
+    seq = p.copy(values(2), dst=bad)
+    assert p.cd.peer_wait(p.stream, seq) is False
+    assert bytes(p.cs.peer_take(p.stream, seq, NB)) == values(2)
+    assert p.src_srv.state.peer_stats.as_dict()["fallbacks"]["write_rejected"] == 1

@@ -41,6 +41,8 @@ _FAST_COMMANDS = (Cmd.SET_TENSOR, Cmd.GET_TENSOR)
 _SERVED_FIELDS = [name for name, _ in native.FastServed._fields_]
 _SERVED_SIZE = ctypes.sizeof(native.FastServed)
 RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
+GATE_BYTES = 9 + 16  # a PEER_GATE request: header, stream, seq
+ANSWER_BYTES = 8 + 1  # PEER_GATE's and PEER_PUSH's answer: size, one byte
 # Between requests, how long C waits for a byte before the session's own recv (and its idle
 # timeout) takes over, letting go of the worker's lock; and how long C serves without a break
 # (the counters are live meanwhile: this bounds how long the worker stays locked to it).
@@ -135,7 +137,21 @@ class FastPath:
 
     @property
     def loop_available(self) -> bool:
-        return self._loop is not None and bool(self._buffers)
+        # a session without buffers of its own (a source daemon's link) may still have pushes
+        return self._loop is not None and (bool(self._buffers) or bool(self._ctx.peer.streams))
+
+    def set_peer(self, streams: int | None, owner: int, p2p, frees) -> None:
+        """Let the loop stage PEER_PUSHes and answer PEER_GATEs from `streams` (peer_stage.c's
+        table; None: both stay Python's), as session `owner`, under the daemon's P2P switch
+        `p2p` and the registry's free count `frees` (ctypes cells)."""
+        peer = self._ctx.peer
+        if not streams or self._loop is None:
+            peer.streams = None
+            return
+        self._peer_cells = (p2p, frees)  # the cells outlive the loop's pointers to them
+        peer.streams, peer.owner = streams, owner
+        peer.p2p, peer.frees = ctypes.pointer(p2p), ctypes.pointer(frees)
+        peer.gate_ms = LOOP_WAIT_MS
 
     def written_regions(self, buffers) -> list[int] | None:
         """The region indices of `buffers` (what a graph writes); None when one is not the
@@ -175,10 +191,11 @@ class FastPath:
         body = self._ctx.body
         body.timeout_ms, body.min_rate = max(1, int(timeout_s * 1000)), min_rate
 
-    def body_cut(self) -> tuple[int, int, float]:
-        """After LOOP_BODY: (fleetd_recv_body's reason, the request's bytes, seconds it waited)."""
+    def body_cut(self) -> tuple[int, int, float, int]:
+        """After LOOP_BODY: (fleetd_recv_body's reason, the request's bytes, seconds it waited,
+        the command)."""
         body = self._ctx.body
-        return body.why, body.got, body.waited_ns / 1e9
+        return body.why, body.got, body.waited_ns / 1e9, body.cmd
 
     def disarm(self) -> None:
         self._ctx.rc.device = -1
@@ -213,7 +230,7 @@ class FastPath:
     def requests_served(self) -> int:
         """Requests C served since the session began (tests, diagnostics)."""
         s = self._ctx.served
-        return s.set_count + s.get_count + s.recompute_count
+        return s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count
 
     def _pending(self) -> dict[str, int]:
         """What C served that the counters do not hold yet, per FastServed field (under `lock`)."""
@@ -244,6 +261,13 @@ class FastPath:
         c.response_bytes[Cmd.GET_TENSOR] += d["get_reply_bytes"]
         c.count[Cmd.GRAPH_RECOMPUTE] += recomputes
         c.request_bytes[Cmd.GRAPH_RECOMPUTE] += recomputes * RECOMPUTE_BYTES
+        gates, pushes = d["gate_count"], d["push_count"]
+        c.count[Cmd.PEER_GATE] += gates
+        c.request_bytes[Cmd.PEER_GATE] += gates * GATE_BYTES
+        c.response_bytes[Cmd.PEER_GATE] += gates * ANSWER_BYTES
+        c.count[Cmd.PEER_PUSH] += pushes
+        c.request_bytes[Cmd.PEER_PUSH] += d["push_bytes"]
+        c.response_bytes[Cmd.PEER_PUSH] += pushes * ANSWER_BYTES
 
     def _fold(self) -> None:
         """Fold what C served into the counters and the buffers' write generations (the

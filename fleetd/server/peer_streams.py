@@ -1,15 +1,27 @@
 """The destination side of the asynchronous peer copy, and the budget both sides hold its bytes
 against: streams owned by client sessions, pushes staged until the owner's PEER_WAIT writes
 them (fleetd.server.peer_async has the whole protocol and the source side). Held by ServerState.
+
+Two implementations of the same rules: `NativePeerStreams` / `NativePeerMemory` over
+libfleetd-native's peer_stage.c, which the sessions' C loops share (a PEER_PUSH and the
+PEER_GATE that writes it are then served without the interpreter: DESIGN.md, "Asynchronous
+peer copy"), and the pure Python `PeerStreams` / `PeerMemory` without the library.
+`make_peer_staging` picks.
+
+A push goes: `admit` (its bytes reserved and an `Arrival` to read them into, or the reason it is
+refused), the data read into `arrival.data`, then `stage` (or `refuse` on any failure). A wait
+gets a `Staged` (its tensor and bytes), the caller writes them and calls `done`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
+from fleetd.compute import native
 from fleetd.errors import RemoteProtocolError
 from fleetd.wire import PUSH_FAILED, PeerPush, RpcTensor
 
@@ -55,7 +67,18 @@ class Staged:
     """A pushed copy waiting for its PEER_WAIT: where it goes and its bytes."""
 
     dst: RpcTensor
-    data: bytearray
+    data: bytearray | memoryview
+    address: int = 0  # NativePeerStreams: the C buffer behind data
+
+
+@dataclass
+class Arrival:
+    """An admitted push whose bytes are being read into `data`."""
+
+    stream: int
+    seq: int
+    data: bytearray | memoryview
+    address: int = 0  # NativePeerStreams: the C buffer behind data
 
 
 @dataclass
@@ -87,10 +110,16 @@ class PeerStreams:
             self._streams[sid] = _Stream(owner)
             return sid
 
-    def admit(self, push: PeerPush, p2p_enabled: bool) -> str | None:
-        """May `push` be staged? None (its bytes are reserved; the caller reads them, then calls
-        `stage`, or `refuse` on any failure) or the reason it is refused (the caller discards
-        its data and answers 0; a known stream's wait for it then answers 0 at once)."""
+    handle = None  # no C staging: the sessions' loops leave PEER_PUSH and PEER_GATE to Python
+
+    def vouch(self, stream_id: int, dst: RpcTensor, size: int, frees: int) -> None:
+        """(NativePeerStreams: Python checked this destination; nothing to remember here.)"""
+
+    def admit(self, push: PeerPush, p2p_enabled: bool) -> Arrival | str:
+        """May `push` be staged? An Arrival (its bytes are reserved; the caller reads them into
+        its `data`, then calls `stage`, or `refuse` on any failure) or the reason it is refused
+        (the caller discards its data and answers 0; a known stream's wait for it then answers 0
+        at once)."""
         with self._cond:
             stream = self._streams.get(push.stream)
             if stream is None:
@@ -112,31 +141,36 @@ class PeerStreams:
             # would cost the copy's critical path a thread switch for nothing.
             if reason:
                 self._cond.notify_all()
-            return reason
+                return reason
+            return Arrival(push.stream, push.seq, bytearray(push.size))
 
-    def stage(self, stream_id: int, seq: int, dst: RpcTensor, data: bytearray) -> None:
+    def stage(self, arrival: Arrival, dst: RpcTensor) -> None:
         with self._cond:
-            stream = self._streams.get(stream_id)
-            if stream is None or stream.slots.get(seq) is not ARRIVING:
-                self.memory.release(len(data))  # the owner left while the data came in
+            stream = self._streams.get(arrival.stream)
+            if stream is None or stream.slots.get(arrival.seq) is not ARRIVING:
+                self.memory.release(len(arrival.data))  # the owner left while the data came in
                 return
-            stream.slots[seq] = Staged(dst, data)
+            stream.slots[arrival.seq] = Staged(dst, arrival.data)
             self._cond.notify_all()
 
-    def refuse(self, stream_id: int, seq: int, reserved: int) -> None:
+    def refuse(self, arrival: Arrival) -> None:
         """An admitted push failed while its data came in (bad region, the source went away)."""
-        self.memory.release(reserved)
+        self.memory.release(len(arrival.data))
         with self._cond:
-            stream = self._streams.get(stream_id)
-            if stream is not None and stream.slots.get(seq) is ARRIVING:
-                stream.slots[seq] = REFUSED
+            stream = self._streams.get(arrival.stream)
+            if stream is not None and stream.slots.get(arrival.seq) is ARRIVING:
+                stream.slots[arrival.seq] = REFUSED
                 self._cond.notify_all()
+
+    def done(self, staged: Staged) -> None:
+        """The waited copy's bytes were written (or could not be): let them go."""
+        self.memory.release(len(staged.data))
 
     def wait(
         self, stream_id: int, seq: int, owner: int, timeout: float, transfer: float, gone
     ) -> Staged | None:
         """PEER_WAIT: the staged copy `seq` (its bytes still reserved: the caller writes them,
-        then releases), or None if it was refused or did not start arriving within `timeout`
+        then calls `done`), or None if it was refused or did not start arriving within `timeout`
         (one that is arriving gets `transfer` more). `gone()` is asked every half second:
         a client that left ends the wait with ConnectionError."""
         start = time.monotonic()
@@ -176,3 +210,164 @@ class PeerStreams:
                     if isinstance(slot, Staged):
                         self.memory.release(len(slot.data))
             self._cond.notify_all()
+
+
+# -- the same over peer_stage.c ------------------------------------------------------------------
+
+# fleetd_streams_admit's reasons, as PeerStreams.admit words them
+_REASONS = {
+    1: "unknown stream",
+    2: "late or repeated",
+    3: "too many copies of this stream not waited for yet",
+    4: "the source failed this copy",
+    5: "peer copy is off on this daemon",
+    6: "no room in the peer-copy memory",
+}
+_NOT_OWNER, _OUT_OF_ORDER = -1, -2
+_ARRIVING, _STAGED, _REFUSED = 1, 2, 3
+_TENSOR = 296
+
+
+def _c_bytes(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+class NativePeerMemory:
+    """PeerMemory over peer_stage.c's budget (the one the C loops reserve from too)."""
+
+    def __init__(self, lib, table: int) -> None:
+        self._lib, self._table = lib, table
+
+    def reserve(self, n: int, timeout: float = 0.0) -> bool:
+        return bool(self._lib.fleetd_mem_reserve(self._table, n, int(timeout * 1e9)))
+
+    def release(self, n: int) -> None:
+        self._lib.fleetd_mem_release(self._table, n)
+
+    @property
+    def held(self) -> int:
+        return self._lib.fleetd_mem_held(self._table)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = value
+        self._lib.fleetd_mem_set_limit(self._table, value)
+
+
+class NativePeerStreams:
+    """PeerStreams over peer_stage.c: one table, daemon-wide, that the sessions' C loops share
+    (`handle`). The rules and their words are PeerStreams'."""
+
+    def __init__(self, lib, limit: int) -> None:
+        self._lib = lib
+        # The table lives as long as the process: a loop may hold its address at any time.
+        self.handle = lib.fleetd_streams_new(limit, MAX_STREAMS_PER_SESSION, MAX_UNWAITED)
+        if not self.handle:
+            raise MemoryError("fleetd_streams_new")
+        self.memory = NativePeerMemory(lib, self.handle)
+        self.memory.limit = limit
+
+    def open(self, owner: int) -> int:
+        while True:
+            sid = secrets.randbits(64)
+            rc = self._lib.fleetd_streams_open(self.handle, sid, owner)
+            if rc == 0:
+                return sid
+            if rc == 2:
+                raise RemoteProtocolError(
+                    f"PEER_STREAM: this connection already owns {MAX_STREAMS_PER_SESSION} streams"
+                )
+            if rc < 0:
+                raise MemoryError("fleetd_streams_open")
+
+    def vouch(self, stream_id: int, dst: RpcTensor, size: int, frees: int) -> None:
+        """Python checked `dst` for a push of `size` bytes while the registry's free count was
+        `frees`: the C loops may stage the stream's next pushes to it until anything is freed."""
+        self._lib.fleetd_streams_vouch(self.handle, stream_id, dst.pack(), size, frees)
+
+    def admit(self, push: PeerPush, p2p_enabled: bool) -> Arrival | str:
+        address = ctypes.c_void_p()
+        rc = self._lib.fleetd_streams_admit(
+            self.handle,
+            push.stream,
+            push.seq,
+            push.size,
+            push.flags,
+            int(p2p_enabled),
+            0,
+            None,
+            0,
+            ctypes.byref(address),
+        )
+        if rc == 2:
+            return f"seq {push.seq} late or repeated"
+        if rc == 3:
+            return f"{MAX_UNWAITED} copies of this stream not waited for yet"
+        if rc == 6:
+            return f"no room: {self.memory.held} of {self.memory.limit} peer-copy bytes held"
+        if rc:
+            return _REASONS.get(rc, f"refused ({rc})")
+        return Arrival(push.stream, push.seq, _c_bytes(address.value, push.size), address.value)
+
+    def stage(self, arrival: Arrival, dst: RpcTensor) -> None:
+        self._lib.fleetd_streams_stage(
+            self.handle, arrival.stream, arrival.seq, dst.pack(), arrival.address, len(arrival.data)
+        )
+
+    def refuse(self, arrival: Arrival) -> None:
+        self._lib.fleetd_streams_refuse(
+            self.handle, arrival.stream, arrival.seq, arrival.address, len(arrival.data)
+        )
+
+    def wait(
+        self, stream_id: int, seq: int, owner: int, timeout: float, transfer: float, gone
+    ) -> Staged | None:
+        lib, start = self._lib, time.monotonic()
+        dst = ctypes.create_string_buffer(_TENSOR)
+        size = ctypes.c_uint64()
+        state = 0
+        while True:
+            limit = timeout + (transfer if state == _ARRIVING else 0.0)
+            end = start + limit
+            until = min(end, time.monotonic() + 0.5)
+            state = lib.fleetd_streams_wait(
+                self.handle, stream_id, seq, owner, int(until * 1e9), dst, ctypes.byref(size)
+            )
+            if state == _NOT_OWNER:
+                raise RemoteProtocolError(f"PEER_WAIT: stream {stream_id:#x} is not this connection's")
+            if state == _OUT_OF_ORDER:
+                raise RemoteProtocolError(
+                    f"PEER_WAIT: seq {seq} after a later seq was waited for: waits follow the copies' order"
+                )
+            if state in (_STAGED, _REFUSED):
+                break
+            limit = timeout + (transfer if state == _ARRIVING else 0.0)
+            if time.monotonic() >= start + limit:
+                break
+            if gone():
+                raise ConnectionError("client left while waiting for a peer copy")
+        address = lib.fleetd_streams_settle(self.handle, stream_id, seq, owner)
+        if state != _STAGED or not address:
+            return None
+        n = size.value
+        return Staged(RpcTensor.unpack_from(dst.raw, 0), _c_bytes(address, n), address)
+
+    def done(self, staged: Staged) -> None:
+        self._lib.fleetd_streams_done(self.handle, staged.address, len(staged.data))
+
+    def close_owner(self, owner: int) -> None:
+        self._lib.fleetd_streams_close_owner(self.handle, owner)
+
+
+def make_peer_staging(limit: int) -> tuple[PeerMemory | NativePeerMemory, PeerStreams | NativePeerStreams]:
+    """The budget and the destination side: over peer_stage.c when the library has it."""
+    lib = native.peer_stage()
+    if lib is not None:
+        streams = NativePeerStreams(lib, limit)
+        return streams.memory, streams
+    memory = PeerMemory(limit)
+    return memory, PeerStreams(memory)

@@ -151,6 +151,7 @@ class Session:
         # whole SET_TENSOR / GET_TENSOR requests on this session's own buffers, served in C
         self.fast = FastPath(sock, self.counters, state.config.count_commands)
         self.fast.set_request_rules(self.limits.request_timeout, self.limits.min_request_rate)
+        self.fast.set_peer(state.peer_streams.handle, self.id, state.p2p_cell, state.registry.frees_cell)
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         # where C's fast loop reads into (the same bytes; the export keeps the array in place)
@@ -277,9 +278,9 @@ class Session:
                 fast.disarm()
         if have:
             self.conn.receive_data(self._scratch_view[:have])
-        if answer == native.LOOP_BODY:  # a SET_TENSOR streamed in C was cut
-            why, got, waited = fast.body_cut()
-            self._body_cut(why, got, waited, "SET_TENSOR")
+        if answer == native.LOOP_BODY:  # a SET_TENSOR or PEER_PUSH streamed in C was cut
+            why, got, waited, cmd = fast.body_cut()
+            self._body_cut(why, got, waited, Cmd(cmd).name)
         return answer
 
     def _arm_recompute(self):
@@ -813,19 +814,22 @@ def on_peer_push(s: Session, ev: PeerPush) -> int:
     dropped with an answer of 0. A destination region out of bounds closes this link, after
     the stream's wait was told (it answers 0)."""
     streams = s.state.peer_streams
-    refusal = streams.admit(ev, s.state.p2p_enabled)
-    if refusal is not None:
+    arrival = streams.admit(ev, s.state.p2p_enabled)
+    if isinstance(arrival, str):
         s.discard_body("PEER_PUSH")
-        log.info("session %d %s: PEER_PUSH seq %d refused: %s", s.id, s.peer, ev.seq, refusal)
+        log.info("session %d %s: PEER_PUSH seq %d refused: %s", s.id, s.peer, ev.seq, arrival)
         return s.respond(PeerPushReply(0))
     try:
+        frees = s.state.registry.frees
         s.region(ev.dst, 0, ev.size, "PEER_PUSH")
-        data = bytearray(ev.size)
-        s.read_body(memoryview(data), "PEER_PUSH")
+        s.read_body(arrival.data, "PEER_PUSH")
     except BaseException:
-        streams.refuse(ev.stream, ev.seq, ev.size)
+        streams.refuse(arrival)
         raise
-    streams.stage(ev.stream, ev.seq, ev.dst, data)
+    streams.stage(arrival, ev.dst)
+    # The stream's next pushes to this destination may be staged by the loop in C, as long as
+    # nothing is freed meanwhile (the write at the wait checks the region again either way).
+    streams.vouch(ev.stream, ev.dst, ev.size, frees)
     return s.respond(PeerPushReply(1))
 
 
@@ -847,7 +851,7 @@ def _write_staged(s: Session, ev: PeerWait | PeerGate) -> bool:
         log.info("session %d %s: %s seq %d -> 0: %s", s.id, s.peer, what, ev.seq, str(exc))
         return False
     finally:
-        state.peer_memory.release(n)
+        state.peer_streams.done(staged)
     return True
 
 

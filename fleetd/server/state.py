@@ -8,6 +8,7 @@ stats book) or by the execution lock the compute and copy paths take.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -20,7 +21,7 @@ from fleetd.compute.device import Device, make_device
 from fleetd.server.cache_dir import CacheDir
 from fleetd.server.config import ServerConfig, ServerLimits  # noqa: F401 (re-exported)
 from fleetd.server.peer_policy import PeerCounters, PeerPolicy, PeerTimeouts
-from fleetd.server.peer_streams import PeerMemory, PeerStreams
+from fleetd.server.peer_streams import make_peer_staging
 from fleetd.server.stats import CommandCounters, StatsBook
 from fleetd.wire import Feature
 
@@ -128,13 +129,15 @@ class ServerState:
             CacheDir(Path(config.cache_dir), config.cache_max_bytes) if config.cache_dir else None
         )
         self.cache_dir: Path | None = self.cache.path if self.cache is not None else None
+        # the P2P switch where the sessions' C loops read it (p2p_enabled sets it)
+        self.p2p_cell = ctypes.c_int32(0)
         self.p2p_enabled = config.p2p
         self.peer_policy = PeerPolicy(config.peer_allow, config.host)
         self.peer_timeouts = PeerTimeouts()
         self.peer_stats = PeerCounters()
         self.limits = config.limits
-        self.peer_memory = PeerMemory(self.limits.max_peer_held_bytes)
-        self.peer_streams = PeerStreams(self.peer_memory)  # asynchronous copies' destinations
+        # the asynchronous copies' budget and destinations (over peer_stage.c when it is there)
+        self.peer_memory, self.peer_streams = make_peer_staging(self.limits.max_peer_held_bytes)
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         self.max_memory = self.limits.max_memory or physical * 9 // 10
         self.max_session_memory = min(self.limits.max_session_memory or self.max_memory, self.max_memory)
@@ -177,6 +180,15 @@ class ServerState:
         """Switch peer copy at runtime: off clears the HELLO bit for new connections and makes
         COPY_TENSOR_TO and PEER_BARRIER answer 0, asynchronous copies fail (the client takes them)."""
         self.p2p_enabled = enabled
+
+    @property
+    def p2p_enabled(self) -> bool:
+        return self._p2p_enabled
+
+    @p2p_enabled.setter
+    def p2p_enabled(self, enabled: bool) -> None:
+        self._p2p_enabled = bool(enabled)
+        self.p2p_cell.value = int(enabled)
 
     def features(self) -> int:
         return int(Feature.ALL) if self.p2p_enabled else 0

@@ -1,7 +1,9 @@
 """libfleetd-native (the C files next to this file) through ctypes: FNV-1a 64 at C speed for the
 cache directory (fnv1a.c), the sessions' fast path for whole SET_TENSOR / GET_TENSOR requests
 and the stored graph's GRAPH_RECOMPUTE (fastpath.c, used by fleetd.server.fast_path), and a
-compute worker's loop for those recomputes (worker_loop.c, used by fleetd.compute.ggml.worker).
+compute worker's loop for those recomputes (worker_loop.c, used by fleetd.compute.ggml.worker),
+and the asynchronous peer copy's staging (peer_stage.c, used by fleetd.server.peer_streams and
+by the sessions' loops).
 scripts/build-llama.sh builds it into the ggml libraries' directory and it is found the same
 way (fleetd.compute.ggml.lib.library_dirs).
 Without it fleetd.wire.hashing's pure Python FNV-1a (the reference, ~15 MB/s) runs, with one
@@ -50,6 +52,66 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.c_size_t,
     ),
     "fleetd_worker_loop": ([ctypes.c_void_p], ctypes.c_int),
+    # peer_stage.c
+    "fleetd_streams_new": ([ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32], ctypes.c_void_p),
+    "fleetd_streams_free": ([ctypes.c_void_p], None),
+    "fleetd_mem_reserve": ([ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64], ctypes.c_int),
+    "fleetd_mem_release": ([ctypes.c_void_p, ctypes.c_uint64], None),
+    "fleetd_mem_held": ([ctypes.c_void_p], ctypes.c_int64),
+    "fleetd_mem_set_limit": ([ctypes.c_void_p, ctypes.c_int64], None),
+    "fleetd_streams_open": ([ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64], ctypes.c_int),
+    "fleetd_streams_close_owner": ([ctypes.c_void_p, ctypes.c_int64], None),
+    "fleetd_streams_vouch": (
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64],
+        None,
+    ),
+    "fleetd_streams_admit": (
+        [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_void_p),
+        ],
+        ctypes.c_int,
+    ),
+    "fleetd_streams_stage": (
+        [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+        ],
+        None,
+    ),
+    "fleetd_streams_refuse": (
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64],
+        None,
+    ),
+    "fleetd_streams_wait": (
+        [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_uint64),
+        ],
+        ctypes.c_int,
+    ),
+    "fleetd_streams_settle": (
+        [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+        ctypes.c_void_p,
+    ),
+    "fleetd_streams_done": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64], None),
 }
 
 
@@ -114,6 +176,9 @@ class FastServed(ctypes.Structure):
         ("get_reply_bytes", ctypes.c_uint64),
         ("recompute_count", ctypes.c_uint64),
         ("recompute_ns", ctypes.c_uint64),
+        ("gate_count", ctypes.c_uint64),
+        ("push_count", ctypes.c_uint64),
+        ("push_bytes", ctypes.c_uint64),
     ]
 
 
@@ -144,6 +209,22 @@ class FastBody(ctypes.Structure):
         ("min_rate", ctypes.c_uint64),
         ("waited_ns", ctypes.c_int64),
         ("got", ctypes.c_uint64),
+        ("cmd", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class FastPeer(ctypes.Structure):
+    """fastpath.c's `struct fleetd_peer`: the peer copy's staging a loop serves PEER_PUSH and
+    PEER_GATE from (streams NULL: both are Python's)."""
+
+    _fields_ = [
+        ("streams", ctypes.c_void_p),
+        ("owner", ctypes.c_int64),
+        ("p2p", ctypes.POINTER(ctypes.c_int32)),
+        ("frees", ctypes.POINTER(ctypes.c_uint64)),
+        ("gate_ms", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -162,6 +243,7 @@ class FastContext(ctypes.Structure):
         ("have", ctypes.c_uint64),
         ("rc", FastRecompute),
         ("body", FastBody),
+        ("peer", FastPeer),
     ]
 
 
@@ -275,3 +357,10 @@ def fnv1a_64(data, h: int = hashing.FNV_OFFSET) -> int:
         return hashing.fnv1a_64(data, h)
     view = np.frombuffer(memoryview(data).cast("B"), np.uint8)  # no copy; raises if not contiguous
     return fn(view.ctypes.data, view.size, h)
+
+
+def peer_stage():
+    """The library when it has peer_stage.c's functions (fleetd_streams_*, fleetd_mem_*), else
+    None: fleetd.server.peer_streams then keeps its pure Python staging."""
+    lib = _library()
+    return lib if lib is not None and hasattr(lib, "fleetd_streams_settle") else None

@@ -21,13 +21,19 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "peer_stage.h"
+
 #define CMD_SET_TENSOR 6
 #define CMD_GET_TENSOR 8
 #define CMD_GRAPH_RECOMPUTE 16
+#define CMD_PEER_PUSH 0x44
+#define CMD_PEER_GATE 0x47
 #define HEADER 9          /* | cmd u8 | payload_size u64 | */
 #define TENSOR 296        /* rpc_tensor */
 #define SET_FIXED 305     /* tensor, cache_flag u8, offset u64 */
 #define GET_PAYLOAD 312   /* tensor, offset u64, size u64 */
+#define PUSH_FIXED 313    /* stream u64, seq u64, flags u8, dst tensor */
+#define GATE_PAYLOAD 16   /* stream u64, seq u64 */
 
 /* rpc_tensor's fields, at their wire offsets (little endian, packed) */
 #define T_TYPE 8
@@ -51,6 +57,8 @@ struct fleetd_served {   /* what C served, for the session's counters: they only
     uint64_t set_count, set_bytes;   /* request bytes, header included */
     uint64_t get_count, get_bytes, get_reply_bytes;
     uint64_t recompute_count, recompute_ns;   /* GRAPH_RECOMPUTEs run in the worker, their time */
+    uint64_t gate_count;                      /* PEER_GATEs answered 1 */
+    uint64_t push_count, push_bytes;          /* PEER_PUSHes staged, request bytes */
 };
 
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -143,6 +151,21 @@ struct fleetd_body {
     uint64_t min_rate;       /* min_request_rate, bytes a second */
     int64_t waited_ns;       /* out: the cut request's time spent waiting ... */
     uint64_t got;            /* ... and its bytes, for the message */
+    int32_t cmd;             /* out, with LOOP_BODY: the command whose body was cut */
+    int32_t reserved;
+};
+
+/* The asynchronous peer copy's destination side in the loop (peer_stage.c): a PEER_PUSH whose
+ * destination Python vouched for is staged, a PEER_GATE whose copy is staged (or arrives within
+ * gate_ms) is written into the session's own buffer and answered 1. Anything else, a refusal
+ * or a wait that runs on included, is Python's, which decides and says why as before. */
+struct fleetd_peer {
+    struct fleetd_streams *streams;  /* NULL: both commands are Python's */
+    int64_t owner;                   /* this session's id (its streams' owner) */
+    const int32_t *p2p;              /* the daemon's P2P switch */
+    const uint64_t *frees;           /* the registry's count of frees */
+    int32_t gate_ms;
+    int32_t reserved;
 };
 
 struct fleetd_fast {      /* one session's fast path, set up once, passed by pointer */
@@ -157,6 +180,7 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     uint64_t have;           /* fleetd_fast_loop: bytes of a request left at the buffer's front */
     struct fleetd_recompute rc;
     struct fleetd_body body;
+    struct fleetd_peer peer;
 };
 
 /* Where a SET_TENSOR's data goes (its fixed part at `t`, `payload` bytes in all, at least
@@ -305,6 +329,73 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
     return 1;
 }
 
+/* PEER_GATE(stream, seq) at `req`: 1 answered 1 (the staged copy written into the session's own
+ * buffer), 0 Python's (nothing changed: not staged within gate_ms, refused, another session's
+ * buffer, any failed check), -1 the answer could not be sent (f->error). */
+static int peer_gate(struct fleetd_fast *f, const uint8_t *req) {
+    struct fleetd_peer *p = &f->peer;
+    uint64_t stream = u64_at(req), seq = u64_at(req + 8), size = 0;
+    uint8_t dst[PS_TENSOR];
+    int64_t until = now_ns() + (int64_t)p->gate_ms * 1000000;
+    if (fleetd_streams_wait(p->streams, stream, seq, p->owner, until, dst, &size) != PS_STAGED)
+        return 0;
+    struct fleetd_region *r;
+    uint8_t *to = checked_region(dst, 0, size, f->regions, f->n_regions, f->blck, f->tsize,
+                                 f->n_types, &r);
+    if (to == NULL) return 0;
+    uint8_t *data = fleetd_streams_settle(p->streams, stream, seq, p->owner);
+    if (data == NULL) {  /* only this thread settles its streams: not expected */
+        f->error = -EPROTO;
+        return -1;
+    }
+    memcpy(to, data, size);
+    r->written = 1;
+    fleetd_streams_done(p->streams, data, size);
+    f->served.gate_count += 1;
+    uint8_t landed = 1;
+    int rc = send_reply(f->fd, 1, &landed);
+    if (rc != 0) { f->error = rc; return -1; }
+    return 1;
+}
+
+/* PEER_PUSH at buf's front (its fixed part in, have bytes in all, payload as its header says):
+ * staged when Python vouched for its destination and the streams admit it, the bytes already
+ * here copied and the rest read from the socket. 1 served (answered 1); 0 Python's (nothing
+ * changed); -1 its body was cut (f->body says why; the copy is refused) or the answer not sent. */
+static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
+    struct fleetd_peer *p = &f->peer;
+    const uint8_t *h = buf + HEADER;
+    uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PUSH_FIXED;
+    const uint8_t *dst = h + 17;
+    uint8_t *data;
+    if (fleetd_streams_admit(p->streams, stream, seq, size, h[16],
+                             __atomic_load_n(p->p2p, __ATOMIC_ACQUIRE), 1, dst,
+                             __atomic_load_n(p->frees, __ATOMIC_ACQUIRE), &data) != 0)
+        return 0;
+    size_t here = have - HEADER - PUSH_FIXED;
+    if (here > size) here = (size_t)size;
+    memcpy(data, h + PUSH_FIXED, here);
+    if (here < size) {
+        struct fleetd_body *b = &f->body;
+        b->waited_ns = 0;
+        b->got = have;
+        size_t n = fleetd_recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
+                                    &b->waited_ns, &b->got, &b->why);
+        if (here + n < size) {
+            fleetd_streams_refuse(p->streams, stream, seq, data, size);
+            b->cmd = CMD_PEER_PUSH;
+            return -1;
+        }
+    }
+    fleetd_streams_stage(p->streams, stream, seq, dst, data, size);
+    f->served.push_count += 1;
+    f->served.push_bytes += HEADER + payload;
+    uint8_t staged = 1;
+    int rc = send_reply(f->fd, 1, &staged);
+    if (rc != 0) { f->error = rc; return -1; }
+    return 1;
+}
+
 /* Serve the session from `buf` (cap bytes, f->have of them already there) until a request is
  * Python's: whole fast requests as fleetd_fast_requests, the armed GRAPH_RECOMPUTE, and the
  * recv between them, so a decode step costs no interpreter at all. Returns a LOOP_* answer,
@@ -350,7 +441,27 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 int r = stream_set(f, buf, have, payload);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
-                if (r < 0) { answer = LOOP_BODY; break; }
+                if (r < 0) { f->body.cmd = CMD_SET_TENSOR; answer = LOOP_BODY; break; }
+                continue;
+            }
+            if (buf[0] == CMD_PEER_GATE && payload == GATE_PAYLOAD && f->peer.streams != NULL) {
+                if (have < HEADER + GATE_PAYLOAD) goto more;
+                int r = peer_gate(f, buf + HEADER);
+                if (r == 0) { answer = LOOP_PYTHON; break; }
+                if (r < 0) { answer = LOOP_ERROR; break; }
+                memmove(buf, buf + HEADER + GATE_PAYLOAD, have - HEADER - GATE_PAYLOAD);
+                have -= HEADER + GATE_PAYLOAD;
+                continue;
+            }
+            if (buf[0] == CMD_PEER_PUSH && payload >= PUSH_FIXED && f->peer.streams != NULL &&
+                f->body.timeout_ms > 0) {
+                if (have < HEADER + PUSH_FIXED) goto more;
+                int r = peer_push(f, buf, have, payload);
+                if (r == 0) { answer = LOOP_PYTHON; break; }
+                if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }
+                size_t used = HEADER + payload <= have ? (size_t)(HEADER + payload) : have;
+                memmove(buf, buf + used, have - used);
+                have -= used;
                 continue;
             }
             /* a whole request fleetd_fast_requests left, another command, or one too large */
@@ -395,6 +506,8 @@ size_t fleetd_fast_layout(int which) {
     case 7: return offsetof(struct fleetd_recompute, timeout_ns);
     case 8: return offsetof(struct fleetd_fast, body);
     case 9: return sizeof(struct fleetd_body);
+    case 10: return offsetof(struct fleetd_fast, peer);
+    case 11: return sizeof(struct fleetd_peer);
     default: return 0;
     }
 }

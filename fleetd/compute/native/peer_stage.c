@@ -1,0 +1,352 @@
+/* The destination side of the asynchronous peer copy, daemon-wide: streams owned by client
+ * sessions, pushes staged until the owner's PEER_WAIT / PEER_GATE writes them, and the one
+ * budget of peer-copy bytes both sides hold (fleetd.server.peer_streams has the rules; this is
+ * their one implementation when the library is there, so Python's handlers and the sessions' C
+ * loops share it: a PEER_PUSH staged by one session's loop is found by another's PEER_GATE).
+ *
+ * Ownership of a push's bytes: admit() mallocs them and hands them to the reader; while the
+ * slot is ARRIVING the reader owns them (a wait that gives up, or the owner leaving, only
+ * drops the slot); stage() gives them to the slot, or frees them when the slot is gone. A
+ * STAGED slot's bytes go to the waiter at settle(), who frees them with done().
+ *
+ * Everything is under one mutex; waits use one condition (CLOCK_MONOTONIC). Callers from
+ * Python come through ctypes, which lets go of the interpreter lock for the call. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "peer_stage.h"
+
+enum { SLOT_ARRIVING = PS_ARRIVING, SLOT_STAGED = PS_STAGED, SLOT_REFUSED = PS_REFUSED };
+
+struct slot {
+    uint64_t seq;
+    int32_t state;
+    uint64_t size;
+    uint8_t *data;          /* STAGED only */
+    uint8_t dst[PS_TENSOR];
+};
+
+struct stream {
+    uint64_t id;
+    int64_t owner;
+    uint64_t waited;        /* the highest seq a wait settled: later pushes for it are late */
+    uint32_t n, cap;
+    struct slot *slots;
+    /* a destination Python checked (regions.region) for a push of `ok_size` bytes while the
+     * registry's free count was `ok_frees`: a push with the same tensor bytes and size may be
+     * staged in C as long as nothing was freed since */
+    int ok;
+    uint64_t ok_size, ok_frees;
+    uint8_t ok_dst[PS_TENSOR];
+};
+
+struct fleetd_streams {
+    pthread_mutex_t mu;
+    pthread_cond_t changed;  /* a slot settled (staged, refused) or a stream closed; or room */
+    int64_t held, limit;
+    uint32_t max_per_owner, max_unwaited;
+    uint32_t n, cap;
+    struct stream *streams;
+};
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void wait_until(struct fleetd_streams *t, int64_t until_ns) {
+    struct timespec ts = {until_ns / 1000000000, until_ns % 1000000000};
+    pthread_cond_timedwait(&t->changed, &t->mu, &ts);
+}
+
+struct fleetd_streams *fleetd_streams_new(int64_t limit, uint32_t max_per_owner,
+                                          uint32_t max_unwaited) {
+    struct fleetd_streams *t = calloc(1, sizeof *t);
+    if (t == NULL) return NULL;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->changed, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_mutex_init(&t->mu, NULL);
+    t->limit = limit;
+    t->max_per_owner = max_per_owner;
+    t->max_unwaited = max_unwaited;
+    return t;
+}
+
+static void drop_stream(struct fleetd_streams *t, uint32_t i) {
+    struct stream *s = &t->streams[i];
+    for (uint32_t k = 0; k < s->n; ++k) {
+        if (s->slots[k].state == SLOT_STAGED) {
+            t->held -= (int64_t)s->slots[k].size;
+            free(s->slots[k].data);
+        }
+    }
+    free(s->slots);
+    t->streams[i] = t->streams[--t->n];
+}
+
+void fleetd_streams_free(struct fleetd_streams *t) {
+    if (t == NULL) return;
+    while (t->n) drop_stream(t, 0);
+    free(t->streams);
+    pthread_cond_destroy(&t->changed);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+/* -- the budget ------------------------------------------------------------------------------ */
+
+int fleetd_mem_reserve(struct fleetd_streams *t, uint64_t n, int64_t timeout_ns) {
+    int64_t until = mono_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+    pthread_mutex_lock(&t->mu);
+    int ok = 0;
+    for (;;) {
+        if (n <= (uint64_t)t->limit && (int64_t)n <= t->limit - t->held) { ok = 1; break; }
+        if (n > (uint64_t)t->limit || mono_ns() >= until) break;
+        wait_until(t, until);
+    }
+    if (ok) t->held += (int64_t)n;
+    pthread_mutex_unlock(&t->mu);
+    return ok;
+}
+
+void fleetd_mem_release(struct fleetd_streams *t, uint64_t n) {
+    if (n == 0) return;
+    pthread_mutex_lock(&t->mu);
+    t->held -= (int64_t)n;
+    pthread_cond_broadcast(&t->changed);
+    pthread_mutex_unlock(&t->mu);
+}
+
+int64_t fleetd_mem_held(struct fleetd_streams *t) {
+    pthread_mutex_lock(&t->mu);
+    int64_t held = t->held;
+    pthread_mutex_unlock(&t->mu);
+    return held;
+}
+
+/* -- streams ------------------------------------------------------------------------------ */
+
+static struct stream *find(struct fleetd_streams *t, uint64_t id) {
+    for (uint32_t i = 0; i < t->n; ++i) {
+        if (t->streams[i].id == id) return &t->streams[i];
+    }
+    return NULL;
+}
+
+static struct slot *slot_of(struct stream *s, uint64_t seq) {
+    for (uint32_t k = 0; k < s->n; ++k) {
+        if (s->slots[k].seq == seq) return &s->slots[k];
+    }
+    return NULL;
+}
+
+/* A new stream `id` owned by session `owner`: 0, 1 the id is taken, 2 the owner has
+ * max_per_owner already, -ENOMEM. */
+int fleetd_streams_open(struct fleetd_streams *t, uint64_t id, int64_t owner) {
+    pthread_mutex_lock(&t->mu);
+    int rc = 0;
+    uint32_t owned = 0;
+    for (uint32_t i = 0; i < t->n; ++i) owned += t->streams[i].owner == owner;
+    if (id == 0 || find(t, id) != NULL) {
+        rc = 1;
+    } else if (owned >= t->max_per_owner) {
+        rc = 2;
+    } else {
+        if (t->n == t->cap) {
+            uint32_t cap = t->cap ? 2 * t->cap : 16;
+            struct stream *grown = realloc(t->streams, cap * sizeof *grown);
+            if (grown == NULL) rc = -ENOMEM;
+            else { t->streams = grown; t->cap = cap; }
+        }
+        if (rc == 0) {
+            struct stream *s = &t->streams[t->n++];
+            memset(s, 0, sizeof *s);
+            s->id = id;
+            s->owner = owner;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+void fleetd_streams_close_owner(struct fleetd_streams *t, int64_t owner) {
+    pthread_mutex_lock(&t->mu);
+    for (uint32_t i = 0; i < t->n;) {
+        if (t->streams[i].owner == owner) drop_stream(t, i);
+        else ++i;
+    }
+    pthread_cond_broadcast(&t->changed);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Python checked `dst` for a push of `size` bytes at free count `frees` (see struct stream). */
+void fleetd_streams_vouch(struct fleetd_streams *t, uint64_t id, const uint8_t *dst, uint64_t size,
+                          uint64_t frees) {
+    pthread_mutex_lock(&t->mu);
+    struct stream *s = find(t, id);
+    if (s != NULL) {
+        memcpy(s->ok_dst, dst, PS_TENSOR);
+        s->ok_size = size;
+        s->ok_frees = frees;
+        s->ok = 1;
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* May the push (stream, seq, size, flags) be staged? 0: yes, its bytes reserved and a buffer
+ * for them in *data (the caller reads them in, then stage() or refuse()); otherwise a PS_*
+ * reason it is refused. With `c_only` (a session's C loop), `dst` must be a vouched one and a
+ * refusal changes nothing (Python serves the push and says why); without it a refusal marks
+ * the seq refused (its wait answers 0 at once). */
+int fleetd_streams_admit(struct fleetd_streams *t, uint64_t id, uint64_t seq, uint64_t size,
+                         uint32_t flags, int p2p, int c_only, const uint8_t *dst, uint64_t frees,
+                         uint8_t **data) {
+    *data = NULL;
+    pthread_mutex_lock(&t->mu);
+    int reason = 0;
+    struct stream *s = find(t, id);
+    if (s == NULL) { reason = PS_UNKNOWN; goto out; }
+    if (seq <= s->waited || slot_of(s, seq) != NULL) { reason = PS_LATE; goto out; }
+    if (s->n >= t->max_unwaited) { reason = PS_TOO_MANY; goto out; }
+    if (flags & PS_PUSH_FAILED) reason = PS_SOURCE_FAILED;
+    else if (!p2p) reason = PS_P2P_OFF;
+    else if (size > (uint64_t)t->limit || (int64_t)size > t->limit - t->held) reason = PS_NO_ROOM;
+    else if (c_only && !(s->ok && s->ok_size == size && s->ok_frees == frees &&
+                         memcmp(s->ok_dst, dst, PS_TENSOR) == 0)) reason = PS_NOT_VOUCHED;
+    if (reason == 0 && (*data = malloc(size ? size : 1)) == NULL) reason = PS_NO_ROOM;
+    if (reason != 0 && c_only) goto out;
+    if (s->n == s->cap) {
+        uint32_t cap = s->cap ? 2 * s->cap : 4;
+        struct slot *grown = realloc(s->slots, cap * sizeof *grown);
+        if (grown == NULL) {  /* refused without a slot: the wait runs out instead */
+            free(*data);
+            *data = NULL;
+            reason = PS_NO_ROOM;
+            goto out;
+        }
+        s->slots = grown;
+        s->cap = cap;
+    }
+    struct slot *sl = &s->slots[s->n++];
+    memset(sl, 0, sizeof *sl);
+    sl->seq = seq;
+    sl->size = size;
+    sl->state = reason ? SLOT_REFUSED : SLOT_ARRIVING;
+    if (reason == 0) t->held += (int64_t)size;
+    /* A refusal answers the wait now; an arrival only lengthens it, which the waiter finds
+     * when it next looks: waking it for that would cost the critical path a switch. */
+    if (reason) pthread_cond_broadcast(&t->changed);
+out:
+    pthread_mutex_unlock(&t->mu);
+    return reason;
+}
+
+/* The pushed bytes are all in: the slot is staged for its wait (it takes `data`), or, when
+ * the slot went meanwhile (its wait gave up, the owner left), they are let go. */
+void fleetd_streams_stage(struct fleetd_streams *t, uint64_t id, uint64_t seq, const uint8_t *dst,
+                          uint8_t *data, uint64_t size) {
+    pthread_mutex_lock(&t->mu);
+    struct stream *s = find(t, id);
+    struct slot *sl = s ? slot_of(s, seq) : NULL;
+    if (sl != NULL && sl->state == SLOT_ARRIVING) {
+        sl->state = SLOT_STAGED;
+        sl->data = data;
+        memcpy(sl->dst, dst, PS_TENSOR);
+        pthread_cond_broadcast(&t->changed);
+    } else {
+        t->held -= (int64_t)size;
+        free(data);
+        pthread_cond_broadcast(&t->changed);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* An admitted push failed while its bytes came in: they are let go, its wait answers 0. */
+void fleetd_streams_refuse(struct fleetd_streams *t, uint64_t id, uint64_t seq, uint8_t *data,
+                           uint64_t size) {
+    pthread_mutex_lock(&t->mu);
+    t->held -= (int64_t)size;
+    free(data);
+    struct stream *s = find(t, id);
+    struct slot *sl = s ? slot_of(s, seq) : NULL;
+    if (sl != NULL && sl->state == SLOT_ARRIVING) sl->state = SLOT_REFUSED;
+    pthread_cond_broadcast(&t->changed);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* Wait until copy `seq` of stream `id` is staged or refused, or until `until_ns`
+ * (CLOCK_MONOTONIC). Changes nothing. Returns PS_NOT_OWNER (no such stream of `owner`),
+ * PS_OUT_OF_ORDER (seq not after the last one settled), 0 (nothing came yet), or the slot's
+ * state: SLOT_ARRIVING, SLOT_REFUSED, SLOT_STAGED (with its size, and its tensor in dst). */
+int fleetd_streams_wait(struct fleetd_streams *t, uint64_t id, uint64_t seq, int64_t owner,
+                        int64_t until_ns, uint8_t *dst, uint64_t *size) {
+    pthread_mutex_lock(&t->mu);
+    int rc;
+    for (;;) {
+        struct stream *s = find(t, id);
+        if (s == NULL || s->owner != owner) { rc = PS_NOT_OWNER; break; }
+        if (seq <= s->waited) { rc = PS_OUT_OF_ORDER; break; }
+        struct slot *sl = slot_of(s, seq);
+        rc = sl ? sl->state : 0;
+        if (rc == SLOT_STAGED) {
+            memcpy(dst, sl->dst, PS_TENSOR);
+            *size = sl->size;
+        }
+        if (rc == SLOT_STAGED || rc == SLOT_REFUSED || mono_ns() >= until_ns) break;
+        wait_until(t, until_ns);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* Copy `seq` is settled, whatever came of it: a later push for it is late, copies before it
+ * the client skipped are dropped. Returns its staged bytes (the caller writes them, then
+ * done()), or NULL. Only the stream's owner calls this, after a wait. */
+uint8_t *fleetd_streams_settle(struct fleetd_streams *t, uint64_t id, uint64_t seq, int64_t owner) {
+    uint8_t *data = NULL;
+    pthread_mutex_lock(&t->mu);
+    struct stream *s = find(t, id);
+    if (s != NULL && s->owner == owner && seq > s->waited) {
+        s->waited = seq;
+        for (uint32_t k = 0; k < s->n;) {
+            struct slot *sl = &s->slots[k];
+            if (sl->seq > seq) { ++k; continue; }
+            if (sl->state == SLOT_STAGED) {
+                if (sl->seq == seq) {
+                    data = sl->data;  /* its bytes stay reserved until done() */
+                } else {
+                    t->held -= (int64_t)sl->size;
+                    free(sl->data);
+                }
+            }
+            s->slots[k] = s->slots[--s->n];
+        }
+        pthread_cond_broadcast(&t->changed);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return data;
+}
+
+/* The settled bytes were written (or could not be): let them go. */
+void fleetd_streams_done(struct fleetd_streams *t, uint8_t *data, uint64_t size) {
+    free(data);
+    fleetd_mem_release(t, size);
+}
+
+size_t fleetd_streams_tensor_size(void) { return PS_TENSOR; }
+
+void fleetd_mem_set_limit(struct fleetd_streams *t, int64_t limit) {
+    pthread_mutex_lock(&t->mu);
+    t->limit = limit;
+    pthread_cond_broadcast(&t->changed);
+    pthread_mutex_unlock(&t->mu);
+}
