@@ -509,7 +509,8 @@ def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
     """After the first push of a stream (Python checks its destination and vouches for it), the
     destination's loops stage the pushes and answer the gates in C: the link's session and the
     client's session serve them without the interpreter, the bytes land in order, and the
-    counters say every PEER_PUSH and PEER_GATE as the Python path would."""
+    counters say every PEER_PUSH and PEER_GATE as the Python path would. The source's loop
+    pushes the copies on its link itself and reads the answers as they come."""
     p = pair()
     steps = 40
     for i in range(1, steps + 1):
@@ -530,6 +531,12 @@ def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
     # the first push is Python's (it vouches), and a gate that outran its push by more than the
     # loop's wait would be too: on loopback nearly all are C's
     assert pushes >= steps - 5 and gates >= steps - 5, (pushes, gates)
+    # the source: after the first two (the pusher's, then one inline that makes the route), its
+    # loop reads each copy and pushes it on the link itself
+    copies = sum(s.fast._ctx.served.copy_count for s in _live_sessions(p.src_srv))
+    assert copies >= steps - 5, copies
+    # the loop's answers are counted when it returns (at the latest when it idles, 20 ms on)
+    _settled(lambda: p.src_srv.state.peer_stats.as_dict()["copies_ok"] == steps)
     _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])
 
 
@@ -546,3 +553,23 @@ def test_a_free_sends_the_next_push_back_to_python_and_its_checks(pair):
     assert p.cd.peer_wait(p.stream, seq) is False
     assert bytes(p.cs.peer_take(p.stream, seq, NB)) == values(2)
     assert p.src_srv.state.peer_stats.as_dict()["fallbacks"]["write_rejected"] == 1
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_a_push_refused_on_a_route_the_source_loop_holds_is_kept_for_the_take(pair):
+    """The destination switches P2P off while the source's loop holds its link: the loop's
+    push is refused, the gate answers 0, and PEER_TAKE gets the bytes the copy read, after
+    which the next copies go through again."""
+    p = pair()
+    for i in range(1, 6):  # the route is made and held
+        assert p.cd.peer_wait(p.stream, p.copy(values(i))) is True
+    assert sum(s.fast._ctx.served.copy_count for s in _live_sessions(p.src_srv)) >= 1
+    p.dst_srv.state.set_p2p(False)
+    seq = p.copy(values(9))
+    assert p.cd.peer_wait(p.stream, seq) is False
+    assert bytes(p.cs.peer_take(p.stream, seq, NB)) == values(9)
+    assert p.src_srv.state.peer_stats.as_dict()["fallbacks"]["refused"] == 1
+    p.dst_srv.state.set_p2p(True)
+    assert p.cd.peer_wait(p.stream, p.copy(values(10))) is True
+    assert p.cd.get_tensor(p.td) == values(10)
+    _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])

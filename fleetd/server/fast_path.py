@@ -153,6 +153,16 @@ class FastPath:
         peer.p2p, peer.frees = ctypes.pointer(p2p), ctypes.pointer(frees)
         peer.gate_ms = LOOP_WAIT_MS
 
+    def set_routes(self, routes: list) -> None:
+        """The source side's routes (native.FastRoute, kept alive by the caller) the loop may
+        push on: each only while its fd is set (fleetd.server.peer_async arms them)."""
+        if self._loop is None or not self._ctx.peer.streams:
+            return
+        array = (ctypes.POINTER(native.FastRoute) * len(routes))(*(ctypes.pointer(r) for r in routes))
+        self._routes = array
+        self._ctx.peer.routes = array
+        self._ctx.peer.n_routes = len(routes)
+
     def written_regions(self, buffers) -> list[int] | None:
         """The region indices of `buffers` (what a graph writes); None when one is not the
         session's own (C could not mark it written)."""
@@ -230,7 +240,7 @@ class FastPath:
     def requests_served(self) -> int:
         """Requests C served since the session began (tests, diagnostics)."""
         s = self._ctx.served
-        return s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count
+        return s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count + s.copy_count
 
     def _pending(self) -> dict[str, int]:
         """What C served that the counters do not hold yet, per FastServed field (under `lock`)."""
@@ -268,6 +278,8 @@ class FastPath:
         c.count[Cmd.PEER_PUSH] += pushes
         c.request_bytes[Cmd.PEER_PUSH] += d["push_bytes"]
         c.response_bytes[Cmd.PEER_PUSH] += pushes * ANSWER_BYTES
+        c.count[Cmd.COPY_TENSOR_TO_ASYNC] += d["copy_count"]
+        c.request_bytes[Cmd.COPY_TENSOR_TO_ASYNC] += d["copy_bytes"]
 
     def _fold(self) -> None:
         """Fold what C served into the counters and the buffers' write generations (the

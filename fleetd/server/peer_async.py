@@ -29,6 +29,7 @@ The destination side (PeerStreams) and the budget (PeerMemory) are in fleetd.ser
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import queue
 import threading
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fleetd.compute import native
 from fleetd.errors import FleetdError, PeerClosed, ReadTimeout, RemoteProtocolError, TransportError
 from fleetd.server.peer import PeerFailure, PeerLink, copy_endpoint, resolve
 from fleetd.server.regions import region
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fleetd.peer")
 
 STREAMS_REMEMBERED = 1024  # a source's last seq per stream, for this many streams
+ROUTES_MAX = 16  # destinations a session's C loop may push to itself
 
 
 # -- the source: read now, push from a worker per destination, keep what failed -------------------
@@ -57,11 +60,36 @@ STREAMS_REMEMBERED = 1024  # a source's last seq per stream, for this many strea
 class _Job:
     stream: int
     seq: int
-    dst: RpcTensor
+    dst: RpcTensor | None
     data: bytes
     endpoint: str
     notice: bool = False  # only tell the destination this seq will not come (a skipped copy)
     sent: bool = False  # pushed by the session thread already: only its answer is to be read
+    route: _Route | None = None  # read the answers of the pushes the loop sent on this route
+
+
+class _Route:
+    """A destination and stream whose copies the session's C loop pushes itself
+    (peer_stage.c's fleetd_route): after Python pushed one there inline (resolved, allowed, the
+    link open), the loop may push the stream's next ones on that link while it holds the route
+    (`fd` set, the pusher marked busy), reading their answers as they come. When the loop
+    returns, the route goes back: its pushes still unanswered to the pusher (a drain job),
+    failed ones kept for PEER_TAKE, as Python's own pushes."""
+
+    def __init__(self, pusher: _Pusher, stream: int, endpoint: str, last_seq: int) -> None:
+        self.c = native.FastRoute()
+        self.c.stream, self.c.last_seq, self.c.fd = stream, last_seq, -1
+        ep = endpoint.encode()
+        self.c.ep_len = len(ep)
+        ctypes.memmove(self.c.ep, ep, len(ep))
+        self.pusher = pusher
+        self.endpoint = endpoint
+        self.held = False  # the session holds the link (its pusher marked busy): c.fd is set
+        self.folded = (0, 0, 0, 0)  # pushed count and bytes, landed count and bytes, counted
+
+    def entries(self):
+        c = self.c
+        return [c.ring[(c.head + i) % native.ROUTE_RING] for i in range(c.n)]
 
 
 class AsyncCopies:
@@ -78,6 +106,10 @@ class AsyncCopies:
         self._last_seq: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
+        # the loop's routes, one per pusher (answers on a link come in its one send order)
+        self._routes: dict[tuple[str, int], _Route] = {}
+        self._routes_changed = False
+        self._lib = native.peer_stage() if state.peer_streams.handle else None
 
     # -- the session thread ----------------------------------------------------------------
 
@@ -96,6 +128,17 @@ class AsyncCopies:
         self._last_seq[ev.stream] = ev.seq
         while len(self._last_seq) > STREAMS_REMEMBERED:
             self._last_seq.popitem(last=False)
+        failure = None
+        try:
+            addr = resolve(host, port)
+            if not self.state.peer_policy.allows(addr[0], local_addr):
+                raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
+            if not self.state.p2p_enabled and addr not in self._pushers:
+                raise PeerFailure("disabled", "peer copy is switched off on this daemon")
+        except PeerFailure as exc:
+            failure = exc
+        if failure is None and self._route_push(addr, ev, buf.array.ctypes.data + start):
+            return
         if not self.state.peer_memory.reserve(ev.size, self.state.peer_timeouts.transfer):
             raise RemoteProtocolError(
                 f"COPY_TENSOR_TO_ASYNC: {ev.size} bytes do not fit the peer-copy memory "
@@ -104,19 +147,140 @@ class AsyncCopies:
         job = _Job(ev.stream, ev.seq, ev.dst, buf.array[start : start + ev.size].tobytes(), ev.endpoint)
         with self._cond:
             self._pending.add(key)
-        try:
-            addr = resolve(host, port)
-            if not self.state.peer_policy.allows(addr[0], local_addr):
-                raise PeerFailure("not_allowed", f"{addr[0]} is outside --peer-allow")
-            if not self.state.p2p_enabled and addr not in self._pushers:
-                raise PeerFailure("disabled", "peer copy is switched off on this daemon")
-        except PeerFailure as exc:
-            self.failed(job, exc)
+        if failure is not None:
+            self.failed(job, failure)
             return
         # P2P off with a pusher there: it refuses the job and tells the destination at once.
         pusher = self._pusher_for(addr)
+        self._release_route(addr)  # the link is the pusher's again, behind the route's pushes
         if not pusher.push_inline(job):
             pusher.put(job)
+        elif job.sent and self._lib is not None and addr not in self._routes:
+            if len(self._routes) < ROUTES_MAX:  # the stream's next copies: _route_push
+                self._routes[addr] = _Route(pusher, ev.stream, ev.endpoint, ev.seq)
+                self._routes_changed = True
+
+    # -- the routes: pushes the session's C loop sends itself (the session thread) -------------
+
+    def _take_route(self, route: _Route) -> bool:
+        """Hold the route's link for this session (its pusher idle): the loop may push on it."""
+        if route.held:
+            return True
+        if not self.state.p2p_enabled or self._closed:
+            return False
+        pusher = route.pusher
+        with pusher._lock:
+            if pusher._busy or pusher.link is None:
+                return False
+            pusher._busy = True  # this session's thread and loop hold its link now
+            fd = pusher.link.sock.fileno()
+        c = route.c
+        c.last_seq = max(c.last_seq, self._last_seq.get(c.stream, 0))
+        c.fd = fd
+        route.held = True
+        return True
+
+    def _route_push(self, addr: tuple[str, int], ev: CopyTensorToAsync, src: int) -> bool:
+        """The copy pushed on its destination's route (taken now if its pusher is idle), as the
+        loop would; False when it is the pusher's way (no route, too large, no room)."""
+        route = self._routes.get(addr)
+        if route is None or route.c.stream != ev.stream or not 0 < ev.size <= _Pusher.INLINE_MAX:
+            return False
+        if not self.state.p2p_enabled:
+            return False
+        self._pusher_for(addr)  # most recently used
+        if not self._take_route(route):
+            return False
+        assert self._lib is not None
+        c = route.c
+        sent = self._lib.fleetd_route_push(
+            ctypes.byref(c), self.state.peer_streams.handle, ev.seq, ev.dst.pack(), src, ev.size
+        )
+        if sent == 0 or c.broken:  # no room in the ring or the budget, or the link failed
+            self._release_route(addr)
+        return sent != 0
+
+    def arm_routes(self, fast) -> None:
+        """Before the loop: its routes, and the idle ones taken."""
+        if not self._routes:
+            return
+        if self._routes_changed:
+            fast.set_routes([r.c for r in self._routes.values()])
+            self._routes_changed = False
+        for route in self._routes.values():
+            self._take_route(route)
+
+    def disarm_routes(self, quiet: bool) -> None:
+        """After the loop: its seqs and counts back in Python; a route with a failed push, or
+        with pushes unanswered while the client is `quiet` (the loop idled), let go."""
+        for addr, route in list(self._routes.items()):
+            if not route.held:
+                continue
+            assert self._lib is not None
+            c = route.c
+            self._last_seq.pop(c.stream, None)
+            self._last_seq[c.stream] = c.last_seq
+            self._lib.fleetd_route_read_answers(ctypes.byref(c), self.state.peer_streams.handle, 0)
+            self._fold_route(route)
+            failed = any(p.state == native.PUSH_FAILED for p in route.entries())
+            if failed or c.broken or (quiet and c.answered < c.n) or not self.state.p2p_enabled:
+                self._release_route(addr)
+
+    def release_routes(self) -> None:
+        """Every route let go (before PEER_TAKE: its copies then settle as the pusher's do)."""
+        for addr in list(self._routes):
+            self._release_route(addr)
+
+    def _release_route(self, addr: tuple[str, int]) -> None:
+        """The route's link back to its pusher: pushes still unanswered drained there (they are
+        pending until then), the rest settled now."""
+        route = self._routes.get(addr)
+        if route is None or not route.held:
+            return
+        route.held = False
+        c = route.c
+        c.fd = -1
+        if c.answered < c.n and not c.broken:
+            with self._cond:
+                self._pending.update((p.stream, p.seq) for p in route.entries()[c.answered :])
+            route.pusher.put(_Job(c.stream, 0, None, b"", route.endpoint, route=route))
+        else:
+            self.collect(route)
+            route.pusher._idle_again()
+
+    def _fold_route(self, route: _Route) -> None:
+        c, (_, pb, lc, lb) = route.c, route.folded
+        stats = self.state.peer_stats
+        if c.pushed_bytes != pb:
+            stats.pushed(c.pushed_bytes - pb)
+        if c.landed_count != lc:
+            stats.ok(c.landed_bytes - lb, c.landed_count - lc)
+        route.folded = (c.pushed_count, c.pushed_bytes, c.landed_count, c.landed_bytes)
+
+    def collect(self, route: _Route) -> None:
+        """The route's pushes all answered (or failed): the failed ones kept for PEER_TAKE, the
+        ring emptied; a broken route's link dropped. Whoever holds the route calls this."""
+        c = route.c
+        self._fold_route(route)
+        broken = bool(c.broken)
+        entries = route.entries()
+        keys = [(p.stream, p.seq) for p in entries]
+        failed = [
+            _Job(p.stream, p.seq, None, ctypes.string_at(p.data, p.size), route.endpoint)
+            for p in entries
+            if p.state == native.PUSH_FAILED and p.data
+        ]
+        assert self._lib is not None
+        self._lib.fleetd_route_clear(ctypes.byref(c), self.state.peer_streams.handle, 0)
+        c.broken = 0
+        if broken:
+            route.pusher._drop_link()
+        why = "the link failed with the push in flight" if broken else "the destination refused the push"
+        for job in failed:  # their budget stays reserved with the kept copy (or is released)
+            self.failed(job, PeerFailure("write_rejected" if broken else "refused", why))
+        with self._cond:
+            self._pending.difference_update(keys)
+            self._cond.notify_all()
 
     def skipped(self, ev: CopyTensorToAsync) -> None:
         """A COPY_TENSOR_TO_ASYNC skipped after a failed PEER_GATE: nothing is read or kept (the
@@ -129,13 +293,18 @@ class AsyncCopies:
             return
         pusher = self._pushers.get(addr)
         if pusher is not None:
+            self._release_route(addr)  # the notice goes behind the route's pushes
             pusher.put(_Job(ev.stream, ev.seq, ev.dst, b"", ev.endpoint, notice=True))
 
     def _pusher_for(self, addr: tuple[str, int]) -> _Pusher:
         pusher = self._pushers.pop(addr, None)
         if pusher is None:
             while len(self._pushers) >= self.state.limits.max_peer_links:
-                self._pushers.pop(next(iter(self._pushers))).stop()
+                old = self._pushers.pop(next(iter(self._pushers)))
+                self._release_route(old.addr)
+                if self._routes.pop(old.addr, None) is not None:
+                    self._routes_changed = True
+                old.stop()
             pusher = _Pusher(self, addr)
         self._pushers[addr] = pusher  # most recently used last
         return pusher
@@ -144,6 +313,7 @@ class AsyncCopies:
         """PEER_TAKE: the kept bytes of copy (stream, seq), once it is settled. RemoteProtocolError
         when there are none of that size (it landed, it never was, or it was dropped)."""
         key = (stream, seq)
+        self.release_routes()  # the loop's pushes settle as the pusher's do
         timeouts = self.state.peer_timeouts
         deadline = time.monotonic() + timeouts.connect + timeouts.hello + timeouts.transfer
         with self._cond:
@@ -169,6 +339,12 @@ class AsyncCopies:
             self._kept.clear()
             self._cond.notify_all()
         self.state.peer_memory.release(kept)
+        for route in self._routes.values():  # held ones: nothing is kept now
+            if route.held:
+                route.held = False
+                route.c.fd = -1
+                assert self._lib is not None
+                self._lib.fleetd_route_clear(ctypes.byref(route.c), self.state.peer_streams.handle, 1)
         for pusher in self._pushers.values():
             pusher.stop()
         self._pushers.clear()
@@ -209,6 +385,14 @@ class AsyncCopies:
 
     def dropped(self, job: _Job) -> None:
         """A queued job after the session ended: nothing to do but let its bytes go."""
+        if job.route is not None:  # a route's pushes: the C copies and their budget go
+            assert self._lib is not None
+            keys = [(p.stream, p.seq) for p in job.route.entries()]
+            self._lib.fleetd_route_clear(ctypes.byref(job.route.c), self.state.peer_streams.handle, 1)
+            with self._cond:
+                self._pending.difference_update(keys)
+                self._cond.notify_all()
+            return
         self.state.peer_memory.release(len(job.data))
         with self._cond:
             self._pending.discard((job.stream, job.seq))
@@ -306,6 +490,16 @@ class _Pusher:
 
     def _serve(self, job: _Job) -> None:
         copies = self.copies
+        if job.route is not None:  # the loop's pushes: their answers, then they settle
+            lib, timeout = copies._lib, copies.state.peer_timeouts.transfer
+            assert lib is not None
+            job.route.c.fd = self.link.sock.fileno() if self.link is not None else -1
+            lib.fleetd_route_drain(
+                ctypes.byref(job.route.c), copies.state.peer_streams.handle, int(timeout * 1000)
+            )
+            job.route.c.fd = -1
+            copies.collect(job.route)
+            return
         if job.notice:
             self._notify_failed(job)
             return

@@ -56,9 +56,9 @@ class PeerCounters:
         with self._lock:
             self._zero()
 
-    def ok(self, nbytes: int) -> None:
+    def ok(self, nbytes: int, copies: int = 1) -> None:
         with self._lock:
-            self.copies_ok += 1
+            self.copies_ok += copies
             self.bytes_confirmed += nbytes
 
     def pushed(self, nbytes: int) -> None:

@@ -257,6 +257,9 @@ class Session:
         next request go into the receive buffer. Returns the loop's LOOP_* answer."""
         fast = self.fast
         held = self._arm_recompute()
+        copies = self.async_copies
+        copies.arm_routes(fast)
+        answer = 0
         try:
             answer, have = fast.loop(self._scratch_address, RECV_CHUNK)
             if answer == native.LOOP_WORKER:  # handed over; its answer is Python's to read
@@ -272,6 +275,7 @@ class Session:
                 if self.state.config.count_commands:
                     self.counters.record(Cmd.GRAPH_RECOMPUTE, RECOMPUTE_BYTES, 0)
         finally:
+            copies.disarm_routes(quiet=answer == native.LOOP_IDLE)
             if held is not None:
                 pool, worker, _ = held
                 pool.release_fast(worker, used=True)

@@ -112,6 +112,21 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.c_void_p,
     ),
     "fleetd_streams_done": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64], None),
+    "fleetd_route_drain": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
+    "fleetd_route_read_answers": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_size_t),
+    "fleetd_route_push": (
+        [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_char_p,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+        ],
+        ctypes.c_int,
+    ),
+    "fleetd_route_clear": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], None),
+    "fleetd_route_layout": ([ctypes.c_int], ctypes.c_size_t),
 }
 
 
@@ -179,6 +194,8 @@ class FastServed(ctypes.Structure):
         ("gate_count", ctypes.c_uint64),
         ("push_count", ctypes.c_uint64),
         ("push_bytes", ctypes.c_uint64),
+        ("copy_count", ctypes.c_uint64),
+        ("copy_bytes", ctypes.c_uint64),
     ]
 
 
@@ -214,6 +231,44 @@ class FastBody(ctypes.Structure):
     ]
 
 
+ROUTE_RING, ROUTE_ENDPOINT = 64, 260
+PUSH_SENT, PUSH_LANDED, PUSH_FAILED = 1, 2, 3
+
+
+class FastPush(ctypes.Structure):
+    """peer_stage.h's `struct fleetd_push`: one push a loop sent on a route."""
+
+    _fields_ = [
+        ("stream", ctypes.c_uint64),
+        ("seq", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("data", ctypes.c_void_p),
+        ("state", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class FastRoute(ctypes.Structure):
+    """peer_stage.h's `struct fleetd_route`: a (stream, endpoint) whose link a loop pushes on."""
+
+    _fields_ = [
+        ("stream", ctypes.c_uint64),
+        ("last_seq", ctypes.c_uint64),
+        ("fd", ctypes.c_int32),
+        ("ep_len", ctypes.c_int32),
+        ("ep", ctypes.c_uint8 * ROUTE_ENDPOINT),
+        ("broken", ctypes.c_int32),
+        ("head", ctypes.c_uint32),
+        ("n", ctypes.c_uint32),
+        ("answered", ctypes.c_uint32),
+        ("pushed_count", ctypes.c_uint64),
+        ("pushed_bytes", ctypes.c_uint64),
+        ("landed_count", ctypes.c_uint64),
+        ("landed_bytes", ctypes.c_uint64),
+        ("ring", FastPush * ROUTE_RING),
+    ]
+
+
 class FastPeer(ctypes.Structure):
     """fastpath.c's `struct fleetd_peer`: the peer copy's staging a loop serves PEER_PUSH and
     PEER_GATE from (streams NULL: both are Python's)."""
@@ -224,7 +279,8 @@ class FastPeer(ctypes.Structure):
         ("p2p", ctypes.POINTER(ctypes.c_int32)),
         ("frees", ctypes.POINTER(ctypes.c_uint64)),
         ("gate_ms", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("n_routes", ctypes.c_int32),
+        ("routes", ctypes.POINTER(ctypes.POINTER(FastRoute))),
     ]
 
 

@@ -26,6 +26,7 @@
 #define CMD_SET_TENSOR 6
 #define CMD_GET_TENSOR 8
 #define CMD_GRAPH_RECOMPUTE 16
+#define CMD_COPY_TENSOR_TO_ASYNC 0x42
 #define CMD_PEER_PUSH 0x44
 #define CMD_PEER_GATE 0x47
 #define HEADER 9          /* | cmd u8 | payload_size u64 | */
@@ -34,6 +35,7 @@
 #define GET_PAYLOAD 312   /* tensor, offset u64, size u64 */
 #define PUSH_FIXED 313    /* stream u64, seq u64, flags u8, dst tensor */
 #define GATE_PAYLOAD 16   /* stream u64, seq u64 */
+#define COPY_FIXED 620    /* src, dst tensors, size u64, stream u64, seq u64, endpoint_len u32 */
 
 /* rpc_tensor's fields, at their wire offsets (little endian, packed) */
 #define T_TYPE 8
@@ -59,6 +61,7 @@ struct fleetd_served {   /* what C served, for the session's counters: they only
     uint64_t recompute_count, recompute_ns;   /* GRAPH_RECOMPUTEs run in the worker, their time */
     uint64_t gate_count;                      /* PEER_GATEs answered 1 */
     uint64_t push_count, push_bytes;          /* PEER_PUSHes staged, request bytes */
+    uint64_t copy_count, copy_bytes;          /* COPY_TENSOR_TO_ASYNCs pushed, request bytes */
 };
 
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -165,7 +168,8 @@ struct fleetd_peer {
     const int32_t *p2p;              /* the daemon's P2P switch */
     const uint64_t *frees;           /* the registry's count of frees */
     int32_t gate_ms;
-    int32_t reserved;
+    int32_t n_routes;
+    struct fleetd_route **routes;    /* the source side: links this session may push on */
 };
 
 struct fleetd_fast {      /* one session's fast path, set up once, passed by pointer */
@@ -396,6 +400,32 @@ static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uin
     return 1;
 }
 
+/* COPY_TENSOR_TO_ASYNC at `req` (payload bytes, whole): the source region of the session's own
+ * buffer read now and pushed on the route Python armed for its (stream, endpoint). 1 served
+ * (no answer to the client), 0 Python's (nothing changed). */
+static int copy_async(struct fleetd_fast *f, const uint8_t *req, uint64_t payload) {
+    struct fleetd_peer *p = &f->peer;
+    const uint8_t *h = req + 2 * TENSOR;
+    uint64_t size = u64_at(h), stream = u64_at(h + 8), seq = u64_at(h + 16);
+    uint32_t ep_len = u32_at(h + 24);
+    if (COPY_FIXED + (uint64_t)ep_len != payload || size == 0 || size > ROUTE_INLINE_MAX) return 0;
+    struct fleetd_route *r = NULL;
+    for (int i = 0; i < p->n_routes; ++i) {
+        struct fleetd_route *c = p->routes[i];
+        if (c->fd >= 0 && c->stream == stream && (uint32_t)c->ep_len == ep_len &&
+            memcmp(c->ep, h + 28, ep_len) == 0) { r = c; break; }
+    }
+    if (r == NULL || seq <= r->last_seq || !__atomic_load_n(p->p2p, __ATOMIC_ACQUIRE)) return 0;
+    struct fleetd_region *which;
+    const uint8_t *src = checked_region(req, 0, size, f->regions, f->n_regions, f->blck, f->tsize,
+                                       f->n_types, &which);
+    if (src == NULL) return 0;
+    if (fleetd_route_push(r, p->streams, seq, req + TENSOR, src, size) == 0) return 0;
+    f->served.copy_count += 1;
+    f->served.copy_bytes += HEADER + payload;
+    return 1;
+}
+
 /* Serve the session from `buf` (cap bytes, f->have of them already there) until a request is
  * Python's: whole fast requests as fleetd_fast_requests, the armed GRAPH_RECOMPUTE, and the
  * recv between them, so a decode step costs no interpreter at all. Returns a LOOP_* answer,
@@ -451,6 +481,14 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 if (r < 0) { answer = LOOP_ERROR; break; }
                 memmove(buf, buf + HEADER + GATE_PAYLOAD, have - HEADER - GATE_PAYLOAD);
                 have -= HEADER + GATE_PAYLOAD;
+                continue;
+            }
+            if (buf[0] == CMD_COPY_TENSOR_TO_ASYNC && f->peer.n_routes > 0 &&
+                payload <= cap - HEADER) {
+                if (have < HEADER + payload) goto more;
+                if (!copy_async(f, buf + HEADER, payload)) { answer = LOOP_PYTHON; break; }
+                memmove(buf, buf + HEADER + payload, have - HEADER - payload);
+                have -= HEADER + payload;
                 continue;
             }
             if (buf[0] == CMD_PEER_PUSH && payload >= PUSH_FIXED && f->peer.streams != NULL &&

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -349,4 +350,172 @@ void fleetd_mem_set_limit(struct fleetd_streams *t, int64_t limit) {
     t->limit = limit;
     pthread_cond_broadcast(&t->changed);
     pthread_mutex_unlock(&t->mu);
+}
+
+/* -- the source side: pushes a session's loop sends on a route (peer_stage.h) --------------- */
+
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define ANSWER 9  /* PEER_PUSH's answer: size u64 (1), staged u8 */
+
+static struct fleetd_push *nth(struct fleetd_route *r, uint32_t i) {
+    return &r->ring[(r->head + i) % ROUTE_RING];
+}
+
+/* Answers that came, read without waiting for more than `block_ms` (0: only what is there):
+ * each settles the oldest push still without one (1 landed: its bytes let go; 0 failed: kept
+ * for Python). A malformed answer, an error or the link closing breaks the route. Landed pushes
+ * at the ring's head leave it. Returns the answers read. */
+size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *t, int block_ms) {
+    size_t got = 0;
+    while (r->answered < r->n && !r->broken) {
+        int ready = 0;
+        if (ioctl(r->fd, FIONREAD, &ready) != 0) { r->broken = 1; break; }
+        if (ready < ANSWER) {
+            if (block_ms <= 0) break;
+            struct pollfd p = {r->fd, POLLIN, 0};
+            int k = poll(&p, 1, block_ms);
+            if (k < 0 && errno == EINTR) continue;
+            if (k <= 0) break;
+            if (ioctl(r->fd, FIONREAD, &ready) != 0 || ready == 0) { r->broken = 1; break; }
+            if (ready < ANSWER) continue;
+        }
+        uint32_t want = (uint32_t)ready / ANSWER;
+        if (want > r->n - r->answered) want = r->n - r->answered;
+        uint8_t buf[ANSWER * 16];
+        if (want > 16) want = 16;
+        ssize_t k = recv(r->fd, buf, want * ANSWER, MSG_DONTWAIT);
+        if (k != (ssize_t)(want * ANSWER)) { r->broken = 1; break; }
+        for (uint32_t i = 0; i < want; ++i) {
+            uint64_t size;
+            memcpy(&size, buf + i * ANSWER, 8);
+            uint8_t staged = buf[i * ANSWER + 8];
+            struct fleetd_push *p = nth(r, r->answered);
+            if (size != 1 || staged > 1) { r->broken = 1; break; }
+            r->answered += 1;
+            got += 1;
+            if (staged) {
+                p->state = PUSH_LANDED;
+                r->landed_count += 1;
+                r->landed_bytes += p->size;
+                free(p->data);
+                p->data = NULL;
+                fleetd_mem_release(t, p->size);
+            } else {
+                p->state = PUSH_FAILED;
+            }
+        }
+        while (r->n && nth(r, 0)->state == PUSH_LANDED) {
+            r->head = (r->head + 1) % ROUTE_RING;
+            r->n -= 1;
+            r->answered -= 1;
+        }
+    }
+    return got;
+}
+
+/* Every push on the route answered, waiting up to timeout_ms in all (the pusher thread, when
+ * the loop has handed the route back): 1 all answered, 0 not (the route is broken, and the
+ * pushes still unanswered are failed: kept for Python). */
+int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int timeout_ms) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t until = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + timeout_ms;
+    while (r->answered < r->n && !r->broken) {
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t left = until - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+        if (left <= 0) break;
+        fleetd_route_read_answers(r, t, left > 1000 ? 1000 : (int)left);
+    }
+    if (r->answered < r->n) {
+        r->broken = 1;
+        for (uint32_t i = r->answered; i < r->n; ++i) nth(r, i)->state = PUSH_FAILED;
+        r->answered = r->n;
+    }
+    return !r->broken;
+}
+
+/* PEER_PUSH(stream, seq, dst, src[0, size)) on the route's link, its bytes kept in the ring
+ * until the answer: 1 sent; 0 not attempted (no room in the ring or the budget: Python's);
+ * -1 the send failed (the route is broken, the push failed and kept for Python). */
+int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t seq,
+                      const uint8_t *dst, const uint8_t *src, uint64_t size) {
+    fleetd_route_read_answers(r, t, 0);
+    if (r->broken || r->n >= ROUTE_RING) return 0;
+    if (!fleetd_mem_reserve(t, size, 0)) return 0;
+    uint8_t *data = malloc(size);
+    if (data == NULL) { fleetd_mem_release(t, size); return 0; }
+    memcpy(data, src, size);
+    struct fleetd_push *p = nth(r, r->n);
+    p->stream = r->stream;
+    p->seq = seq;
+    p->size = size;
+    p->data = data;
+    p->state = PUSH_SENT;
+    r->n += 1;
+    r->last_seq = seq;
+    uint8_t head[9 + 17 + PS_TENSOR];
+    uint64_t payload = 17 + PS_TENSOR + size;
+    head[0] = 0x44;  /* PEER_PUSH */
+    memcpy(head + 1, &payload, 8);
+    memcpy(head + 9, &r->stream, 8);
+    memcpy(head + 17, &seq, 8);
+    head[25] = 0;  /* flags */
+    memcpy(head + 26, dst, PS_TENSOR);
+    struct iovec iov[2] = {{head, sizeof head}, {data, size}};
+    int first = 0;
+    while (first < 2) {  /* blocking, under the link's SO_SNDTIMEO */
+        struct msghdr msg = {0};
+        msg.msg_iov = &iov[first];
+        msg.msg_iovlen = 2 - first;
+        ssize_t k = sendmsg(r->fd, &msg, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) {
+            r->broken = 1;
+            p->state = PUSH_FAILED;
+            /* it and any push before it still unanswered: the link is lost with them */
+            for (uint32_t i = r->answered; i < r->n; ++i) nth(r, i)->state = PUSH_FAILED;
+            r->answered = r->n;
+            return -1;
+        }
+        while (first < 2 && (size_t)k >= iov[first].iov_len) {
+            k -= (ssize_t)iov[first].iov_len;
+            ++first;
+        }
+        if (first < 2) {
+            iov[first].iov_base = (uint8_t *)iov[first].iov_base + k;
+            iov[first].iov_len -= (size_t)k;
+        }
+    }
+    r->pushed_count += 1;
+    r->pushed_bytes += size;
+    return 1;
+}
+
+/* Python collected the ring's failed pushes (their bytes copied out): let the C copies go, the
+ * budget unchanged (the kept copies hold it now), and empty the ring. With `release`, the
+ * budget is released too (the session ended: nothing is kept). */
+void fleetd_route_clear(struct fleetd_route *r, struct fleetd_streams *t, int release) {
+    for (uint32_t i = 0; i < r->n; ++i) {
+        struct fleetd_push *p = nth(r, i);
+        if (p->data != NULL) {
+            if (release) fleetd_mem_release(t, p->size);
+            free(p->data);
+            p->data = NULL;
+        }
+    }
+    r->head = r->n = r->answered = 0;
+}
+
+size_t fleetd_route_layout(int which) {
+    switch (which) {
+    case 0: return sizeof(struct fleetd_route);
+    case 1: return sizeof(struct fleetd_push);
+    case 2: return offsetof(struct fleetd_route, broken);
+    case 3: return offsetof(struct fleetd_route, ring);
+    default: return 0;
+    }
 }
