@@ -573,3 +573,56 @@ def test_a_push_refused_on_a_route_the_source_loop_holds_is_kept_for_the_take(pa
     assert p.cd.peer_wait(p.stream, p.copy(values(10))) is True
     assert p.cd.get_tensor(p.td) == values(10)
     _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_a_destination_that_stops_reading_never_blocks_the_source_loop(fleetd_server):
+    """The source's loop holds a link whose destination answers a few pushes and then stops
+    reading at all (a tiny receive window): the loop never waits on that socket, so the
+    session answers its client throughout; the copies that did not land are kept for
+    PEER_TAKE once the destination is gone."""
+    src = fleetd_server()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stop_reading, gone = threading.Event(), threading.Event()
+    answered = []
+
+    def fake_destination():
+        conn, _ = listener.accept()
+        conn.recv(9 + 24)  # HELLO
+        conn.sendall(hello_response(int(Feature.ALL)))
+        f = conn.makefile("rb")
+        while len(answered) < 3:
+            head = f.read(9)
+            payload = struct.unpack_from("<Q", head, 1)[0]
+            f.read(payload)
+            answered.append(head[0])
+            conn.sendall(struct.pack("<QB", 1, 1))  # staged
+        stop_reading.set()
+        gone.wait(60)
+        conn.close()
+
+    t = threading.Thread(target=fake_destination, daemon=True)
+    t.start()
+    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    big = 64 * 1024
+    with RpcClient(endpoint(src), BOUNDED) as cs:
+        ptr, _ = cs.alloc_buffer(big + NB)
+        base = cs.buffer_get_base(ptr)
+        ts = rpc_tensor(GgmlType.F32, (big // 4,), buffer=ptr, data=base)
+        small = f32(ptr, base, big)
+        data = bytes(range(256)) * (big // 256)
+        cs.set_tensor(ts, data)
+        dst = rpc_tensor(GgmlType.F32, (big // 4,), buffer=0x10, data=0x1000)
+        for seq in (1, 2, 3):  # landed: the route is made and held
+            cs.copy_tensor_to_async(ts, dst, big, to, 7, seq)
+            _settled(lambda seq=seq: len(answered) >= seq)
+        for seq in range(4, 64):  # never read: the window closes, the loop must not wait on it
+            cs.copy_tensor_to_async(ts, dst, big, to, 7, seq)
+            cs.set_tensor(small, values(seq))
+            assert cs.get_tensor(small) == values(seq)  # within the client's 30 s read timeout
+        assert stop_reading.is_set()
+        listener.close()  # the destination is gone: no new link either
+        gone.set()
+        t.join(10)
+        assert bytes(cs.peer_take(7, 63, big)) == data  # the link died with it unanswered

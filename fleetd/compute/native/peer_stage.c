@@ -354,6 +354,7 @@ void fleetd_mem_set_limit(struct fleetd_streams *t, int64_t limit) {
 
 /* -- the source side: pushes a session's loop sends on a route (peer_stage.h) --------------- */
 
+#include <linux/sockios.h>  /* SIOCOUTQ */
 #include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -438,13 +439,28 @@ int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int tim
     return !r->broken;
 }
 
+/* Would `bytes` more fit the link's send buffer now, so that sending them cannot wait? The
+ * queue (SIOCOUTQ: not yet sent or not yet acknowledged) plus them within half of SO_SNDBUF
+ * (the kernel doubles what is asked, for its own overhead). A destination that stops reading
+ * closes its window, the queue stays, and the loop leaves the copy to the pusher's thread
+ * rather than wait on that socket with its client's commands behind it. */
+static int fits_send_buffer(int fd, uint64_t bytes) {
+    int queued = 0, sndbuf = 0;
+    socklen_t len = sizeof sndbuf;
+    if (ioctl(fd, SIOCOUTQ, &queued) != 0 || queued < 0) return 0;
+    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) != 0 || sndbuf <= 0) return 0;
+    return (uint64_t)queued + bytes <= (uint64_t)sndbuf / 2;
+}
+
 /* PEER_PUSH(stream, seq, dst, src[0, size)) on the route's link, its bytes kept in the ring
- * until the answer: 1 sent; 0 not attempted (no room in the ring or the budget: Python's);
- * -1 the send failed (the route is broken, the push failed and kept for Python). */
+ * until the answer: 1 sent; 0 not attempted (no room in the ring, the budget or the link's send
+ * buffer: Python's); -1 the send failed (the route is broken, the push failed and kept for
+ * Python). */
 int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t seq,
                       const uint8_t *dst, const uint8_t *src, uint64_t size) {
     fleetd_route_read_answers(r, t, 0);
     if (r->broken || r->n >= ROUTE_RING) return 0;
+    if (!fits_send_buffer(r->fd, 9 + 17 + PS_TENSOR + size)) return 0;
     if (!fleetd_mem_reserve(t, size, 0)) return 0;
     uint8_t *data = malloc(size);
     if (data == NULL) { fleetd_mem_release(t, size); return 0; }
