@@ -309,6 +309,15 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
             ],
         ),
         (
+            "fleetd_route_layout",  # peer_stage.c
+            lambda: [
+                ctypes.sizeof(native.FastRoute),
+                ctypes.sizeof(native.FastPush),
+                native.FastRoute.broken.offset,
+                native.FastRoute.ring.offset,
+            ],
+        ),
+        (
             "fleetd_worker_layout",  # worker_loop.c
             lambda: [
                 ctypes.sizeof(native.WorkerState),

@@ -69,12 +69,13 @@ class _Job:
 
 
 class _Route:
-    """A destination and stream whose copies the session's C loop pushes itself
-    (peer_stage.c's fleetd_route): after Python pushed one there inline (resolved, allowed, the
-    link open), the loop may push the stream's next ones on that link while it holds the route
-    (`fd` set, the pusher marked busy), reading their answers as they come. When the loop
-    returns, the route goes back: its pushes still unanswered to the pusher (a drain job),
-    failed ones kept for PEER_TAKE, as Python's own pushes."""
+    """A destination and stream whose copies the session pushes itself, from its C loop or its
+    thread (peer_stage.c's fleetd_route): after Python pushed one there inline (resolved,
+    allowed, the link open), the session holds the route (`held`, its fd set, the pusher marked
+    busy) and pushes the stream's next copies on that link, reading their answers as they
+    come. When it lets go (a failure, a quiet client, anything the pusher must send), its
+    pushes still unanswered go to the pusher (a drain job, the fd left unset so that no loop
+    pushes meanwhile), failed ones are kept for PEER_TAKE, as the pusher's own."""
 
     def __init__(self, pusher: _Pusher, stream: int, endpoint: str, last_seq: int) -> None:
         self.c = native.FastRoute()
@@ -491,13 +492,15 @@ class _Pusher:
     def _serve(self, job: _Job) -> None:
         copies = self.copies
         if job.route is not None:  # the loop's pushes: their answers, then they settle
+            if copies.closed:
+                copies.dropped(job)
+                return
             lib, timeout = copies._lib, copies.state.peer_timeouts.transfer
             assert lib is not None
-            job.route.c.fd = self.link.sock.fileno() if self.link is not None else -1
+            fd = self.link.sock.fileno() if self.link is not None else -1
             lib.fleetd_route_drain(
-                ctypes.byref(job.route.c), copies.state.peer_streams.handle, int(timeout * 1000)
+                ctypes.byref(job.route.c), copies.state.peer_streams.handle, fd, int(timeout * 1000)
             )
-            job.route.c.fd = -1
             copies.collect(job.route)
             return
         if job.notice:

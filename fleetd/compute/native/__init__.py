@@ -112,7 +112,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
         ctypes.c_void_p,
     ),
     "fleetd_streams_done": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64], None),
-    "fleetd_route_drain": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int),
+    "fleetd_route_drain": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "fleetd_route_read_answers": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_size_t),
     "fleetd_route_push": (
         [

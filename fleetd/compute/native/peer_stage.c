@@ -370,25 +370,25 @@ static struct fleetd_push *nth(struct fleetd_route *r, uint32_t i) {
  * each settles the oldest push still without one (1 landed: its bytes let go; 0 failed: kept
  * for Python). A malformed answer, an error or the link closing breaks the route. Landed pushes
  * at the ring's head leave it. Returns the answers read. */
-size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *t, int block_ms) {
+static size_t read_answers(struct fleetd_route *r, struct fleetd_streams *t, int fd, int block_ms) {
     size_t got = 0;
     while (r->answered < r->n && !r->broken) {
         int ready = 0;
-        if (ioctl(r->fd, FIONREAD, &ready) != 0) { r->broken = 1; break; }
+        if (ioctl(fd, FIONREAD, &ready) != 0) { r->broken = 1; break; }
         if (ready < ANSWER) {
             if (block_ms <= 0) break;
-            struct pollfd p = {r->fd, POLLIN, 0};
+            struct pollfd p = {fd, POLLIN, 0};
             int k = poll(&p, 1, block_ms);
             if (k < 0 && errno == EINTR) continue;
             if (k <= 0) break;
-            if (ioctl(r->fd, FIONREAD, &ready) != 0 || ready == 0) { r->broken = 1; break; }
+            if (ioctl(fd, FIONREAD, &ready) != 0 || ready == 0) { r->broken = 1; break; }
             if (ready < ANSWER) continue;
         }
         uint32_t want = (uint32_t)ready / ANSWER;
         if (want > r->n - r->answered) want = r->n - r->answered;
         uint8_t buf[ANSWER * 16];
         if (want > 16) want = 16;
-        ssize_t k = recv(r->fd, buf, want * ANSWER, MSG_DONTWAIT);
+        ssize_t k = recv(fd, buf, want * ANSWER, MSG_DONTWAIT);
         if (k != (ssize_t)(want * ANSWER)) { r->broken = 1; break; }
         for (uint32_t i = 0; i < want; ++i) {
             uint64_t size;
@@ -418,10 +418,16 @@ size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *
     return got;
 }
 
-/* Every push on the route answered, waiting up to timeout_ms in all (the pusher thread, when
- * the loop has handed the route back): 1 all answered, 0 not (the route is broken, and the
- * pushes still unanswered are failed: kept for Python). */
-int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int timeout_ms) {
+/* The answers that came on a route the caller holds (r->fd), without waiting. */
+size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *t, int block_ms) {
+    return read_answers(r, t, r->fd, block_ms);
+}
+
+/* Every push on the route answered, read from the link's socket `fd`, waiting up to timeout_ms
+ * in all (the pusher thread, once the session let go of the route: r->fd stays -1, so no loop
+ * pushes on it meanwhile): 1 all answered, 0 not (the route is broken, and the pushes still
+ * unanswered are failed: kept for Python). */
+int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int fd, int timeout_ms) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     int64_t until = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + timeout_ms;
@@ -429,7 +435,8 @@ int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int tim
         clock_gettime(CLOCK_MONOTONIC, &ts);
         int64_t left = until - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
         if (left <= 0) break;
-        fleetd_route_read_answers(r, t, left > 1000 ? 1000 : (int)left);
+        if (fd < 0) { r->broken = 1; break; }
+        read_answers(r, t, fd, left > 1000 ? 1000 : (int)left);
     }
     if (r->answered < r->n) {
         r->broken = 1;

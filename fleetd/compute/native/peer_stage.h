@@ -66,7 +66,7 @@ struct fleetd_route {
     struct fleetd_push ring[ROUTE_RING];
 };
 
-int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int timeout_ms);
+int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int fd, int timeout_ms);
 size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *t, int block_ms);
 int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t seq,
                       const uint8_t *dst, const uint8_t *src, uint64_t size);
