@@ -12,13 +12,13 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import endpoint, needs_tool, rpc_tensor
+from helpers import connection_closed, endpoint, frame, needs_tool, rpc_tensor
 
 from fleetd.client import RpcClient
 from fleetd.errors import FleetdError
 from fleetd.server.peer import FALLBACK_REASONS
 from fleetd.transport import Timeout
-from fleetd.wire import Cmd, Feature, GgmlType, hello_response
+from fleetd.wire import Cmd, CopyTensorToAsync, Feature, GgmlType, PeerGate, PeerPush, hello_response
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -626,3 +626,72 @@ def test_a_destination_that_stops_reading_never_blocks_the_source_loop(fleetd_se
         gone.set()
         t.join(10)
         assert bytes(cs.peer_take(7, 63, big)) == data  # the link died with it unanswered
+
+
+def _mutated(rng, raw: bytes, fixed: int) -> bytes:
+    """`raw` (a whole request: header and payload) with a few of its first `fixed` payload
+    bytes or its size field set to hostile values, the fields C reads before it decides; one
+    in four also cut short."""
+    b = bytearray(raw)
+    for _ in range(int(rng.integers(1, 4))):
+        kind = int(rng.integers(0, 3))
+        if kind == 0:  # one byte of the fixed part
+            b[9 + int(rng.integers(0, fixed))] = int(rng.integers(0, 256))
+        elif kind == 1:  # a u64 of the fixed part: 0, huge, or anything
+            at = 9 + 8 * int(rng.integers(0, fixed // 8))
+            value = [0, 1, 2**63, 2**64 - 1, int(rng.integers(0, 2**32))][int(rng.integers(0, 5))]
+            b[at : at + 8] = struct.pack("<Q", value)
+        else:  # the request's size field, shorter than what follows
+            size = struct.unpack_from("<Q", b, 1)[0]
+            b[1:9] = struct.pack("<Q", max(0, size - int(rng.integers(1, 64))))
+    if rng.integers(0, 4) == 0:
+        b = b[: int(rng.integers(9, len(b)))]
+    return bytes(b)
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_hostile_copy_push_and_gate_requests_close_only_their_connection(pair):
+    """Seeded mutations of the three requests the loops now serve in C, each where C would take
+    it: COPY_TENSOR_TO_ASYNC on a source session that holds its route, PEER_PUSH to a stream
+    whose destination was vouched for, PEER_GATE. Every one is served or closes that connection
+    only; the daemons live and a pair of sessions copies correctly after each batch."""
+    p = pair()
+    rng = np.random.default_rng(20261206)
+    assert p.cd.peer_wait(p.stream, p.copy(values(1))) is True  # vouched
+    to = endpoint(p.dst_srv)
+
+    def hostile(srv, client, raw: bytes, fixed: int) -> None:
+        sock = client.channel.stream.socket
+        try:
+            client.send_raw(_mutated(rng, raw, fixed))
+            sock.shutdown(socket.SHUT_WR)  # a cut request ends here
+            connection_closed(sock, timeout=15.0)
+        except OSError:
+            pass  # closed under us: that connection only
+
+    (first_id,) = [s.id for s in _live_sessions(p.src_srv)]
+    in_c = 0
+    for i in range(30):  # the source: a session whose loop holds its route
+        with RpcClient(endpoint(p.src_srv), BOUNDED) as cs:
+            ptr, _ = cs.alloc_buffer(NB)
+            ts = f32(ptr, cs.buffer_get_base(ptr))
+            cs.set_tensor(ts, values(i))
+            stream = p.cd.peer_stream()
+            for seq in range(1, 7):  # the pusher's, one inline (the route), then the loop's
+                cs.copy_tensor_to_async(ts, p.td, NB, to, stream, seq)
+                assert p.cd.peer_wait(stream, seq) is True
+            (mine,) = [s for s in _live_sessions(p.src_srv) if s.id != first_id]
+            in_c += mine.fast._ctx.served.copy_count
+            raw = frame(Cmd.COPY_TENSOR_TO_ASYNC, CopyTensorToAsync(ts, p.td, NB, stream, 7, to).encode())
+            hostile(p.src_srv, cs, raw, 2 * 296 + 28)
+            _settled(lambda: len(_live_sessions(p.src_srv)) == 1)
+    push = frame(Cmd.PEER_PUSH, PeerPush(p.stream, 1000, p.td, NB).encode() + values(3))
+    gate = frame(Cmd.PEER_GATE, PeerGate(p.stream, 1000).encode())
+    for raw, fixed in ((push, 17 + 296), (gate, 16)):
+        for _ in range(30):
+            with RpcClient(endpoint(p.dst_srv), BOUNDED) as c:
+                hostile(p.dst_srv, c, raw, fixed)
+    seq = p.copy(values(10))
+    assert p.cd.peer_wait(p.stream, seq) is True
+    assert p.cd.get_tensor(p.td) == values(10)
+    assert in_c > 0  # the loops served copies of those sessions: the path the mutations hit
