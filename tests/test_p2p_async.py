@@ -695,3 +695,68 @@ def test_hostile_copy_push_and_gate_requests_close_only_their_connection(pair):
     assert p.cd.peer_wait(p.stream, seq) is True
     assert p.cd.get_tensor(p.td) == values(10)
     assert in_c > 0  # the loops served copies of those sessions: the path the mutations hit
+
+
+def test_pairs_copying_while_p2p_flips_land_every_copy_and_leave_nothing_held(fleetd_server):
+    """Four client pairs copy and gate (or wait) at once, each for a bounded number of steps,
+    while P2P flips on the destination (and now and then the source): every copy lands, by
+    the direct path or, after a 0, by PEER_TAKE and SET_TENSOR, with the bytes of its turn; the
+    daemons hold no peer-copy bytes afterwards and no thread or descriptor is left."""
+    import os
+    import random
+    import time
+
+    src, dst = fleetd_server(), fleetd_server()
+    before = (threading.active_count(), len(os.listdir("/proc/self/fd")))
+    deadline = time.monotonic() + 8.0
+    errors: list[str] = []
+    done = {"copies": 0, "taken": 0}
+
+    def client(k: int) -> None:
+        rng = random.Random(k)
+        try:
+            for _ in range(20):  # sessions, each bounded in steps; all bounded by the deadline
+                p = Pair(src, dst)
+                try:
+                    for _ in range(rng.randint(5, 100)):
+                        data = values(rng.randint(0, 10**6))
+                        seq = p.copy(data)
+                        if rng.random() < 0.7:
+                            p.cd.peer_gate(p.stream, seq)
+                            landed = p.cd.gate_result()
+                            if not landed:
+                                p.cd.peer_resume()
+                        else:
+                            landed = p.cd.peer_wait(p.stream, seq)
+                        if not landed:
+                            _take_and_set(p, seq, data)
+                            done["taken"] += 1
+                        assert p.cd.get_tensor(p.td) == data
+                        done["copies"] += 1
+                        if time.monotonic() > deadline:
+                            return
+                finally:
+                    p.close()
+        except Exception as exc:  # reported below, with the pair's seed
+            errors.append(f"client {k}: {exc!r}")
+
+    def flipper() -> None:
+        rng = random.Random(99)
+        while time.monotonic() < deadline:
+            time.sleep(rng.uniform(0.05, 0.3))
+            dst.state.set_p2p(rng.random() < 0.7)
+            if rng.random() < 0.2:
+                src.state.set_p2p(rng.random() < 0.7)
+        dst.state.set_p2p(True)
+        src.state.set_p2p(True)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    threads.append(threading.Thread(target=flipper))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert done["copies"] > 0 and not any(t.is_alive() for t in threads)
+    _settled(lambda: held(src, dst) == [0, 0], 30)
+    _settled(lambda: (threading.active_count(), len(os.listdir("/proc/self/fd"))) == before, 30)
