@@ -223,7 +223,9 @@ class AsyncCopies:
             self._last_seq[c.stream] = c.last_seq
             self._lib.fleetd_route_read_answers(ctypes.byref(c), self.state.peer_streams.handle, 0)
             self._fold_route(route)
-            failed = any(p.state == native.PUSH_FAILED for p in route.entries())
+            # landed pushes leave the ring's head as they are answered, so an answered one
+            # still there means a failed one is (no list of the ring on this path)
+            failed = c.answered > 0
             if failed or c.broken or (quiet and c.answered < c.n) or not self.state.p2p_enabled:
                 self._release_route(addr)
 

@@ -214,14 +214,11 @@ class PeerStreams:
 
 # -- the same over peer_stage.c ------------------------------------------------------------------
 
-# fleetd_streams_admit's reasons, as PeerStreams.admit words them
+# fleetd_streams_admit's fixed reasons, as PeerStreams.admit words them (2, 3 and 6 carry numbers)
 _REASONS = {
     1: "unknown stream",
-    2: "late or repeated",
-    3: "too many copies of this stream not waited for yet",
     4: "the source failed this copy",
     5: "peer copy is off on this daemon",
-    6: "no room in the peer-copy memory",
 }
 _NOT_OWNER, _OUT_OF_ORDER = -1, -2
 _ARRIVING, _STAGED, _REFUSED = 1, 2, 3

@@ -54,7 +54,6 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "fleetd_worker_loop": ([ctypes.c_void_p], ctypes.c_int),
     # peer_stage.c
     "fleetd_streams_new": ([ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32], ctypes.c_void_p),
-    "fleetd_streams_free": ([ctypes.c_void_p], None),
     "fleetd_mem_reserve": ([ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64], ctypes.c_int),
     "fleetd_mem_release": ([ctypes.c_void_p, ctypes.c_uint64], None),
     "fleetd_mem_held": ([ctypes.c_void_p], ctypes.c_int64),

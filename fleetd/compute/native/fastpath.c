@@ -33,7 +33,6 @@
 #define TENSOR 296        /* rpc_tensor */
 #define SET_FIXED 305     /* tensor, cache_flag u8, offset u64 */
 #define GET_PAYLOAD 312   /* tensor, offset u64, size u64 */
-#define PUSH_FIXED 313    /* stream u64, seq u64, flags u8, dst tensor */
 #define GATE_PAYLOAD 16   /* stream u64, seq u64 */
 #define COPY_FIXED 620    /* src, dst tensors, size u64, stream u64, seq u64, endpoint_len u32 */
 
@@ -101,31 +100,37 @@ static uint8_t *checked_region(const uint8_t *t, uint64_t offset, uint64_t size,
     return r->host + (uint64_t)(at - p0);
 }
 
-/* Send all of header + data; 0, or -errno (EAGAIN: SO_SNDTIMEO ran out). */
+/* Send all of iov[0, n) (n <= 2, the iovecs advanced as it goes); 0, or -errno (EAGAIN:
+ * SO_SNDTIMEO ran out). A reply here, a PEER_PUSH on a route in peer_stage.c. */
+int fleetd_send_all(int fd, struct iovec *iov, int n) {
+    int first = 0;
+    while (first < n) {
+        struct msghdr msg = {0};
+        msg.msg_iov = &iov[first];
+        msg.msg_iovlen = (size_t)(n - first);
+        ssize_t k = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        while (first < n && (size_t)k >= iov[first].iov_len) {
+            k -= (ssize_t)iov[first].iov_len;
+            ++first;
+        }
+        if (first < n) {
+            iov[first].iov_base = (uint8_t *)iov[first].iov_base + k;
+            iov[first].iov_len -= (size_t)k;
+        }
+    }
+    return 0;
+}
+
+/* Send all of a reply: its size, then `data`; 0, or -errno as fleetd_send_all. */
 static int send_reply(int fd, uint64_t size, const uint8_t *data) {
     uint8_t header[8];
     memcpy(header, &size, 8);
     struct iovec iov[2] = {{header, 8}, {(void *)data, size}};
-    int first = 0;
-    while (first < 2) {
-        struct msghdr msg = {0};
-        msg.msg_iov = &iov[first];
-        msg.msg_iovlen = 2 - first;
-        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        while (first < 2 && (size_t)n >= iov[first].iov_len) {
-            n -= iov[first].iov_len;
-            ++first;
-        }
-        if (first < 2) {
-            iov[first].iov_base = (uint8_t *)iov[first].iov_base + n;
-            iov[first].iov_len -= n;
-        }
-    }
-    return 0;
+    return fleetd_send_all(fd, iov, 2);
 }
 
 /* The session's stored graph, armed by Python for one fleetd_fast_loop call: a GRAPH_RECOMPUTE
@@ -327,7 +332,10 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
     b->got = have;
     size_t n = fleetd_recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
                                 &b->waited_ns, &b->got, &b->why);
-    if (here + n < size) return -1;
+    if (here + n < size) {
+        b->cmd = CMD_SET_TENSOR;
+        return -1;
+    }
     f->served.set_count += 1;
     f->served.set_bytes += HEADER + payload;
     return 1;
@@ -369,16 +377,16 @@ static int peer_gate(struct fleetd_fast *f, const uint8_t *req) {
 static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
     struct fleetd_peer *p = &f->peer;
     const uint8_t *h = buf + HEADER;
-    uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PUSH_FIXED;
+    uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PS_PUSH_FIXED;
     const uint8_t *dst = h + 17;
     uint8_t *data;
     if (fleetd_streams_admit(p->streams, stream, seq, size, h[16],
                              __atomic_load_n(p->p2p, __ATOMIC_ACQUIRE), 1, dst,
                              __atomic_load_n(p->frees, __ATOMIC_ACQUIRE), &data) != 0)
         return 0;
-    size_t here = have - HEADER - PUSH_FIXED;
+    size_t here = have - HEADER - PS_PUSH_FIXED;
     if (here > size) here = (size_t)size;
-    memcpy(data, h + PUSH_FIXED, here);
+    memcpy(data, h + PS_PUSH_FIXED, here);
     if (here < size) {
         struct fleetd_body *b = &f->body;
         b->waited_ns = 0;
@@ -471,7 +479,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 int r = stream_set(f, buf, have, payload);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
-                if (r < 0) { f->body.cmd = CMD_SET_TENSOR; answer = LOOP_BODY; break; }
+                if (r < 0) { answer = LOOP_BODY; break; }
                 continue;
             }
             if (buf[0] == CMD_PEER_GATE && payload == GATE_PAYLOAD && f->peer.streams != NULL) {
@@ -491,9 +499,9 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 have -= HEADER + payload;
                 continue;
             }
-            if (buf[0] == CMD_PEER_PUSH && payload >= PUSH_FIXED && f->peer.streams != NULL &&
+            if (buf[0] == CMD_PEER_PUSH && payload >= PS_PUSH_FIXED && f->peer.streams != NULL &&
                 f->body.timeout_ms > 0) {
-                if (have < HEADER + PUSH_FIXED) goto more;
+                if (have < HEADER + PS_PUSH_FIXED) goto more;
                 int r = peer_push(f, buf, have, payload);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }

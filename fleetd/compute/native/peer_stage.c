@@ -94,15 +94,6 @@ static void drop_stream(struct fleetd_streams *t, uint32_t i) {
     t->streams[i] = t->streams[--t->n];
 }
 
-void fleetd_streams_free(struct fleetd_streams *t) {
-    if (t == NULL) return;
-    while (t->n) drop_stream(t, 0);
-    free(t->streams);
-    pthread_cond_destroy(&t->changed);
-    pthread_mutex_destroy(&t->mu);
-    free(t);
-}
-
 /* -- the budget ------------------------------------------------------------------------------ */
 
 int fleetd_mem_reserve(struct fleetd_streams *t, uint64_t n, int64_t timeout_ns) {
@@ -262,12 +253,11 @@ void fleetd_streams_stage(struct fleetd_streams *t, uint64_t id, uint64_t seq, c
         sl->state = SLOT_STAGED;
         sl->data = data;
         memcpy(sl->dst, dst, PS_TENSOR);
-        pthread_cond_broadcast(&t->changed);
     } else {
         t->held -= (int64_t)size;
         free(data);
-        pthread_cond_broadcast(&t->changed);
     }
+    pthread_cond_broadcast(&t->changed);
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -342,8 +332,6 @@ void fleetd_streams_done(struct fleetd_streams *t, uint8_t *data, uint64_t size)
     free(data);
     fleetd_mem_release(t, size);
 }
-
-size_t fleetd_streams_tensor_size(void) { return PS_TENSOR; }
 
 void fleetd_mem_set_limit(struct fleetd_streams *t, int64_t limit) {
     pthread_mutex_lock(&t->mu);
@@ -428,12 +416,9 @@ size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *
  * pushes on it meanwhile): 1 all answered, 0 not (the route is broken, and the pushes still
  * unanswered are failed: kept for Python). */
 int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int fd, int timeout_ms) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    int64_t until = (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + timeout_ms;
+    int64_t until = mono_ns() + (int64_t)timeout_ms * 1000000;
     while (r->answered < r->n && !r->broken) {
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        int64_t left = until - ((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000);
+        int64_t left = (until - mono_ns()) / 1000000;
         if (left <= 0) break;
         if (fd < 0) { r->broken = 1; break; }
         read_answers(r, t, fd, left > 1000 ? 1000 : (int)left);
@@ -467,7 +452,8 @@ int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t
                       const uint8_t *dst, const uint8_t *src, uint64_t size) {
     fleetd_route_read_answers(r, t, 0);
     if (r->broken || r->n >= ROUTE_RING) return 0;
-    if (!fits_send_buffer(r->fd, 9 + 17 + PS_TENSOR + size)) return 0;
+    uint8_t head[9 + PS_PUSH_FIXED];  /* the request's header and fixed part, then its data */
+    if (!fits_send_buffer(r->fd, sizeof head + size)) return 0;
     if (!fleetd_mem_reserve(t, size, 0)) return 0;
     uint8_t *data = malloc(size);
     if (data == NULL) { fleetd_mem_release(t, size); return 0; }
@@ -480,8 +466,7 @@ int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t
     p->state = PUSH_SENT;
     r->n += 1;
     r->last_seq = seq;
-    uint8_t head[9 + 17 + PS_TENSOR];
-    uint64_t payload = 17 + PS_TENSOR + size;
+    uint64_t payload = PS_PUSH_FIXED + size;
     head[0] = 0x44;  /* PEER_PUSH */
     memcpy(head + 1, &payload, 8);
     memcpy(head + 9, &r->stream, 8);
@@ -489,29 +474,12 @@ int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t
     head[25] = 0;  /* flags */
     memcpy(head + 26, dst, PS_TENSOR);
     struct iovec iov[2] = {{head, sizeof head}, {data, size}};
-    int first = 0;
-    while (first < 2) {  /* blocking, under the link's SO_SNDTIMEO */
-        struct msghdr msg = {0};
-        msg.msg_iov = &iov[first];
-        msg.msg_iovlen = 2 - first;
-        ssize_t k = sendmsg(r->fd, &msg, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0) {
-            r->broken = 1;
-            p->state = PUSH_FAILED;
-            /* it and any push before it still unanswered: the link is lost with them */
-            for (uint32_t i = r->answered; i < r->n; ++i) nth(r, i)->state = PUSH_FAILED;
-            r->answered = r->n;
-            return -1;
-        }
-        while (first < 2 && (size_t)k >= iov[first].iov_len) {
-            k -= (ssize_t)iov[first].iov_len;
-            ++first;
-        }
-        if (first < 2) {
-            iov[first].iov_base = (uint8_t *)iov[first].iov_base + k;
-            iov[first].iov_len -= (size_t)k;
-        }
+    if (fleetd_send_all(r->fd, iov, 2) != 0) {  /* it fits the buffer: it does not wait */
+        r->broken = 1;
+        /* it and any push before it still unanswered: the link is lost with them */
+        for (uint32_t i = r->answered; i < r->n; ++i) nth(r, i)->state = PUSH_FAILED;
+        r->answered = r->n;
+        return -1;
     }
     r->pushed_count += 1;
     r->pushed_bytes += size;

@@ -6,6 +6,8 @@
 
 #define PS_TENSOR 296        /* rpc_tensor on the wire */
 #define PS_PUSH_FAILED 1     /* PEER_PUSH flag: the source failed this copy, no data follows */
+#define PS_PUSH_FIXED (17 + PS_TENSOR)  /* PEER_PUSH's payload before its data: stream u64,
+                                           seq u64, flags u8, dst rpc_tensor */
 
 /* fleetd_streams_admit's reasons (fleetd.server.peer_streams words them) */
 enum {
@@ -65,6 +67,10 @@ struct fleetd_route {
     uint64_t pushed_count, pushed_bytes, landed_count, landed_bytes;  /* only grow */
     struct fleetd_push ring[ROUTE_RING];
 };
+
+/* fastpath.c */
+struct iovec;
+int fleetd_send_all(int fd, struct iovec *iov, int n);
 
 int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int fd, int timeout_ms);
 size_t fleetd_route_read_answers(struct fleetd_route *r, struct fleetd_streams *t, int block_ms);
