@@ -27,8 +27,10 @@ from fleetd.server import regions
 from fleetd.server.config import ServerConfig
 from fleetd.server.daemon import Server
 from fleetd.server.fast_path import FastPath
+from fleetd.server.peer_async import _Pusher
 from fleetd.wire import (
     GGML_TYPE_COUNT,
+    MAX_ENDPOINT_LEN,
     TYPE_TRAITS,
     ClientConnection,
     Cmd,
@@ -315,6 +317,8 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
                 ctypes.sizeof(native.FastPush),
                 native.FastRoute.broken.offset,
                 native.FastRoute.ring.offset,
+                _Pusher.INLINE_MAX,  # the largest copy a route pushes, on both sides
+                MAX_ENDPOINT_LEN,  # a route's endpoint bytes hold any the wire allows
             ],
         ),
         (

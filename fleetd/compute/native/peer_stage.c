@@ -507,6 +507,8 @@ size_t fleetd_route_layout(int which) {
     case 1: return sizeof(struct fleetd_push);
     case 2: return offsetof(struct fleetd_route, broken);
     case 3: return offsetof(struct fleetd_route, ring);
+    case 4: return ROUTE_INLINE_MAX;  /* the bounds Python mirrors, so they cannot drift */
+    case 5: return ROUTE_ENDPOINT;
     default: return 0;
     }
 }
