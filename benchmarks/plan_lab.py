@@ -8,12 +8,16 @@ Configurations (one lab each, `fleetd.fleet.lab`, torn down in a finally):
 - unequal, in the nodes file's order:
   lab-0 "slow link": its coordinator link at --slow-link (the others at --fast-link);
   lab-1 "small memory": fleetd --max-memory that holds about a third of the layers;
-  lab-2 "slow cpu": its fleetd pinned to the last core, sharing it with a busy loop pinned there
-  too (a bounded Python loop, started before the plan measures and killed in a finally), so it
-  gets about half a core when it computes for long (a node that slept gets a few ms of credit
-  from the scheduler first). Every fleetd computes with 1 thread (`--threads 1`).
+  lab-2 "slow cpu": with --slow-cpu quota (the default), a CFS quota of --slow-cores of a core
+  (its daemon, fork server and workers; `Lab.up(node_cores=...)`), a machine that computes
+  slower for bursts as for long runs once it is over its share; with --slow-cpu busy, its
+  fleetd pinned to the last core, sharing it with a busy loop pinned there too (a bounded
+  Python loop, started before the plan measures and killed in a finally), so it gets about half
+  a core when it computes for long, but a node that slept gets a few ms of credit from the
+  scheduler first, so decode's bursts hardly see the loop. Every fleetd computes with 1 thread
+  (`--threads 1`).
   The other two hold about 7/12 of the layers each: no node holds the whole model.
-- equal: the same three nodes without the busy loop, all links at --fast-link, each holding
+- equal: the same three nodes without the quota or the busy loop, all links at --fast-link, each holding
   about 5/12 of the layers (so all three are needed and the default even split fits).
 
 Per configuration: `fleetctl plan` (fleetd.fleet.plan_probe.measure and plan.optimise, as
@@ -104,19 +108,22 @@ def configurations(model, work: Workload, a) -> dict[str, dict]:
     small = f"{room_for(model, work, max(1, n // 3), False) // MIB + 1}M"
     equal = f"{room_for(model, work, math.ceil(n * 5 / 12), True) // MIB + 1}M"
     fast, slow = parse_rate(a.fast_link), parse_rate(a.slow_link)
+    busy = a.slow_cpu == "busy"
     return {
         "unequal": {
             "roles": ["slow link", "small memory", "slow cpu"],
             "rates": [slow, fast, fast],
             "args": [["--max-memory", big], ["--max-memory", small], ["--max-memory", big]],
-            "cpus": [None, None, [SLOW_CPU]],
-            "busy": True,
+            "cpus": [None, None, [SLOW_CPU] if busy else None],
+            "cores": [None, None, None if busy else a.slow_cores],
+            "busy": busy,
         },
         "equal": {
             "roles": ["equal", "equal", "equal"],
             "rates": [fast, fast, fast],
             "args": [["--max-memory", equal]] * 3,
             "cpus": [None, None, None],
+            "cores": None,
             "busy": False,
         },
     }
@@ -263,7 +270,13 @@ def run_config(name: str, cfg: dict, model_path: Path, model, work: Workload, a,
         if cfg["busy"]:
             busy = start_busy(SLOW_CPU, min(BUSY_MAX_S, a.busy_seconds))
         lab_nodes = lab.up(
-            3, cfg["rates"], parse_rate(a.peer_link), 1, node_args=cfg["args"], node_cpus=cfg["cpus"]
+            3,
+            cfg["rates"],
+            parse_rate(a.peer_link),
+            1,
+            node_args=cfg["args"],
+            node_cpus=cfg["cpus"],
+            node_cores=cfg["cores"],
         )
         endpoints = [f"{n.address}:50052" for n in lab_nodes]
         roles = dict(zip(endpoints, cfg["roles"], strict=True))
@@ -361,6 +374,7 @@ def analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, nam
         "fleetd_args": cfg["args"],
         "cpus": cfg["cpus"],
         "busy_loop_cpu": SLOW_CPU if cfg["busy"] else None,
+        "node_cores": cfg["cores"],
         "plan_seconds": plan_s,
         "plan": doc,
         "plan_order": [names.get(s.endpoint, s.name) for s in plan.stages],
@@ -513,6 +527,15 @@ def main() -> int:
     )
     ap.add_argument("--peer-link", default="2gbit", help="node-to-node links (default 2gbit)")
     ap.add_argument("--configs", default="unequal,equal", help="comma list of unequal, equal")
+    ap.add_argument(
+        "--slow-cpu",
+        choices=("quota", "busy"),
+        default="quota",
+        help="the slow node: a CPU quota (default) or its core shared with a busy loop",
+    )
+    ap.add_argument(
+        "--slow-cores", type=float, default=0.3, help="the slow node's quota in cores (default 0.3)"
+    )
     ap.add_argument("--busy-seconds", type=float, default=1800, help=f"busy loop bound (<= {BUSY_MAX_S})")
     ap.add_argument("--chart", help="write a PNG chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/plan_lab.json)")
@@ -522,8 +545,10 @@ def main() -> int:
     for flag in ("n_prompt", "n_gen", "text_gen", "ctx"):
         if not 1 <= getattr(a, flag) <= 65536:
             ap.error(f"--{flag.replace('_', '-')}: 1..65536")
-    if len(CPUS) < 2:
-        ap.error("needs 2 cores: the slow node shares one with a busy loop")
+    if a.slow_cpu == "busy" and len(CPUS) < 2:
+        ap.error("--slow-cpu busy needs 2 cores: the slow node shares one with a busy loop")
+    if not 0.1 <= a.slow_cores <= 1:
+        ap.error("--slow-cores: 0.1..1")
     work_dir = Path(tempfile.mkdtemp(prefix="plan-lab-"))
     model_path = generate_named(a.model, work_dir)
     model = read_model(model_path)

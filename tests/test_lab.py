@@ -16,7 +16,7 @@ import pytest
 from fleetd.client import RpcClient
 from fleetd.ctl.main import main
 from fleetd.errors import FleetError
-from fleetd.fleet.lab import Lab, parse_rate, parse_rates
+from fleetd.fleet.lab import Lab, parse_rate, parse_rates, per_node_cores
 from fleetd.fleet.node import Fleet
 from fleetd.ports import DEFAULT_RPC_PORT
 
@@ -77,6 +77,16 @@ def test_per_node_rates_parse():
     assert parse_rates("1gbit,1gbit,100mbit", 3) == [1_000_000_000, 1_000_000_000, 100_000_000]
     with pytest.raises(ValueError, match="2 given for 3 nodes"):
         parse_rates("1gbit,100mbit", 3)
+
+
+def test_per_node_cores_parse():
+    assert per_node_cores(0.5, 3) == [0.5] * 3
+    assert per_node_cores(None, 2) == [None, None]
+    assert per_node_cores([None, 0.3], 2) == [None, 0.3]
+    with pytest.raises(ValueError, match="1 given for 2 nodes"):
+        per_node_cores([0.3], 2)
+    with pytest.raises(ValueError, match="must be in"):
+        per_node_cores([None, 0.01], 2)
 
 
 @needs_root
@@ -159,6 +169,28 @@ def test_node_cores_put_each_node_and_its_workers_under_a_quota(tmp_path):
     finally:
         lab.down()
     assert not any(os.path.exists(g) for g in groups)
+
+
+@needs_root
+def test_a_quota_on_one_node_only(tmp_path):
+    """One slower node (a quota) beside one without: only the slow one is in a group."""
+    from fleetd.fleet import lab as lab_module
+
+    try:
+        lab_module._cpu_group_path("probe")
+    except FleetError as exc:  # pragma: no cover - depends on the machine's kernel
+        pytest.skip(str(exc))
+    lab = Lab(tmp_path / "lab")
+    nodes = lab.up(2, parse_rate("1gbit"), parse_rate("1gbit"), node_cores=[None, 0.5])
+    try:
+        assert nodes[0].cpu_group == "" and nodes[1].cpu_group
+        assert len(lab.state["cpu_groups"]) == 1
+        pids = lab.state["pids"]
+        assert Path(nodes[1].cpu_group).name in cgroup_of(pids[1])
+        assert Path(nodes[1].cpu_group).name not in cgroup_of(pids[0])
+    finally:
+        lab.down()
+    assert not Path(nodes[1].cpu_group).exists()
 
 
 @needs_root

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -25,12 +26,14 @@ from fleetd.fleet.plan import (
     Link,
     NodeFacts,
     Workload,
+    fixed_seconds,
     kv_bytes_per_layer,
     kv_cells,
     layers_from_split,
     optimise,
     padded,
     read_model,
+    step_input_bytes,
     tensor_split,
     usable_memory,
 )
@@ -131,6 +134,35 @@ def test_a_node_behind_a_slow_link_sits_where_fewest_boundaries_cross_it(model):
     plan = optimise(model, Fleet(nodes), Workload(ctx=CTX))
     order = [s.name for s in plan.stages]
     assert len(order) == 3 and order.index("behind-slow-link") in (0, 2), order
+
+
+def _measured(name: str, gate: bool) -> NodeFacts:
+    """A node whose decode step (its commands, ending in one 0.5 ms round trip) was measured."""
+    link = Link(latency_s=0.5e-3, bytes_per_s=100e6)
+    return replace(node(name, 1 << 34, link=link), step_s=1.2e-3, peer_copy=True, peer_gate=gate)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_the_client_waits_where_a_result_must_come_back(model, gate):
+    """One decode step's fixed time, by hand: each node's step less its round trip, the waits
+    where the client has them (the logits; per boundary the hub's GET, the synchronous copy's
+    answer, nothing for a gated push but its half of the peer round trip)."""
+    nodes = tuple(_measured(n, gate) for n in ("a", "b", "c"))
+    peer = Link(latency_s=1.4e-3, bytes_per_s=250e6)  # as timed from the client: includes its 0.5 ms
+    fleet = Fleet(nodes, {(0, 1): peer, (1, 2): peer})
+    hidden, logits = model.hidden_bytes, model.n_vocab * 4
+    inputs = 3 * (step_input_bytes(1) / 100e6) + hidden / 100e6
+    commands = 3 * (1.2e-3 - 0.5e-3)
+    wait = nodes[2].output_decode_s + 0.5e-3 + logits / 100e6  # the output matrix, then the GET
+    direct = (1.4e-3 - 0.5e-3) / 2 + hidden / 250e6 if gate else 1.4e-3 + hidden / 250e6
+    hub = 0.5e-3 + hidden / 100e6 + hidden / 100e6
+    for is_direct, boundary in ((True, direct), (False, hub)):
+        expect = commands + inputs + 2 * boundary + wait
+        assert fixed_seconds(model, fleet, [0, 1, 2], 1, is_direct) == pytest.approx(expect, rel=1e-9)
+    # a stock node (nothing measured beyond its round trip) costs one wait per boundary on the hub
+    stock = Fleet(tuple(replace(n, step_s=0.0) for n in nodes))
+    expect = inputs + 2 * hub + wait
+    assert fixed_seconds(model, stock, [0, 1, 2], 1, False) == pytest.approx(expect, rel=1e-9)
 
 
 def test_a_model_that_does_not_fit_names_the_node_and_the_shortfall(model):

@@ -109,6 +109,17 @@ def per_node_rates(bits: int | Sequence[int], nodes: int) -> list[int]:
     return rates
 
 
+def per_node_cores(cores: float | Sequence[float | None] | None, nodes: int) -> list[float | None]:
+    """One CPU quota per node (None: none): a single value for all, or exactly one each."""
+    quotas = list(cores) if isinstance(cores, Sequence) else [cores] * nodes
+    if len(quotas) != nodes:
+        raise ValueError(f"node_cores: {len(quotas)} given for {nodes} nodes")
+    for q in quotas:
+        if q is not None and not MIN_NODE_CORES <= q <= (os.cpu_count() or 1):
+            raise ValueError(f"node_cores {q:g}: must be in {MIN_NODE_CORES:g}..{os.cpu_count()}")
+    return quotas
+
+
 def parse_rates(text: str, nodes: int) -> list[int]:
     """ "200mbit" (every node) or "1gbit,1gbit,100mbit" (one per node, in order) -> bits per
     second per node; ValueError (one line) on a bad rate or a count that is not `nodes`."""
@@ -215,7 +226,7 @@ class Lab:
         node_args: Sequence[Sequence[str]] | None = None,
         node_cpus: Sequence[Sequence[int] | None] | None = None,
         restart_s: float | None = None,
-        node_cores: float | None = None,
+        node_cores: float | Sequence[float | None] | None = None,
     ) -> list[LabNode]:
         """Build the namespaces and rated links and start a fleetd in each; each step is recorded
         first, so a failure part way is undone by `down()` before it re-raises.
@@ -228,13 +239,13 @@ class Lab:
         fleetd that dies stays down). `node_cores`: the CPU time each node may use, in cores (a
         CFS quota per node, its fork server and workers included): the nodes stand for
         machines, and without it they all share this one's cores, so a fourth node can add
-        work but never compute (None: no quota)."""
+        work but never compute (None: no quota); one value for all, or one per node (None for a
+        node without a quota: a fleet with one slower node)."""
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes {nodes}: must be in 1..{MAX_NODES}")
         if restart_s is not None and not 0 <= restart_s <= MAX_RESTART_S:
             raise ValueError(f"restart_s {restart_s}: must be in 0..{MAX_RESTART_S:g}")
-        if node_cores is not None and not MIN_NODE_CORES <= node_cores <= (os.cpu_count() or 1):
-            raise ValueError(f"node_cores {node_cores:g}: must be in {MIN_NODE_CORES:g}..{os.cpu_count()}")
+        quotas = per_node_cores(node_cores, nodes)
         rates = per_node_rates(coordinator_bits, nodes)
         for name, given in (("node_args", node_args), ("node_cpus", node_cpus)):
             if given is not None and len(given) != nodes:
@@ -254,7 +265,7 @@ class Lab:
             "pids": [],
             "supervisors": [],
             "restart_s": restart_s,
-            "node_cores": node_cores,
+            "node_cores": quotas if any(quotas) else None,
             "cpu_groups": [],
             "nodes": [],
         }
@@ -324,10 +335,11 @@ class Lab:
             ):
                 _tbf(dev, bits, where)
             group = ""
-            if self.state.get("node_cores"):
+            quota = (self.state.get("node_cores") or [None] * count)[j]
+            if quota:
                 group = _cpu_group_path(f"fleetd-lab{i}-{j}")
                 self._record("cpu_groups", group)
-                _make_cpu_group(group, self.state["node_cores"])
+                _make_cpu_group(group, quota)
             lab_nodes.append(LabNode(f"lab-{j}", ns, address, root_end, group))
         self.state["nodes"] = [n.__dict__ for n in lab_nodes]
         self._save()

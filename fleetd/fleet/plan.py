@@ -26,16 +26,26 @@ The cost model (per token, seconds; every term measured on the fleet by plan_pro
   the output matrix;
 - per node and step, its commands: the probe times what the client sends a node per token
   (STEP_SETS small SET_TENSORs, the GRAPH_RECOMPUTE with one graph's dispatch, the GET_TENSOR
-  that waits), `step_s`; one round trip where it was not measured; and the positions and
-  attention mask (`step_input_bytes`) over its coordinator link;
+  that waits), `step_s`, after an idle gap as a node in a pipeline has; one round trip where it
+  was not measured; and the positions and attention mask (`step_input_bytes`) over its
+  coordinator link;
+- the client's waits: `step_s` ends in a round trip, but in a step the client waits only where
+  a result must come back before it can go on: the GET of the last node's logits, and per
+  boundary the GET from the source (hub) or the synchronous copy's answer. So each node counts
+  its step less its round trip, and the waits are added where they are;
 - the input (n_embd f32 per token) coordinator -> first node, the logits (n_vocab f32 per output
   token) last node -> coordinator;
-- per boundary the hidden state (n_embd f32 per token): hub = GET from the source plus SET to the
-  destination over their coordinator links; direct = one COPY_TENSOR_TO over the measured peer
-  link (the hub cost where the peer copy was refused or not measured).
+- per boundary the hidden state (n_embd f32 per token): hub = the source's round trip (its GET)
+  and the bytes down from it and up to the destination (the SET needs no answer); synchronous
+  direct = one COPY_TENSOR_TO as measured from the client; asynchronous direct with the gate
+  (both ends advertise bits 1 and 2) = one push over the peer link, no wait of the client: half
+  the peer round trip (the measured copy less the client's round trip to the source) and the
+  bytes at the peer rate. The hub cost where the peer copy was refused or not measured.
 
 The matrices alone, one step a round trip, predicted ~2x the decode t/s measured in the lab
-(benchmarks/plan_lab.py): the per-graph dispatch and the step's commands were missing.
+(benchmarks/plan_lab.py): the per-graph dispatch and the step's commands were missing. Then,
+with the gate in C (issue 20), a round trip per node and two per boundary predicted 0.59-0.95x
+the decode t/s measured: the client waits once per step on the gated direct path.
 
 Stages run one after the other (a single sequence's decode does; the prompt's micro-batch
 overlap on the asynchronous direct path is not modelled, so the direct prompt t/s is a lower
@@ -304,7 +314,7 @@ class NodeFacts:
     total: int
     kind: str
     alignment: int
-    peer_copy: bool
+    peer_copy: bool  # bit 0: the synchronous COPY_TENSOR_TO
     decode_layer_s: float
     prompt_token_s: float
     output_decode_s: float
@@ -317,6 +327,11 @@ class NodeFacts:
     graph_s: float = 0.0  # one graph's dispatch besides its ops (in step_s, not in the layers)
     decode_matmul_s: float = 0.0  # the layer's matrices alone (decode_layer_s adds its other ops)
     prompt_matmul_s: float = 0.0
+    peer_gate: bool = False  # bits 1 and 2: the asynchronous copy the client does not wait for
+
+    @property
+    def round_trip_s(self) -> float:
+        return self.upload.latency_s
 
 
 @dataclass(frozen=True)
@@ -350,12 +365,17 @@ class Workload:
 
 
 def boundary_seconds(fleet: Fleet, a: int, b: int, nbytes: float, direct: bool) -> float:
-    """Moving `nbytes` of hidden state from node a to node b: over the peer link when `direct`
-    and measured, else through the coordinator (GET from a, SET to b)."""
+    """Moving `nbytes` of hidden state from node a to node b, with the client's wait it costs:
+    over the peer link when `direct` and measured (a push nobody waits for when both ends have
+    the gate, else the synchronous copy's round trip from the client), else through the
+    coordinator (the GET from a waits for its round trip; the SET to b does not)."""
+    src, dst = fleet.nodes[a], fleet.nodes[b]
     peer = fleet.peers.get((a, b)) if direct else None
-    if peer is not None:
-        return peer.seconds(nbytes)
-    return fleet.nodes[a].download.seconds(nbytes) + fleet.nodes[b].upload.seconds(nbytes)
+    if peer is None:
+        return src.download.seconds(nbytes) + nbytes / dst.upload.bytes_per_s
+    if src.peer_gate and dst.peer_gate:
+        return max(0.0, peer.latency_s - src.round_trip_s) / 2 + nbytes / peer.bytes_per_s
+    return peer.seconds(nbytes)
 
 
 def step_input_bytes(tokens: int) -> int:
@@ -366,13 +386,9 @@ def step_input_bytes(tokens: int) -> int:
 
 
 def step_seconds(node: NodeFacts) -> float:
-    """A node's per-step command overhead: measured (step_s), else one round trip."""
-    return node.step_s if node.step_s > 0 else node.upload.latency_s
-
-
-def _over(link: Link, nbytes: float, measured_step: bool) -> float:
-    """A transfer inside a step: its bytes only when the step's round trip is already counted."""
-    return nbytes / link.bytes_per_s if measured_step else link.seconds(nbytes)
+    """A node's per-step command overhead, less the round trip it ends in (the client's waits
+    are counted where they are): measured (step_s), else nothing beyond that round trip."""
+    return max(0.0, node.step_s - node.round_trip_s) if node.step_s > 0 else 0.0
 
 
 def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens: int, direct: bool) -> float:
@@ -383,11 +399,11 @@ def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens:
     hidden = model.hidden_bytes * tokens
     outputs = tokens if tokens == 1 else 1  # decode: every token's logits; a prompt: the last one's
     t = sum(step_seconds(nodes[i]) + step_input_bytes(tokens) / nodes[i].upload.bytes_per_s for i in order)
-    t += _over(first.upload, hidden, first.step_s > 0)
+    t += hidden / first.upload.bytes_per_s
     t += sum(boundary_seconds(fleet, a, b, hidden, direct) for a, b in itertools.pairwise(order))
     # llama.cpp multiplies only the output tokens' rows by the output matrix (a prompt: the last)
     t += last.output_decode_s * outputs
-    t += _over(last.download, model.n_vocab * F32 * outputs, last.step_s > 0)
+    t += last.download.seconds(model.n_vocab * F32 * outputs)  # the one wait every step has
     return t
 
 

@@ -415,6 +415,8 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
     out = [model.output_matrix] if model.output_matrix else []
     out_decode, out_prompt = _compute(p, out, free, latency, graph, 1) if out else (0.0, 0.0)
     peer_copy = bool(c.features & Feature.PEER_COPY)
+    gate = Feature.PEER_COPY_ASYNC | Feature.PEER_GATE
+    peer_gate = c.features & gate == gate
     ops_decode, ops_prompt, note = _layer_ops(p, model, latency, graph, prompt_tokens)
     p.free()
     facts = NodeFacts(
@@ -435,6 +437,7 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
         graph_s=graph,
         decode_matmul_s=decode_mm,
         prompt_matmul_s=prompt_mm,
+        peer_gate=peer_gate,
     )
     return facts, note
 
