@@ -336,11 +336,17 @@ def analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, nam
             else None
         ),
     }
-    # the same split costed as before the whole-layer and step probes: the layer's matrices alone
-    # and one round trip per node and step
+    # the same split costed as before the whole-layer, step and burst probes: the layer's
+    # matrices alone, back to back, and no step cost besides the client's waits
     old = Fleet(
         tuple(
-            replace(n, decode_layer_s=n.decode_matmul_s, prompt_token_s=n.prompt_matmul_s, step_s=0.0)
+            replace(
+                n,
+                decode_layer_s=n.decode_matmul_s,
+                prompt_token_s=n.prompt_matmul_s,
+                step_s=0.0,
+                decode_profile=(),
+            )
             for n in facts.nodes
         ),
         facts.peers,
@@ -367,7 +373,14 @@ def analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, nam
             }
         )
     md5s = sorted({c["md5"] for c in rounds})
+    # the arms of one ABBA round ran minutes apart at most: their ratio cancels the host's drift
+    rounds_run = sorted({c["round"] for c in rounds})
+    cell = {(c["round"], c["arm"]): c for c in rounds}
+    paired = {
+        m: [cell[(r, "plan")][m] / cell[(r, "default")][m] for r in rounds_run] for m in ("pp_tps", "tg_tps")
+    }
     return {
+        "paired": paired,
         "config": name,
         "roles": {names[ep]: role for ep, role in roles.items()},
         "coordinator_links": [fmt_rate(b) for b in cfg["rates"]],
@@ -476,9 +489,11 @@ def report(results: list[dict], model, a) -> None:
                 if behind
                 else "within the spread"
             )
+            paired = ", ".join(f"{x:.2f}" for x in res["paired"][m])
             print(
-                f"{res['config']} {label}: plan {where} of the default; the matrices-only model "
-                f"predicted {old[m]:.1f} t/s ({old[m] / s['plan'][m]['median']:.2f}x measured)"
+                f"{res['config']} {label}: plan {where} of the default (plan/default by round: "
+                f"{paired}); the matrices-only model predicted {old[m]:.1f} t/s "
+                f"({old[m] / s['plan'][m]['median']:.2f}x measured)"
             )
     for res in results:
         print(

@@ -26,6 +26,7 @@ from fleetd.fleet.plan import (
     Link,
     NodeFacts,
     Workload,
+    decode_seconds,
     fixed_seconds,
     kv_bytes_per_layer,
     kv_cells,
@@ -163,6 +164,39 @@ def test_the_client_waits_where_a_result_must_come_back(model, gate):
     stock = Fleet(tuple(replace(n, step_s=0.0) for n in nodes))
     expect = inputs + 2 * hub + wait
     assert fixed_seconds(model, stock, [0, 1, 2], 1, False) == pytest.approx(expect, rel=1e-9)
+
+
+def _bursty(name: str, free: int) -> NodeFacts:
+    """Full speed for a stage of 2 layers, then its quota: 4 ms a layer back to back."""
+    profile = ((1, 0.9e-3), (2, 1.8e-3), (4, 16e-3), (8, 48e-3))
+    return replace(
+        node(name, free, layer_ms=4.0), decode_matmul_s=4e-3, decode_profile=profile, prompt_token_s=1e-3 / 20
+    )
+
+
+def test_a_stage_costs_what_its_burst_profile_says():
+    n = _bursty("b", 1 << 30)
+    assert decode_seconds(n, 0) == 0
+    assert decode_seconds(n, 1) == pytest.approx(0.9e-3)
+    assert decode_seconds(n, 3) == pytest.approx(1.8e-3 + (16e-3 - 1.8e-3) / 2)  # between the points
+    # past the last point at the larger of its last segment (8 ms) and back to back (4 ms)
+    assert decode_seconds(n, 10) == pytest.approx(48e-3 + 2 * 8e-3)
+    # without a profile, linear in the layers at decode_layer_s
+    assert decode_seconds(node("plain", 1 << 30, layer_ms=2.0), 5) == pytest.approx(10e-3)
+
+
+def test_a_node_fast_only_in_bursts_gets_the_layers_it_runs_at_full_speed(model):
+    """Each node holds 5 of the 7 layers at most. The bursty node is 4x slower than the steady
+    one back to back, 3x faster in a stage of up to 4 layers: its profile gives it 4 layers;
+    costed back to back it gets the 2 the steady node cannot hold."""
+    steady = node("steady", room_for(model, 5))
+    profile = ((1, 0.3e-3), (2, 0.6e-3), (4, 1.2e-3), (8, 40e-3))
+    bursty = replace(_bursty("bursty", room_for(model, 5)), decode_profile=profile)
+    plan = optimise(model, Fleet((steady, bursty)), Workload(ctx=CTX))
+    assert counts_by_name(plan) == {"steady": 3, "bursty": 4}
+    linear = replace(bursty, decode_profile=())
+    plan = optimise(model, Fleet((steady, linear)), Workload(ctx=CTX))
+    assert counts_by_name(plan) == {"steady": 5, "bursty": 2}
 
 
 def test_a_model_that_does_not_fit_names_the_node_and_the_shortfall(model):

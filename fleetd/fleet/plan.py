@@ -19,11 +19,13 @@ The compute buffer is estimated, not derived: see `compute_buffer_bytes`.
 
 The cost model (per token, seconds; every term measured on the fleet by plan_probe):
 
-- a node's layers: layers x its time for one layer: the layer's matrices (MUL_MAT over the
-  layer's own weight shapes and type, several layers' worth back to back) plus the rest of a
-  llama layer's graph (norms, rope, the new K/V into the cache, flash attention, SwiGLU, the
-  residual adds); one token for decode, a batch for the prompt (per token); the last node adds
-  the output matrix;
+- a node's layers: the layers' matrices (MUL_MAT over the layer's own weight shapes and type)
+  plus the rest of a llama layer's graph per layer (norms, rope, the new K/V into the cache,
+  flash attention, SwiGLU, the residual adds). Decode: one token through 1, 2, 4, 8, 16 layers'
+  matrices in one graph after an idle gap (the node's burst profile, interpolated: a node under
+  a CPU quota or sharing its core runs a short stage at full speed and a long one at its
+  share); the prompt: a batch, per token and layer, back to back. The last node adds the
+  output matrix;
 - per node and step, its commands: the probe times what the client sends a node per token
   (STEP_SETS small SET_TENSORs, the GRAPH_RECOMPUTE with one graph's dispatch, the GET_TENSOR
   that waits), `step_s`, after an idle gap as a node in a pipeline has; one round trip where it
@@ -328,6 +330,10 @@ class NodeFacts:
     decode_matmul_s: float = 0.0  # the layer's matrices alone (decode_layer_s adds its other ops)
     prompt_matmul_s: float = 0.0
     peer_gate: bool = False  # bits 1 and 2: the asynchronous copy the client does not wait for
+    # ((layers, seconds), ...): that many layers' matrices in one graph after an idle gap, as a
+    # pipeline's node computes its stage (a node may be faster in a burst than back to back);
+    # empty: not measured, decode_matmul_s per layer
+    decode_profile: tuple[tuple[int, float], ...] = ()
 
     @property
     def round_trip_s(self) -> float:
@@ -407,8 +413,36 @@ def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens:
     return t
 
 
-def layer_seconds(node: NodeFacts, tokens: int) -> float:
-    return node.decode_layer_s if tokens == 1 else node.prompt_token_s * tokens
+def decode_seconds(node: NodeFacts, layers: int) -> float:
+    """One token through `layers` layers on the node: the matrices from its burst profile
+    (interpolated between the measured counts; past the last, at the larger of its last
+    segment's and the back-to-back rate per layer), plus the layers' other ops."""
+    if layers <= 0:
+        return 0.0
+    ops = max(0.0, node.decode_layer_s - node.decode_matmul_s) if node.decode_matmul_s else 0.0
+    points = sorted((int(n), float(t)) for n, t in node.decode_profile)
+    if not points:
+        return layers * node.decode_layer_s
+    return _profile_seconds(points, layers, node.decode_matmul_s) + layers * ops
+
+
+def _profile_seconds(points: list[tuple[int, float]], layers: int, per_layer: float) -> float:
+    if layers <= points[0][0]:
+        return points[0][1] * layers / points[0][0]
+    for (n0, t0), (n1, t1) in itertools.pairwise(points):
+        if layers <= n1:
+            return t0 + (t1 - t0) * (layers - n0) / (n1 - n0)
+    n_last, t_last = points[-1]
+    slope = per_layer
+    if len(points) > 1:
+        (n0, t0), (n1, t1) = points[-2], points[-1]
+        slope = max(slope, (t1 - t0) / (n1 - n0))
+    return t_last + slope * (layers - n_last)
+
+
+def stage_seconds(node: NodeFacts, layers: int, tokens: int) -> float:
+    """A node's `layers` layers for one step of `tokens` tokens (decode: one)."""
+    return decode_seconds(node, layers) if tokens == 1 else node.prompt_token_s * tokens * layers
 
 
 @dataclass(frozen=True)
@@ -425,7 +459,7 @@ def predict(
     model: ModelSizes, fleet: Fleet, order: Sequence[int], counts: Sequence[int], work: Workload
 ) -> Speeds:
     def step(tokens: int, direct: bool) -> float:
-        layers = sum(c * layer_seconds(fleet.nodes[i], tokens) for i, c in zip(order, counts))
+        layers = sum(stage_seconds(fleet.nodes[i], c, tokens) for i, c in zip(order, counts))
         return layers + fixed_seconds(model, fleet, order, tokens, direct)
 
     pp = work.prompt_tokens
@@ -595,14 +629,15 @@ def _orders(count: int) -> list[tuple[int, ...]]:
 
 def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
     """The cheapest layer counts (each >= 1) for this order under memory; None if none fits.
-    A DP over (position, layers placed); the layer cost is linear in the count per node."""
+    A DP over (position, layers placed); a node's cost is a function of its count (its decode
+    burst profile is not linear)."""
     n = model.n_layer
     best = [math.inf] * (n + 1)
     best[0] = 0.0
     choice: list[list[int]] = []
     for pos, i in enumerate(order):
         node, last = fleet.nodes[i], pos == len(order) - 1
-        per_layer = layer_seconds(node, 1) + layer_seconds(node, work.prompt_tokens) / work.prompt_tokens
+        cost_of = [decode_seconds(node, k) + k * node.prompt_token_s for k in range(n + 1)]
         prefix = _weight_prefix(model, node.alignment)
         kv = kv_bytes_per_layer(model, work.cells, node.alignment)
         room = usable_memory(node.free) - compute_buffer_bytes(
@@ -617,7 +652,7 @@ def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
             for stop in [n] if last else range(start + 1, stop_max + 1):
                 if prefix[stop] - prefix[start] + (stop - start) * kv > room:
                     break
-                cost = best[start] + (stop - start) * per_layer
+                cost = best[start] + cost_of[stop - start]
                 if cost < nxt[stop]:
                     nxt[stop], took[stop] = cost, stop - start
         best = nxt

@@ -56,6 +56,11 @@ MAX_REPEATS = 16  # copies of a layer's matrices in one compute probe (see _comp
 # idle); 5 ms is about one decode step of the lab's fleets, long enough to reach that regime.
 STEP_IDLE_S = 0.005
 STEP_ROUNDS = 9  # timed decode-step imitations per node (the median counts: see _step_seconds)
+# Decode bursts: a node's matrices for this many layers in one graph, each after STEP_IDLE_S idle
+# (see _decode_profile); the median of PROFILE_ROUNDS.
+PROFILE_LAYERS = (1, 2, 3, 4, 6, 8, 12, 16)
+PROFILE_ROUNDS = 7
+OPS_COPIES = 8  # a decode layer's other ops, this many layers' worth in one graph
 F16 = 2
 
 Progress = Callable[[str, float], None]
@@ -217,6 +222,67 @@ def _compute(
     return decode, prompt / prompt_tokens
 
 
+def _after_idle(p: _Probe) -> float:
+    """The stored graph's GRAPH_RECOMPUTE, each after STEP_IDLE_S idle: the median of
+    PROFILE_ROUNDS."""
+    times = []
+    for _ in range(PROFILE_ROUNDS):
+        time.sleep(STEP_IDLE_S)
+        t0 = time.perf_counter()
+        p.client.graph_recompute(0)
+        p.client.sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _decode_profile(
+    p: _Probe, matrices: Sequence[Matrix], free: int, n_layer: int
+) -> tuple[tuple[int, float], ...]:
+    """((layers, seconds), ...): one token through that many layers' matrices in one graph, each
+    run after STEP_IDLE_S of idle, as a node in a pipeline computes its stage between the
+    others' (the median of PROFILE_ROUNDS), less the same for a one-ADD graph: the round trip,
+    the dispatch and the wake-up, which the step (step_s) already counts.
+
+    A node is not always as fast for a short burst as for long runs: a CPU quota lets it run at
+    full speed until its share of the period is spent, a core shared with a busy process gives
+    a task that slept a few ms of credit first (lab: a 0.3-core quota ran 1 layer at full speed
+    and was measured 4x slower back to back, so a split giving it 1 layer was predicted at 0.73x
+    the decode it ran). The layers cycle over copies with their own weights (as _compute)."""
+    budget = max(1 << 20, min(16 * PROBE_BYTES, free // 2))
+    total = sum(m.nbytes for m in matrices)
+    copies = max(1, min(MAX_REPEATS, budget // max(1, total)))
+    scaled, kept = _scaled(list(matrices) * copies, budget)
+    per_copy = len(matrices)
+    counts = [n for n in PROFILE_LAYERS if n <= max(1, n_layer)]
+    align = p.client.get_alignment()
+    lay = _Layout(align)
+    tiny = lay.take(3 * F32)
+    weights = [lay.take(m.nbytes) for m in scaled]
+    inputs = [lay.take(m.k * F32) for m in scaled]
+    outputs = [[lay.take(m.n * F32) for m in scaled[:per_copy]] for _ in range(max(counts))]
+    p.alloc(max(lay.at, align))
+    p.client.buffer_clear(p.buffer, 0)  # zero weights: the same work, no bytes over the link
+    g, node = _tiny_graph(p, tiny)
+    p.client.graph_compute(g.serialize([node]))
+    p.client.sync()
+    baseline = _after_idle(p)
+    profile = []
+    for layers in counts:
+        g = GraphBuilder()
+        nodes = []
+        for k in range(layers):
+            first = (k % copies) * per_copy
+            for j in range(per_copy):
+                m = scaled[first + j]
+                w = p.tensor(g, m.type, (m.k, m.n), weights[first + j])
+                x = p.tensor(g, GgmlType.F32, (m.k, 1), inputs[first + j])
+                nodes.append(g.place(g.mul_mat(w, x), p.buffer, p.base + outputs[k][j]))
+        p.client.graph_compute(g.serialize(nodes))
+        p.client.sync()
+        profile.append((layers, max(MIN_SECONDS, _after_idle(p) - baseline) / kept))
+    return tuple(profile)
+
+
 class _Layout:
     """Offsets of tensors packed into one probe buffer, each aligned."""
 
@@ -335,39 +401,47 @@ def _layer_ops_seconds(p: _Probe, model: ModelSizes, tokens: int, latency: float
         return g.place(t, p.buffer, p.base + at[name])
 
     f32 = GgmlType.F32
-    x, norm = leaf("x", f32, (e, tokens)), leaf("norm", f32, (e,))
-    pos = leaf("pos", GgmlType.I32, (tokens,))
-    n1 = put("n1", g.rms_norm(x, 1e-5))
-    n2 = put("n2", g.mul(n1, norm))
-    q = leaf("q", f32, (d, h, tokens))
-    k = leaf("k", f32, (d, hkv, tokens))
-    qr = put("qr", g._node(GgmlOp.ROPE, f32, q.ne, [q, pos], _rope_params(d)))
-    kr = put("kr", g._node(GgmlOp.ROPE, f32, k.ne, [k, pos], _rope_params(d)))
-    kc = g.cpy(kr, leaf("kc", GgmlType.F16, (d, hkv, tokens)))
-    vc = g.cpy(leaf("v", f32, (dv, hkv, tokens)), leaf("vc", GgmlType.F16, (dv, hkv, tokens)))
-    # q as flash attention reads it: [d, tokens, heads], a permuted view of the roped q
-    qp = g.view_of(qr, (d, tokens, h, 1), (F32, F32 * d * h, F32 * d, F32 * d * h * tokens), 0)
-    big_k = leaf("K", GgmlType.F16, (d, cells, hkv))
-    big_v = leaf("V", GgmlType.F16, (dv, cells, hkv))
-    mask = leaf("mask", GgmlType.F16, (cells, tokens))
     scale = f32_bits(1.0 / math.sqrt(d))
-    fa = put(
-        "fa", g._node(GgmlOp.FLASH_ATTN_EXT, f32, (dv, h, tokens), [qp, big_k, big_v, mask], [scale, 0, 0, 0])
-    )
-    r1 = put("r1", g.add(leaf("wo", f32, (e, tokens)), x))
-    n3 = put("n3", g.rms_norm(r1, 1e-5))
-    n4 = put("n4", g.mul(n3, norm))
-    gate, up = leaf("gate", f32, (ff, tokens)), leaf("up", f32, (ff, tokens))
-    glu = put("glu", g._node(GgmlOp.GLU, f32, (ff, tokens), [gate, up], [int(GluOp.SWIGLU), 0]))
-    r2 = put("r2", g.add(leaf("down", f32, (e, tokens)), r1))
-    p.client.graph_compute(g.serialize([n1, n2, qr, kr, kc, vc, qp, fa, r1, n3, n4, glu, r2]))
+
+    def one_layer() -> list:
+        x, norm = leaf("x", f32, (e, tokens)), leaf("norm", f32, (e,))
+        pos = leaf("pos", GgmlType.I32, (tokens,))
+        n1 = put("n1", g.rms_norm(x, 1e-5))
+        n2 = put("n2", g.mul(n1, norm))
+        q = leaf("q", f32, (d, h, tokens))
+        k = leaf("k", f32, (d, hkv, tokens))
+        qr = put("qr", g._node(GgmlOp.ROPE, f32, q.ne, [q, pos], _rope_params(d)))
+        kr = put("kr", g._node(GgmlOp.ROPE, f32, k.ne, [k, pos], _rope_params(d)))
+        kc = g.cpy(kr, leaf("kc", GgmlType.F16, (d, hkv, tokens)))
+        vc = g.cpy(leaf("v", f32, (dv, hkv, tokens)), leaf("vc", GgmlType.F16, (dv, hkv, tokens)))
+        # q as flash attention reads it: [d, tokens, heads], a permuted view of the roped q
+        qp = g.view_of(qr, (d, tokens, h, 1), (F32, F32 * d * h, F32 * d, F32 * d * h * tokens), 0)
+        big_k = leaf("K", GgmlType.F16, (d, cells, hkv))
+        big_v = leaf("V", GgmlType.F16, (dv, cells, hkv))
+        mask = leaf("mask", GgmlType.F16, (cells, tokens))
+        fa = put(
+            "fa",
+            g._node(GgmlOp.FLASH_ATTN_EXT, f32, (dv, h, tokens), [qp, big_k, big_v, mask], [scale, 0, 0, 0]),
+        )
+        r1 = put("r1", g.add(leaf("wo", f32, (e, tokens)), x))
+        n3 = put("n3", g.rms_norm(r1, 1e-5))
+        n4 = put("n4", g.mul(n3, norm))
+        gate, up = leaf("gate", f32, (ff, tokens)), leaf("up", f32, (ff, tokens))
+        glu = put("glu", g._node(GgmlOp.GLU, f32, (ff, tokens), [gate, up], [int(GluOp.SWIGLU), 0]))
+        r2 = put("r2", g.add(leaf("down", f32, (e, tokens)), r1))
+        return [n1, n2, qr, kr, kc, vc, qp, fa, r1, n3, n4, glu, r2]
+
+    # one token's ops take tens of microseconds, less than the round trip's noise: several
+    # layers' worth in one graph, the time divided by them
+    copies = OPS_COPIES if tokens == 1 else 1
+    p.client.graph_compute(g.serialize([n for _ in range(copies) for n in one_layer()]))
     p.client.sync()
 
     def recompute():
         p.client.graph_recompute(0)
         p.client.sync()
 
-    return max(0.0, _timed(recompute, latency, typical=True) - graph)
+    return max(0.0, _timed(recompute, latency, typical=True) - graph) / copies
 
 
 def _layer_ops(
@@ -412,6 +486,7 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
     upload, download = _links(p, latency)
     graph, step = _overheads(p, model.hidden_bytes, latency)
     decode_mm, prompt_mm = _compute(p, model.layer_matrices, free, latency, graph, prompt_tokens)
+    profile = _decode_profile(p, model.layer_matrices, free, model.n_layer)
     out = [model.output_matrix] if model.output_matrix else []
     out_decode, out_prompt = _compute(p, out, free, latency, graph, 1) if out else (0.0, 0.0)
     peer_copy = bool(c.features & Feature.PEER_COPY)
@@ -438,6 +513,7 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
         decode_matmul_s=decode_mm,
         prompt_matmul_s=prompt_mm,
         peer_gate=peer_gate,
+        decode_profile=profile,
     )
     return facts, note
 

@@ -129,7 +129,14 @@ def facts_from_plan(doc: dict) -> Fleet:
     measured = doc.get("measured") or {}
     try:
         nodes = tuple(
-            NodeFacts(**dict(n, upload=Link(**n["upload"]), download=Link(**n["download"])))
+            NodeFacts(
+                **dict(
+                    n,
+                    upload=Link(**n["upload"]),
+                    download=Link(**n["download"]),
+                    decode_profile=tuple(tuple(x) for x in n.get("decode_profile", ())),
+                )
+            )
             for n in measured.get("nodes", [])
         )
         index = {n.name: i for i, n in enumerate(nodes)}
