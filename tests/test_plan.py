@@ -28,11 +28,13 @@ from fleetd.fleet.plan import (
     Workload,
     decode_seconds,
     fixed_seconds,
+    full_speed,
     kv_bytes_per_layer,
     kv_cells,
     layers_from_split,
     optimise,
     padded,
+    predict,
     read_model,
     step_input_bytes,
     tensor_split,
@@ -166,37 +168,41 @@ def test_the_client_waits_where_a_result_must_come_back(model, gate):
     assert fixed_seconds(model, stock, [0, 1, 2], 1, False) == pytest.approx(expect, rel=1e-9)
 
 
-def _bursty(name: str, free: int) -> NodeFacts:
-    """Full speed for a stage of 2 layers, then its quota: 4 ms a layer back to back."""
-    profile = ((1, 0.9e-3), (2, 1.8e-3), (4, 16e-3), (8, 48e-3))
+def _quota(name: str, free: int) -> NodeFacts:
+    """A node with a quarter of a core: 1 ms a layer's matrices in a short burst, 4 ms back to
+    back; its other ops 0.4 ms a layer back to back."""
+    profile = ((1, 1.0e-3), (2, 2.2e-3), (4, 16e-3))
     return replace(
-        node(name, free, layer_ms=4.0), decode_matmul_s=4e-3, decode_profile=profile, prompt_token_s=1e-3 / 20
+        node(name, free, layer_ms=4.4), decode_matmul_s=4e-3, decode_profile=profile, output_decode_s=2e-3
     )
 
 
-def test_a_stage_costs_what_its_burst_profile_says():
-    n = _bursty("b", 1 << 30)
+def test_full_speed_and_share_come_from_the_burst_profile():
+    n = _quota("q", 1 << 30)
+    assert full_speed(n) == pytest.approx((1.0e-3, 0.25))
     assert decode_seconds(n, 0) == 0
-    assert decode_seconds(n, 1) == pytest.approx(0.9e-3)
-    assert decode_seconds(n, 3) == pytest.approx(1.8e-3 + (16e-3 - 1.8e-3) / 2)  # between the points
-    # past the last point at the larger of its last segment (8 ms) and back to back (4 ms)
-    assert decode_seconds(n, 10) == pytest.approx(48e-3 + 2 * 8e-3)
+    assert decode_seconds(n, 3) == pytest.approx(3 * (1.0e-3 + 0.4e-3 * 0.25))
+    # a burst slower than back to back (a noisy profile) is not full speed: back to back is
+    slow = replace(n, decode_profile=((1, 9e-3), (2, 18e-3)))
+    assert full_speed(slow) == pytest.approx((4e-3, 1.0))
     # without a profile, linear in the layers at decode_layer_s
     assert decode_seconds(node("plain", 1 << 30, layer_ms=2.0), 5) == pytest.approx(10e-3)
 
 
-def test_a_node_fast_only_in_bursts_gets_the_layers_it_runs_at_full_speed(model):
-    """Each node holds 5 of the 7 layers at most. The bursty node is 4x slower than the steady
-    one back to back, 3x faster in a stage of up to 4 layers: its profile gives it 4 layers;
-    costed back to back it gets the 2 the steady node cannot hold."""
-    steady = node("steady", room_for(model, 5))
-    profile = ((1, 0.3e-3), (2, 0.6e-3), (4, 1.2e-3), (8, 40e-3))
-    bursty = replace(_bursty("bursty", room_for(model, 5)), decode_profile=profile)
-    plan = optimise(model, Fleet((steady, bursty)), Workload(ctx=CTX))
-    assert counts_by_name(plan) == {"steady": 3, "bursty": 4}
-    linear = replace(bursty, decode_profile=())
-    plan = optimise(model, Fleet((steady, linear)), Workload(ctx=CTX))
-    assert counts_by_name(plan) == {"steady": 5, "bursty": 2}
+def test_a_node_computes_at_most_its_share_of_the_step(model):
+    """A quarter-core node holding 6 layers is busy 6.6 ms a token at full speed: the step is at
+    least 4x that, longer than the pipeline's sum; with 1 layer the sum decides."""
+    fleet = Fleet((_quota("q", 1 << 34), node("fast", 1 << 34)))
+    work = Workload(ctx=CTX)
+    bound = 6 * (1.0e-3 + 0.1e-3) / 0.25
+    assert 1 / predict(model, fleet, [0, 1], [6, 1], work).decode_direct == pytest.approx(bound)
+    short = predict(model, fleet, [0, 1], [1, 6], work).decode_direct
+    assert 1 / short == pytest.approx(
+        decode_seconds(fleet.nodes[0], 1) + 6e-3 + fixed_seconds(model, fleet, [0, 1], 1, True)
+    )
+    # the last node's output matrix is in its share too (at full speed: 2 ms x 0.25)
+    last = predict(model, fleet, [1, 0], [1, 6], work).decode_direct
+    assert 1 / last == pytest.approx((6 * 1.1e-3 + 0.5e-3) / 0.25)
 
 
 def test_a_model_that_does_not_fit_names_the_node_and_the_shortfall(model):

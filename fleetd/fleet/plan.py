@@ -21,11 +21,12 @@ The cost model (per token, seconds; every term measured on the fleet by plan_pro
 
 - a node's layers: the layers' matrices (MUL_MAT over the layer's own weight shapes and type)
   plus the rest of a llama layer's graph per layer (norms, rope, the new K/V into the cache,
-  flash attention, SwiGLU, the residual adds). Decode: one token through 1, 2, 4, 8, 16 layers'
-  matrices in one graph after an idle gap (the node's burst profile, interpolated: a node under
-  a CPU quota or sharing its core runs a short stage at full speed and a long one at its
-  share); the prompt: a batch, per token and layer, back to back. The last node adds the
-  output matrix;
+  flash attention, SwiGLU, the residual adds). Decode at the node's full speed, from its burst
+  profile (one token through 1 and 2 layers' matrices in one graph after an idle gap), and at
+  most its share of the step: a node under a CPU quota or sharing its core runs a short stage
+  at full speed but computes at most share x the step, the share being its full speed over its
+  back-to-back rate (`share_bound`). The prompt: a batch, per token and layer, back to back.
+  The last node adds the output matrix;
 - per node and step, its commands: the probe times what the client sends a node per token
   (STEP_SETS small SET_TENSORs, the GRAPH_RECOMPUTE with one graph's dispatch, the GET_TENSOR
   that waits), `step_s`, after an idle gap as a node in a pipeline has; one round trip where it
@@ -51,10 +52,10 @@ the decode t/s measured: the client waits once per step on the gated direct path
 
 Stages run one after the other (a single sequence's decode does; the prompt's micro-batch
 overlap on the asynchronous direct path is not modelled, so the direct prompt t/s is a lower
-bound). The optimiser minimises the time of one prompt token plus one generated token on the
-direct path, over every order of every subset of the nodes (<= 6 nodes; more keep the file's
-order) with a DP over contiguous layer ranges, subject to memory: weights + KV + compute buffer
-<= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node. llama.cpp's default split
+bound). The optimiser minimises the time of one request on the direct path (a micro-batch of
+prompt and REQUEST_GEN_TOKENS generated), over every order of every subset of the nodes (<= 6
+nodes; more keep the file's order) with a DP over contiguous layer ranges, subject to memory:
+weights + KV + compute buffer <= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node. llama.cpp's default split
 (by free memory, the file's order) is kept when it fits and the best is not predicted more than
 KEEP_DEFAULT_MARGIN faster: the plan moves off the default only for a gain beyond the noise.
 """
@@ -77,6 +78,7 @@ DEFAULT_UBATCH = 512  # llama.cpp's -ub default: the prompt goes through in micr
 MEMORY_MARGIN = 0.05  # of a node's free memory, kept free
 MEMORY_MARGIN_BYTES = 4 << 20  # and this much besides (allocator slack, the daemon's own buffers)
 MAX_ORDERED_NODES = 6  # exhaustive search over orders up to this many nodes
+REQUEST_GEN_TOKENS = 128  # the request the optimiser times: a micro-batch of prompt, then these
 # llama.cpp's default split (by free memory) is kept unless the best placement is predicted
 # faster by more than this: identical nodes measure up to ~30% apart per layer on a shared
 # 2-core machine, and a split chasing that noise lost to the default in the lab (at 0.05, three
@@ -408,36 +410,34 @@ def fixed_seconds(model: ModelSizes, fleet: Fleet, order: Sequence[int], tokens:
     t += hidden / first.upload.bytes_per_s
     t += sum(boundary_seconds(fleet, a, b, hidden, direct) for a, b in itertools.pairwise(order))
     # llama.cpp multiplies only the output tokens' rows by the output matrix (a prompt: the last)
-    t += last.output_decode_s * outputs
+    t += output_seconds(last, outputs, tokens == 1)
     t += last.download.seconds(model.n_vocab * F32 * outputs)  # the one wait every step has
     return t
 
 
 def decode_seconds(node: NodeFacts, layers: int) -> float:
-    """One token through `layers` layers on the node: the matrices from its burst profile
-    (interpolated between the measured counts; past the last, at the larger of its last
-    segment's and the back-to-back rate per layer), plus the layers' other ops."""
+    """One token through `layers` layers on the node, its matrices and their other ops, at the
+    node's full speed (`full_speed`): what its stage takes while it is within its share."""
     if layers <= 0:
         return 0.0
-    ops = max(0.0, node.decode_layer_s - node.decode_matmul_s) if node.decode_matmul_s else 0.0
-    points = sorted((int(n), float(t)) for n, t in node.decode_profile)
-    if not points:
+    if not node.decode_profile or not node.decode_matmul_s:
         return layers * node.decode_layer_s
-    return _profile_seconds(points, layers, node.decode_matmul_s) + layers * ops
+    full, share = full_speed(node)
+    ops = max(0.0, node.decode_layer_s - node.decode_matmul_s)
+    return layers * (full + ops * share)  # the ops were timed back to back too
 
 
-def _profile_seconds(points: list[tuple[int, float]], layers: int, per_layer: float) -> float:
-    if layers <= points[0][0]:
-        return points[0][1] * layers / points[0][0]
-    for (n0, t0), (n1, t1) in itertools.pairwise(points):
-        if layers <= n1:
-            return t0 + (t1 - t0) * (layers - n0) / (n1 - n0)
-    n_last, t_last = points[-1]
-    slope = per_layer
-    if len(points) > 1:
-        (n0, t0), (n1, t1) = points[-2], points[-1]
-        slope = max(slope, (t1 - t0) / (n1 - n0))
-    return t_last + slope * (layers - n_last)
+def full_speed(node: NodeFacts) -> tuple[float, float]:
+    """(seconds a layer's matrices take at full speed, the node's share of a core): full speed
+    is the faster of its burst profile's 1- and 2-layer points per layer, never slower than
+    back to back; the share is full speed over the back-to-back rate (1: a node of its own;
+    0.3: a 0.3-core quota, or about 0.5 sharing its core with a busy process). Without a
+    profile: back to back, a share of 1."""
+    points = [(int(n), float(t)) for n, t in node.decode_profile if 0 < int(n) <= 2]
+    if not points or not node.decode_matmul_s:
+        return node.decode_matmul_s or node.decode_layer_s, 1.0
+    full = min(min(t / n for n, t in points), node.decode_matmul_s)
+    return full, full / node.decode_matmul_s
 
 
 def stage_seconds(node: NodeFacts, layers: int, tokens: int) -> float:
@@ -460,7 +460,8 @@ def predict(
 ) -> Speeds:
     def step(tokens: int, direct: bool) -> float:
         layers = sum(stage_seconds(fleet.nodes[i], c, tokens) for i, c in zip(order, counts))
-        return layers + fixed_seconds(model, fleet, order, tokens, direct)
+        total = layers + fixed_seconds(model, fleet, order, tokens, direct)
+        return max(total, share_bound(model, fleet, order, counts)) if tokens == 1 else total
 
     pp = work.prompt_tokens
     return Speeds(
@@ -471,10 +472,33 @@ def predict(
     )
 
 
+def share_bound(model: ModelSizes, fleet: Fleet, order: Sequence[int], counts: Sequence[int]) -> float:
+    """The shortest decode step the nodes' shares allow: a node with a share q of a core
+    computes at most q x the step (its stage at full speed, the output matrix on the last),
+    whatever the others do. Below the pipeline's sum in every lab run so far, except where a
+    slow node holds many layers."""
+    bound = 0.0
+    for pos, (i, c) in enumerate(zip(order, counts)):
+        node = fleet.nodes[i]
+        _, share = full_speed(node)
+        busy = decode_seconds(node, c) + (output_seconds(node, 1, True) if pos == len(order) - 1 else 0.0)
+        bound = max(bound, busy / share)
+    return bound
+
+
+def output_seconds(node: NodeFacts, rows: int, decode: bool) -> float:
+    """The output matrix for `rows` output rows on the node: at full speed in a decode step's
+    burst, back to back after a prompt's micro-batch."""
+    return node.output_decode_s * rows * (full_speed(node)[1] if decode else 1.0)
+
+
 def objective_seconds(model, fleet, order, counts, work: Workload) -> float:
-    """What the optimiser minimises: one prompt token plus one generated token, direct path."""
+    """What the optimiser minimises, on the direct path: one request of a micro-batch of
+    prompt and REQUEST_GEN_TOKENS generated tokens (llama-bench's pp512 tg128 by default).
+    One prompt token plus one generated token weighed a prompt token at a sixth of a decode
+    token's time: a 1.5x faster prompt moved the sum by 9%, under KEEP_DEFAULT_MARGIN."""
     s = predict(model, fleet, order, counts, work)
-    return 1 / s.prompt_direct + 1 / s.decode_direct
+    return work.prompt_tokens / s.prompt_direct + REQUEST_GEN_TOKENS / s.decode_direct
 
 
 # -- the placement ---------------------------------------------------------------------------------
@@ -637,7 +661,10 @@ def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
     choice: list[list[int]] = []
     for pos, i in enumerate(order):
         node, last = fleet.nodes[i], pos == len(order) - 1
-        cost_of = [decode_seconds(node, k) + k * node.prompt_token_s for k in range(n + 1)]
+        cost_of = [
+            REQUEST_GEN_TOKENS * decode_seconds(node, k) + work.prompt_tokens * k * node.prompt_token_s
+            for k in range(n + 1)
+        ]
         prefix = _weight_prefix(model, node.alignment)
         kv = kv_bytes_per_layer(model, work.cells, node.alignment)
         room = usable_memory(node.free) - compute_buffer_bytes(

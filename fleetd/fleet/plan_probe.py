@@ -57,8 +57,10 @@ MAX_REPEATS = 16  # copies of a layer's matrices in one compute probe (see _comp
 STEP_IDLE_S = 0.005
 STEP_ROUNDS = 9  # timed decode-step imitations per node (the median counts: see _step_seconds)
 # Decode bursts: a node's matrices for this many layers in one graph, each after STEP_IDLE_S idle
-# (see _decode_profile); the median of PROFILE_ROUNDS.
-PROFILE_LAYERS = (1, 2, 3, 4, 6, 8, 12, 16)
+# (see _decode_profile); the median of PROFILE_ROUNDS. Longer bursts are not timed: after 5 ms
+# idle a node under a quota has not earned its share back, so they measure the probe's own duty
+# cycle (a 0.3-core node: 4 layers 2.6x slower than in the pipeline's 17 ms gaps).
+PROFILE_LAYERS = (1, 2)
 PROFILE_ROUNDS = 7
 OPS_COPIES = 8  # a decode layer's other ops, this many layers' worth in one graph
 F16 = 2
@@ -243,11 +245,13 @@ def _decode_profile(
     others' (the median of PROFILE_ROUNDS), less the same for a one-ADD graph: the round trip,
     the dispatch and the wake-up, which the step (step_s) already counts.
 
-    A node is not always as fast for a short burst as for long runs: a CPU quota lets it run at
-    full speed until its share of the period is spent, a core shared with a busy process gives
-    a task that slept a few ms of credit first (lab: a 0.3-core quota ran 1 layer at full speed
-    and was measured 4x slower back to back, so a split giving it 1 layer was predicted at 0.73x
-    the decode it ran). The layers cycle over copies with their own weights (as _compute)."""
+    A node is not always as fast in a short burst as back to back: under a CPU quota it runs at
+    full speed until its share is spent, sharing its core with a busy process it gets a few ms
+    of credit after sleeping (lab: a 0.3-core node ran 1 layer at full speed and 4x slower back
+    to back; costed back to back, a split giving it 1 layer was predicted at 0.73x the decode
+    it ran). plan.full_speed takes its speed from these points and its share from their ratio
+    to the back-to-back rate. The layers cycle over copies with their own weights (as
+    _compute)."""
     budget = max(1 << 20, min(16 * PROBE_BYTES, free // 2))
     total = sum(m.nbytes for m in matrices)
     copies = max(1, min(MAX_REPEATS, budget // max(1, total)))
