@@ -55,9 +55,10 @@ overlap on the asynchronous direct path is not modelled, so the direct prompt t/
 bound). The optimiser minimises the time of one request on the direct path (a micro-batch of
 prompt and REQUEST_GEN_TOKENS generated), over every order of every subset of the nodes (<= 6
 nodes; more keep the file's order) with a DP over contiguous layer ranges, subject to memory:
-weights + KV + compute buffer <= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every node. llama.cpp's default split
-(by free memory, the file's order) is kept when it fits and the best is not predicted more than
-KEEP_DEFAULT_MARGIN faster: the plan moves off the default only for a gain beyond the noise.
+weights + KV + compute buffer <= free x (1 - MEMORY_MARGIN) - MEMORY_MARGIN_BYTES on every
+node. llama.cpp's default split (by free memory, the file's order) is kept when it fits and the
+best is not predicted more than KEEP_DEFAULT_MARGIN faster: the plan moves off the default only
+for a gain beyond the noise.
 """
 
 from __future__ import annotations
