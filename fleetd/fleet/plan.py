@@ -79,6 +79,10 @@ DEFAULT_UBATCH = 512  # llama.cpp's -ub default: the prompt goes through in micr
 MEMORY_MARGIN = 0.05  # of a node's free memory, kept free
 MEMORY_MARGIN_BYTES = 4 << 20  # and this much besides (allocator slack, the daemon's own buffers)
 MAX_ORDERED_NODES = 6  # exhaustive search over orders up to this many nodes
+# A node's bursts this much faster than back to back or less are noise and cache, not a share:
+# three equal nodes of a lab measured 0.68-0.95 (and were predicted 1.29-1.35x the decode they
+# ran when costed at that speed); a 0.3-core quota measures 0.27-0.30.
+SHARED_BELOW = 0.6
 REQUEST_GEN_TOKENS = 128  # the request the optimiser times: a micro-batch of prompt, then these
 # llama.cpp's default split (by free memory) is kept unless the best placement is predicted
 # faster by more than this: identical nodes measure up to ~30% apart per layer on a shared
@@ -433,11 +437,13 @@ def full_speed(node: NodeFacts) -> tuple[float, float]:
     is the faster of its burst profile's 1- and 2-layer points per layer, never slower than
     back to back; the share is full speed over the back-to-back rate (1: a node of its own;
     0.3: a 0.3-core quota, or about 0.5 sharing its core with a busy process). Without a
-    profile: back to back, a share of 1."""
+    profile, or with bursts less than 1 / SHARED_BELOW faster: back to back, a share of 1."""
     points = [(int(n), float(t)) for n, t in node.decode_profile if 0 < int(n) <= 2]
     if not points or not node.decode_matmul_s:
         return node.decode_matmul_s or node.decode_layer_s, 1.0
     full = min(min(t / n for n, t in points), node.decode_matmul_s)
+    if full / node.decode_matmul_s > SHARED_BELOW:
+        return node.decode_matmul_s, 1.0
     return full, full / node.decode_matmul_s
 
 
