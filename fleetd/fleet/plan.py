@@ -660,18 +660,17 @@ def _orders(count: int) -> list[tuple[int, ...]]:
 
 def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
     """The cheapest layer counts (each >= 1) for this order under memory; None if none fits.
-    A DP over (position, layers placed); a node's cost is a function of its count (its decode
-    burst profile is not linear)."""
+    A DP over (position, layers placed); the layer cost is linear in the count per node. The
+    share bound (a max over the nodes, not a sum) is not in it: it only binds where a slow node
+    holds many layers, which the prompt's back-to-back cost already steers away from, and each
+    order's counts are then compared by the whole prediction (objective_seconds)."""
     n = model.n_layer
     best = [math.inf] * (n + 1)
     best[0] = 0.0
     choice: list[list[int]] = []
     for pos, i in enumerate(order):
         node, last = fleet.nodes[i], pos == len(order) - 1
-        cost_of = [
-            REQUEST_GEN_TOKENS * decode_seconds(node, k) + work.prompt_tokens * k * node.prompt_token_s
-            for k in range(n + 1)
-        ]
+        per_layer = REQUEST_GEN_TOKENS * decode_seconds(node, 1) + work.prompt_tokens * node.prompt_token_s
         prefix = _weight_prefix(model, node.alignment)
         kv = kv_bytes_per_layer(model, work.cells, node.alignment)
         room = usable_memory(node.free) - compute_buffer_bytes(
@@ -686,7 +685,7 @@ def _best_counts(model, fleet, order, work) -> tuple[float, list[int]] | None:
             for stop in [n] if last else range(start + 1, stop_max + 1):
                 if prefix[stop] - prefix[start] + (stop - start) * kv > room:
                     break
-                cost = best[start] + cost_of[stop - start]
+                cost = best[start] + (stop - start) * per_layer
                 if cost < nxt[stop]:
                     nxt[stop], took[stop] = cost, stop - start
         best = nxt
