@@ -86,6 +86,7 @@ class FastPath:
         self._written = (ctypes.c_int32 * 0)()
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
+        self.buffer_serves = 0  # serve() calls that served requests Python had read (not the loop)
 
     @property
     def available(self) -> bool:
@@ -125,6 +126,7 @@ class FastPath:
             del front  # the receive buffer may grow again
         ctx = self._ctx
         if used:
+            self.buffer_serves += 1
             self._account(conn, used)
         if ctx.error:
             code = -ctx.error

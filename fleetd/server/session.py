@@ -220,6 +220,9 @@ class Session:
                     self._charge(conn.held)
                 continue
             if conn.buffered >= FAST_SMALLEST and not self.skipping and fast.serve(conn):
+                # then C's loop again: after an idle wait Python read this request, and a
+                # stream of SET/GET_TENSOR alone never reaches a handler that would re-arm it
+                looping = fast.loop_available
                 continue
             event = conn.next_event()
             if event is NEED_DATA:
