@@ -134,14 +134,19 @@ def cgroup_of(pid: int) -> str:
     return next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
 
 
-@needs_root
-def test_node_cores_put_each_node_and_its_workers_under_a_quota(tmp_path):
+@pytest.fixture
+def cpu_quotas():
+    """Skips where the kernel has no cgroup cpu controller for the lab's quotas."""
     from fleetd.fleet import lab as lab_module
 
     try:
         lab_module._cpu_group_path("probe")
     except FleetError as exc:  # pragma: no cover - depends on the machine's kernel
         pytest.skip(str(exc))
+
+
+@needs_root
+def test_node_cores_put_each_node_and_its_workers_under_a_quota(tmp_path, cpu_quotas):
     lab = Lab(tmp_path / "lab")
     nodes = lab.up(2, parse_rate("1gbit"), parse_rate("1gbit"), node_cores=0.25)
     groups = [n.cpu_group for n in nodes]
@@ -172,14 +177,8 @@ def test_node_cores_put_each_node_and_its_workers_under_a_quota(tmp_path):
 
 
 @needs_root
-def test_a_quota_on_one_node_only(tmp_path):
+def test_a_quota_on_one_node_only(tmp_path, cpu_quotas):
     """One slower node (a quota) beside one without: only the slow one is in a group."""
-    from fleetd.fleet import lab as lab_module
-
-    try:
-        lab_module._cpu_group_path("probe")
-    except FleetError as exc:  # pragma: no cover - depends on the machine's kernel
-        pytest.skip(str(exc))
     lab = Lab(tmp_path / "lab")
     nodes = lab.up(2, parse_rate("1gbit"), parse_rate("1gbit"), node_cores=[None, 0.5])
     try:

@@ -128,6 +128,12 @@ def _latency(client: RpcClient) -> float:
     return statistics.median(times)
 
 
+def _recompute(p: _Probe) -> None:
+    """The stored graph's GRAPH_RECOMPUTE, to its end (the sync after it)."""
+    p.client.graph_recompute(0)
+    p.client.sync()
+
+
 def _bytes_tensor(p: _Probe, nbytes: int, offset: int = 0) -> RpcTensor:
     g = GraphBuilder()
     return p.tensor(g, GgmlType.F32, (nbytes // F32,), offset).rpc()
@@ -186,11 +192,7 @@ def _matmul_seconds(p: _Probe, matrices: Sequence[Matrix], tokens: int, latency:
     p.client.graph_compute(g.serialize(nodes))
     p.client.sync()
 
-    def recompute():
-        p.client.graph_recompute(0)
-        p.client.sync()
-
-    return _timed(recompute, latency, typical=True)
+    return _timed(lambda: _recompute(p), latency, typical=True)
 
 
 def _compute(
@@ -224,15 +226,15 @@ def _compute(
     return decode, prompt / prompt_tokens
 
 
-def _after_idle(p: _Probe) -> float:
-    """The stored graph's GRAPH_RECOMPUTE, each after STEP_IDLE_S idle: the median of
-    PROFILE_ROUNDS."""
+def _after_idle(run: Callable[[], object], rounds: int) -> float:
+    """`run`, each time after STEP_IDLE_S of idle, as a pipeline's node works between the
+    others' stages: the median of `rounds` (wake-ups, whose typical cost, not the luckiest,
+    is what each token pays)."""
     times = []
-    for _ in range(PROFILE_ROUNDS):
+    for _ in range(rounds):
         time.sleep(STEP_IDLE_S)
         t0 = time.perf_counter()
-        p.client.graph_recompute(0)
-        p.client.sync()
+        run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -269,7 +271,7 @@ def _decode_profile(
     g, node = _tiny_graph(p, tiny)
     p.client.graph_compute(g.serialize([node]))
     p.client.sync()
-    baseline = _after_idle(p)
+    baseline = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS)
     profile = []
     for layers in counts:
         g = GraphBuilder()
@@ -283,7 +285,8 @@ def _decode_profile(
                 nodes.append(g.place(g.mul_mat(w, x), p.buffer, p.base + outputs[k][j]))
         p.client.graph_compute(g.serialize(nodes))
         p.client.sync()
-        profile.append((layers, max(MIN_SECONDS, _after_idle(p) - baseline) / kept))
+        took = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS) - baseline
+        profile.append((layers, max(MIN_SECONDS, took) / kept))
     return tuple(profile)
 
 
@@ -324,23 +327,17 @@ def _overheads(p: _Probe, hidden: int, latency: float) -> tuple[float, float]:
     p.client.graph_compute(g.serialize([node]))
     p.client.sync()
 
-    def recompute():
-        p.client.graph_recompute(0)
-        p.client.sync()
-
-    graph = _timed(recompute, latency)
+    graph = _timed(lambda: _recompute(p), latency)
     small, out = _bytes_tensor(p, 1024, small_at), _bytes_tensor(p, hidden // F32 * F32, out_at)
     data = bytes(1024)
-    times = []
-    for _ in range(STEP_ROUNDS):
-        time.sleep(STEP_IDLE_S)  # as between two of a node's steps, while the others compute
-        t0 = time.perf_counter()
+
+    def step():
         for _ in range(STEP_SETS):
             p.client.set_tensor(small, data)
         p.client.graph_recompute(0)
         p.client.get_tensor(out)
-        times.append(time.perf_counter() - t0)
-    return graph, max(MIN_SECONDS, statistics.median(times))
+
+    return graph, max(MIN_SECONDS, _after_idle(step, STEP_ROUNDS))
 
 
 def _rope_params(head_dim: int) -> list[int]:
@@ -441,11 +438,7 @@ def _layer_ops_seconds(p: _Probe, model: ModelSizes, tokens: int, latency: float
     p.client.graph_compute(g.serialize([n for _ in range(copies) for n in one_layer()]))
     p.client.sync()
 
-    def recompute():
-        p.client.graph_recompute(0)
-        p.client.sync()
-
-    return max(0.0, _timed(recompute, latency, typical=True) - graph) / copies
+    return max(0.0, _timed(lambda: _recompute(p), latency, typical=True) - graph) / copies
 
 
 def _layer_ops(
