@@ -384,6 +384,10 @@ def test_large_copy_lands_whole_through_a_small_send_buffer(fleetd_server):
         (link,) = src.state.sessions.live()[-1].peer_links._links.values()
         link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         cd.set_tensor(td, bytes(len(data)))
+        # SET_TENSOR has no answer: without a round trip on cd, its 3 MiB of zeros may still be
+        # streaming into the tensor while the copy, on the link's own connection, writes it
+        # (the two interleaved: the md5 was neither, once in ~20 CI runs)
+        cd.sync()
         assert cs.copy_tensor_to(ts, td, len(data), ep(dst)) is True
         assert hashlib.md5(cd.get_tensor(td)).digest() == hashlib.md5(data).digest()
     stats = src.state.peer_stats.as_dict()
@@ -409,6 +413,7 @@ def test_link_closed_by_destination_is_reopened(fleetd_server):
         link_session.sock.shutdown(socket.SHUT_RDWR)
         _settle(lambda: len(dst.state.live_sessions()), 1)
         cd.set_tensor(td, bytes(1024))
+        cd.sync()  # the zeros landed before the copy (it comes on another connection)
         assert cs.copy_tensor_to(ts, td, 1024, ep(dst)) is True
         assert cd.get_tensor(td) == data
     stats = src.state.peer_stats.as_dict()
