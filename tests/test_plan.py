@@ -40,6 +40,7 @@ from fleetd.fleet.plan import (
     tensor_split,
     usable_memory,
 )
+from fleetd.fleet.plan_probe import _median_pass
 from fleetd.models import Dims, write_model
 from fleetd.tools import find_tool
 
@@ -187,6 +188,22 @@ def test_full_speed_and_share_come_from_the_burst_profile():
     assert full_speed(slow) == pytest.approx((4e-3, 1.0))
     # without a profile, linear in the layers at decode_layer_s
     assert decode_seconds(node("plain", 1 << 30, layer_ms=2.0), 5) == pytest.approx(10e-3)
+
+
+def test_the_layer_matrices_count_at_their_median_pass():
+    """A node's matrices timed in several passes over the fleet: the median pass counts, each
+    of decode and prompt on its own, and a layer's other ops stay as first timed."""
+    first = replace(node("n", 1 << 30, layer_ms=1.5), decode_matmul_s=1.2e-3, prompt_token_s=0.2e-3)
+    first = replace(first, prompt_matmul_s=0.17e-3)
+    passes = [(1.2e-3, 0.17e-3), (0.7e-3, 0.13e-3), (0.9e-3, 0.21e-3)]
+    got = _median_pass(first, passes)
+    assert got.decode_matmul_s == pytest.approx(0.9e-3)
+    assert got.prompt_matmul_s == pytest.approx(0.17e-3)
+    assert got.decode_layer_s == pytest.approx(0.9e-3 + 0.3e-3)
+    assert got.prompt_token_s == pytest.approx(0.17e-3 + 0.03e-3)
+    assert replace(got, decode_matmul_s=0, prompt_matmul_s=0, decode_layer_s=0, prompt_token_s=0) == replace(
+        first, decode_matmul_s=0, prompt_matmul_s=0, decode_layer_s=0, prompt_token_s=0
+    )
 
 
 def test_a_node_computes_at_most_its_share_of_the_step(model):

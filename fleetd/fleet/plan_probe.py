@@ -12,6 +12,7 @@ noise on a shared machine only ever adds time), and MAX_PEER_NODES for the node-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -47,6 +48,11 @@ LATENCY_ROUNDS = 5
 REPEATS = 4  # timed runs per measurement, after one untimed (the graph's first compute)
 MAX_PROMPT_TOKENS = 512  # the prompt probe's batch at most (llama.cpp's default micro-batch)
 COMPUTE_REPEATS = 5  # timed compute runs (the median counts: see _timed)
+# The layer matrices are timed this many times over the whole fleet, each pass after every node's
+# previous one, and the median pass counts: a shared host's speed moves by +-20% over seconds (one
+# lab node timed 12 times in 30 s: 0.13-0.20 ms per prompt token), so the back-to-back runs of
+# one pass, a fraction of a second, measured a slow or a fast moment rather than the node.
+COMPUTE_PASSES = 3
 PROMPT_BATCH = 32  # tokens of the prompt probe's batch unless the workload's is given
 MAX_PEER_NODES = 8  # node-to-node links are measured for fleets up to this size
 MIN_SECONDS = 1e-6  # a measured time below this is taken as this (a rate must stay finite)
@@ -56,10 +62,14 @@ MAX_REPEATS = 16  # copies of a layer's matrices in one compute probe (see _comp
 # idle); 5 ms is about one decode step of the lab's fleets, long enough to reach that regime.
 STEP_IDLE_S = 0.005
 STEP_ROUNDS = 9  # timed decode-step imitations per node (the median counts: see _step_seconds)
-# Decode bursts: a node's matrices for this many layers in one graph, each after STEP_IDLE_S idle
-# (see _decode_profile); the median of PROFILE_ROUNDS. Longer bursts are not timed: after 5 ms
+# Decode bursts: a node's matrices for this many layers in one graph, each after PROFILE_IDLE_S idle
+# (see _decode_profile); the median of PROFILE_ROUNDS. Longer bursts are not timed: after that
 # idle a node under a quota has not earned its share back, so they measure the probe's own duty
-# cycle (a 0.3-core node: 4 layers 2.6x slower than in the pipeline's 17 ms gaps).
+# cycle (a 0.3-core node: 4 layers 2.6x slower than in the pipeline's 17 ms gaps). The idle is
+# about a decode token of the lab's fleets, the gap a node has between its stages: after 5 ms,
+# a 0.15-core node ran its 1-layer bursts at a third of its full speed (1.2 ms of CPU each 6 ms
+# is over its share), and a plan giving it 1 layer was predicted at 0.77x the decode it ran.
+PROFILE_IDLE_S = 0.02
 PROFILE_LAYERS = (1, 2)
 PROFILE_ROUNDS = 7
 OPS_COPIES = 8  # a decode layer's other ops, this many layers' worth in one graph
@@ -226,13 +236,13 @@ def _compute(
     return decode, prompt / prompt_tokens
 
 
-def _after_idle(run: Callable[[], object], rounds: int) -> float:
-    """`run`, each time after STEP_IDLE_S of idle, as a pipeline's node works between the
+def _after_idle(run: Callable[[], object], rounds: int, idle: float = STEP_IDLE_S) -> float:
+    """`run`, each time after `idle` seconds of idle, as a pipeline's node works between the
     others' stages: the median of `rounds` (wake-ups, whose typical cost, not the luckiest,
     is what each token pays)."""
     times = []
     for _ in range(rounds):
-        time.sleep(STEP_IDLE_S)
+        time.sleep(idle)
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
@@ -243,7 +253,7 @@ def _decode_profile(
     p: _Probe, matrices: Sequence[Matrix], free: int, n_layer: int
 ) -> tuple[tuple[int, float], ...]:
     """((layers, seconds), ...): one token through that many layers' matrices in one graph, each
-    run after STEP_IDLE_S of idle, as a node in a pipeline computes its stage between the
+    run after PROFILE_IDLE_S of idle, as a node in a pipeline computes its stage between the
     others' (the median of PROFILE_ROUNDS), less the same for a one-ADD graph: the round trip,
     the dispatch and the wake-up, which the step (step_s) already counts.
 
@@ -271,7 +281,7 @@ def _decode_profile(
     g, node = _tiny_graph(p, tiny)
     p.client.graph_compute(g.serialize([node]))
     p.client.sync()
-    baseline = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS)
+    baseline = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS, PROFILE_IDLE_S)
     profile = []
     for layers in counts:
         g = GraphBuilder()
@@ -285,7 +295,7 @@ def _decode_profile(
                 nodes.append(g.place(g.mul_mat(w, x), p.buffer, p.base + outputs[k][j]))
         p.client.graph_compute(g.serialize(nodes))
         p.client.sync()
-        took = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS) - baseline
+        took = _after_idle(lambda: _recompute(p), PROFILE_ROUNDS, PROFILE_IDLE_S) - baseline
         profile.append((layers, max(MIN_SECONDS, took) / kept))
     return tuple(profile)
 
@@ -515,6 +525,30 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
     return facts, note
 
 
+def _rematmul(p: _Probe, model: ModelSizes, facts: NodeFacts, prompt_tokens: int) -> tuple[float, float]:
+    """(decode, prompt) matrix seconds of one more pass over the node (_compute, as first timed)."""
+    try:
+        return _compute(
+            p, model.layer_matrices, facts.free, facts.upload.latency_s, facts.graph_s, prompt_tokens
+        )
+    finally:
+        p.free()
+
+
+def _median_pass(facts: NodeFacts, timed: list[tuple[float, float]]) -> NodeFacts:
+    """The node's facts with its layer matrices at the median pass (decode and prompt each), the
+    other ops of a layer as first timed."""
+    decode = statistics.median(d for d, _ in timed)
+    prompt = statistics.median(q for _, q in timed)
+    return dataclasses.replace(
+        facts,
+        decode_matmul_s=decode,
+        prompt_matmul_s=prompt,
+        decode_layer_s=decode + facts.decode_layer_s - facts.decode_matmul_s,
+        prompt_token_s=prompt + facts.prompt_token_s - facts.prompt_matmul_s,
+    )
+
+
 def _peer_link(src: _Probe, dst: _Probe, hidden: int) -> Link | None:
     """COPY_TENSOR_TO src -> dst of one token's hidden state and of PROBE_BYTES (or what the
     buffers hold); None when the source answers 0 (refused)."""
@@ -606,12 +640,20 @@ def measure(
         for node in nodes:
             probes.append(_open(node))
         facts, notes = [], []
+        steps = len(probes) * COMPUTE_PASSES + 1
         for i, p in enumerate(probes):
-            say(f"measuring {p.node.name}", i / (len(probes) + 1))
+            say(f"measuring {p.node.name}", i / steps)
             node_facts, note = _node_facts(p, model, prompt_tokens)
             facts.append(node_facts)
             notes += [note] if note else []
-        say("peer links", len(probes) / (len(probes) + 1))
+        passes = [[(f.decode_matmul_s, f.prompt_matmul_s)] for f in facts]
+        for k in range(1, COMPUTE_PASSES):
+            for j in range(len(probes)):
+                i = j if k % 2 == 0 else len(probes) - 1 - j  # the next pass starts where one ended
+                say(f"timing {probes[i].node.name} again", (k * len(probes) + j) / steps)
+                passes[i].append(_rematmul(probes[i], model, facts[i], prompt_tokens))
+        facts = [_median_pass(f, timed) for f, timed in zip(facts, passes, strict=True)]
+        say("peer links", (steps - 1) / steps)
         peers, peer_notes = _peers(probes, facts, model.hidden_bytes, say)
         say("done", 1.0)
         return Fleet(tuple(facts), peers, tuple(notes + peer_notes))
