@@ -190,6 +190,32 @@ def test_full_speed_and_share_come_from_the_burst_profile():
     assert decode_seconds(node("plain", 1 << 30, layer_ms=2.0), 5) == pytest.approx(10e-3)
 
 
+def test_the_last_layer_of_a_prompt_runs_its_feed_forward_for_the_outputs_alone(model):
+    """llama.cpp keeps only the output rows after the last layer's attention: a slow node is
+    cheaper last than first by its feed-forward matrices over the batch's other rows."""
+    # f16 weights: ffn_up, ffn_gate, ffn_down 512 x 1536; attn_q, attn_output 512 x 512 (8 heads
+    # of 64); attn_k, attn_v 512 x 128 (2 KV heads)
+    ffn = 3 * 512 * 1536
+    attn = 2 * 512 * 512 + 2 * 512 * 128
+    assert model.ffn_fraction == pytest.approx(ffn / (ffn + attn))
+    fast = replace(node("fast", 1 << 30, layer_ms=1.0), prompt_matmul_s=0.04e-3)
+    slow = replace(node("slow", 1 << 30, layer_ms=8.0), prompt_matmul_s=0.32e-3)
+    fleet = Fleet((fast, slow))
+    work = Workload(ctx=CTX, ubatch=256)
+    n = model.n_layer
+    slow_last = work.prompt_tokens / predict(model, fleet, (0, 1), (n - 1, 1), work).prompt_hub
+    slow_first = work.prompt_tokens / predict(model, fleet, (1, 0), (1, n - 1), work).prompt_hub
+    # the orders differ by the boundary's direction too (the links are symmetric here) and by
+    # which node multiplies the last token's row by the output matrix
+    saved = (slow.prompt_matmul_s - fast.prompt_matmul_s) * model.ffn_fraction * (work.prompt_tokens - 1)
+    output = slow.output_decode_s - fast.output_decode_s
+    assert slow_first - slow_last == pytest.approx(saved - output, rel=0.02)
+    # decode computes every layer for its one row: the orders differ by the output row alone
+    step_last = 1 / predict(model, fleet, (0, 1), (n - 1, 1), work).decode_hub
+    step_first = 1 / predict(model, fleet, (1, 0), (1, n - 1), work).decode_hub
+    assert step_last - step_first == pytest.approx(output, rel=0.02)
+
+
 def test_the_layer_matrices_count_at_their_median_pass():
     """A node's matrices timed in several passes over the fleet: the median pass counts, each
     of decode and prompt on its own, and a layer's other ops stay as first timed."""

@@ -139,9 +139,12 @@ def _latency(client: RpcClient) -> float:
 
 
 def _recompute(p: _Probe) -> None:
-    """The stored graph's GRAPH_RECOMPUTE, to its end (the sync after it)."""
+    """The stored graph's GRAPH_RECOMPUTE, to its end: a 4-byte GET_TENSOR after it, as a
+    decode step ends in the GET of its result. Not GET_ALIGNMENT (`sync`): the daemon serves
+    that in Python, and a node under a CPU quota pays it from its share (a 0.15-core node's
+    1-layer bursts, timed with it, ran at a third of full speed half the time)."""
     p.client.graph_recompute(0)
-    p.client.sync()
+    p.client.get_tensor(_bytes_tensor(p, F32))
 
 
 def _bytes_tensor(p: _Probe, nbytes: int, offset: int = 0) -> RpcTensor:
