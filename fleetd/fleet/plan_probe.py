@@ -634,7 +634,8 @@ def measure(
     prompt_tokens: int = PROMPT_BATCH,
 ) -> Fleet:
     """Measure every node (one after the other: a node computing beside another's probe would
-    measure the other's load) and the peer links between them; the prompt at `prompt_tokens`
+    measure the other's load; its layer matrices again in COMPUTE_PASSES - 1 more passes over
+    the fleet, the median pass counting) and the peer links between them; the prompt at `prompt_tokens`
     tokens a step (the workload's micro-batch: `Workload.prompt_tokens`)."""
     prompt_tokens = max(1, min(prompt_tokens, MAX_PROMPT_TOKENS))
     say = progress or (lambda step, fraction: None)
