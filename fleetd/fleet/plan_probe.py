@@ -88,6 +88,10 @@ class _Probe:
     buffer: int = 0
     base: int = 0
     size: int = 0
+    # the round trip of the 4-byte GET_TENSOR that ends every timed graph (_recompute), which
+    # their timings are less: measured once per node, after its first buffer
+    round_trip: float = 0.0
+    _tail: RpcTensor | None = None
 
     def alloc(self, size: int) -> None:
         self.free()
@@ -95,6 +99,13 @@ class _Probe:
         if ptr == 0:
             raise FleetError(f"{self.node.name}: ALLOC_BUFFER of {size} bytes refused while measuring")
         self.buffer, self.base, self.size = ptr, self.client.buffer_get_base(ptr), size
+        self._tail = None
+
+    def tail(self) -> RpcTensor:
+        """The first 4 bytes of the buffer, built once per buffer (not in a timed run)."""
+        if self._tail is None:
+            self._tail = self.tensor(GraphBuilder(), GgmlType.F32, (1,), 0).rpc()
+        return self._tail
 
     def free(self) -> None:
         if self.buffer:
@@ -129,11 +140,12 @@ def _timed(run: Callable[[], object], latency: float = 0.0, typical: bool = Fals
     return max(MIN_SECONDS, (statistics.median(times) if typical else min(times)) - latency)
 
 
-def _latency(client: RpcClient) -> float:
+def _latency(round_trip: Callable[[], object]) -> float:
+    """The median of LATENCY_ROUNDS `round_trip`s."""
     times = []
     for _ in range(LATENCY_ROUNDS):
         t0 = time.perf_counter()
-        client.sync()
+        round_trip()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -144,7 +156,7 @@ def _recompute(p: _Probe) -> None:
     that in Python, and a node under a CPU quota pays it from its share (a 0.15-core node's
     1-layer bursts, timed with it, ran at a third of full speed half the time)."""
     p.client.graph_recompute(0)
-    p.client.get_tensor(_bytes_tensor(p, F32))
+    p.client.get_tensor(p.tail())
 
 
 def _bytes_tensor(p: _Probe, nbytes: int, offset: int = 0) -> RpcTensor:
@@ -491,18 +503,19 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
     c = p.client
     free, total = c.get_device_memory(0)
     alignment = c.get_alignment(0)
-    latency = _latency(c)
+    latency = _latency(c.sync)  # the links' timings end in the same sync
     p.alloc(max(alignment, min(PROBE_BYTES, free // 8)))
+    p.round_trip = _latency(lambda: c.get_tensor(p.tail()))
     upload, download = _links(p, latency)
-    graph, step = _overheads(p, model.hidden_bytes, latency)
-    decode_mm, prompt_mm = _compute(p, model.layer_matrices, free, latency, graph, prompt_tokens)
+    graph, step = _overheads(p, model.hidden_bytes, p.round_trip)
+    decode_mm, prompt_mm = _compute(p, model.layer_matrices, free, p.round_trip, graph, prompt_tokens)
     profile = _decode_profile(p, model.layer_matrices, free, model.n_layer)
     out = [model.output_matrix] if model.output_matrix else []
-    out_decode, out_prompt = _compute(p, out, free, latency, graph, 1) if out else (0.0, 0.0)
+    out_decode, out_prompt = _compute(p, out, free, p.round_trip, graph, 1) if out else (0.0, 0.0)
     peer_copy = bool(c.features & Feature.PEER_COPY)
     gate = Feature.PEER_COPY_ASYNC | Feature.PEER_GATE
     peer_gate = c.features & gate == gate
-    ops_decode, ops_prompt, note = _layer_ops(p, model, latency, graph, prompt_tokens)
+    ops_decode, ops_prompt, note = _layer_ops(p, model, p.round_trip, graph, prompt_tokens)
     p.free()
     facts = NodeFacts(
         name=p.node.name,
@@ -531,9 +544,7 @@ def _node_facts(p: _Probe, model: ModelSizes, prompt_tokens: int) -> tuple[NodeF
 def _rematmul(p: _Probe, model: ModelSizes, facts: NodeFacts, prompt_tokens: int) -> tuple[float, float]:
     """(decode, prompt) matrix seconds of one more pass over the node (_compute, as first timed)."""
     try:
-        return _compute(
-            p, model.layer_matrices, facts.free, facts.upload.latency_s, facts.graph_s, prompt_tokens
-        )
+        return _compute(p, model.layer_matrices, facts.free, p.round_trip, facts.graph_s, prompt_tokens)
     finally:
         p.free()
 
