@@ -519,12 +519,17 @@ def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
         assert p.cd.gate_result() is True
         assert p.cd.get_tensor(p.td) == values(i)
     sessions = _live_sessions(p.dst_srv)
-    by_cmd: dict[int, int] = {}
-    for s in sessions:
-        counts = s.counters_now().count
-        for cmd in (Cmd.PEER_PUSH, Cmd.PEER_GATE):
-            by_cmd[cmd] = by_cmd.get(cmd, 0) + counts[cmd]
-    assert by_cmd == {Cmd.PEER_PUSH: steps, Cmd.PEER_GATE: steps}
+
+    def by_cmd() -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in sessions:
+            counts = s.counters_now().count
+            for cmd in (Cmd.PEER_PUSH, Cmd.PEER_GATE):
+                out[cmd] = out.get(cmd, 0) + counts[cmd]
+        return out
+
+    # a push Python serves is counted when its handler returns, after its answer
+    _settled(lambda: by_cmd() == {Cmd.PEER_PUSH: steps, Cmd.PEER_GATE: steps})
     served = {s.id: s.fast._ctx.served for s in sessions}
     pushes = sum(v.push_count for v in served.values())
     gates = sum(v.gate_count for v in served.values())
@@ -626,6 +631,52 @@ def test_a_destination_that_stops_reading_never_blocks_the_source_loop(fleetd_se
         gone.set()
         t.join(10)
         assert bytes(cs.peer_take(7, 63, big)) == data  # the link died with it unanswered
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_a_route_outlives_a_quiet_client_whose_answers_come_late(fleetd_server):
+    """The client pauses right after a copy whose answer the destination sends only 150 ms on:
+    the source's loop idles with the push unanswered, and the session keeps holding the route
+    (it waits for the answer or the client) rather than hand the link to its pusher, so the
+    copies after the pause are pushed from the loop again, not queued behind a busy thread."""
+    src = fleetd_server()
+    listener = socket.create_server(("127.0.0.1", 0))
+    pushes = 4
+
+    def slow_destination():
+        conn, _ = listener.accept()
+        conn.recv(9 + 24)  # HELLO
+        conn.sendall(hello_response(int(Feature.ALL)))
+        f = conn.makefile("rb")
+        for _ in range(pushes):
+            head = f.read(9)
+            f.read(struct.unpack_from("<Q", head, 1)[0])
+            threading.Event().wait(0.15)
+            conn.sendall(struct.pack("<QB", 1, 1))  # staged
+        f.read(1)  # until the source closes the link
+        conn.close()
+
+    t = threading.Thread(target=slow_destination, daemon=True)
+    t.start()
+    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    with RpcClient(endpoint(src), BOUNDED) as cs:
+        ptr, _ = cs.alloc_buffer(NB)
+        ts = f32(ptr, cs.buffer_get_base(ptr))
+        cs.set_tensor(ts, values(1))
+        dst = f32(0x10, 0x1000)
+        cs.copy_tensor_to_async(ts, dst, NB, to, 7, 1)  # the pusher's: it opens the link
+        _settled(lambda: src.state.peer_stats.as_dict()["copies_ok"] == 1)
+        cs.copy_tensor_to_async(ts, dst, NB, to, 7, 2)  # the route's first, from Python
+        threading.Event().wait(0.05)  # quiet: the loop idles with copy 2 unanswered
+        cs.copy_tensor_to_async(ts, dst, NB, to, 7, 3)  # read by Python after the idle
+        assert cs.get_tensor(ts) == values(1)  # served: the loop runs again
+        cs.copy_tensor_to_async(ts, dst, NB, to, 7, 4)  # the loop's
+        assert cs.get_tensor(ts) == values(1)  # the loop has read copy 4
+        assert sum(s.fast._ctx.served.copy_count for s in _live_sessions(src)) >= 1
+        _settled(lambda: src.state.peer_stats.as_dict()["copies_ok"] == pushes)
+    listener.close()
+    t.join(10)
+    assert not t.is_alive()
 
 
 def _mutated(rng, raw: bytes, fixed: int) -> bytes:

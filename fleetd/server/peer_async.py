@@ -32,6 +32,7 @@ import collections
 import ctypes
 import logging
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ log = logging.getLogger("fleetd.peer")
 
 STREAMS_REMEMBERED = 1024  # a source's last seq per stream, for this many streams
 ROUTES_MAX = 16  # destinations a session's C loop may push to itself
+ROUTE_TAKE_WAIT_S = 0.02  # a copy waits this long for a route's pusher to finish its last job
+QUIET_ANSWERS_S = 0.5  # a quiet session waits this long for its routes' answers before letting go
 
 
 # -- the source: read now, push from a worker per destination, keep what failed -------------------
@@ -70,8 +73,8 @@ class _Job:
 
 class _Route:
     """A destination and stream whose copies the session pushes itself, from its C loop or its
-    thread (peer_stage.c's fleetd_route): after Python pushed one there inline (resolved,
-    allowed, the link open), the session holds the route (`held`, its fd set, the pusher marked
+    thread (peer_stage.c's fleetd_route): once the pusher's thread opened the link (resolved
+    and allowed, as every copy is), the session holds the route (`held`, its fd set, the pusher marked
     busy) and pushes the stream's next copies on that link, reading their answers as they
     come. When it lets go (a failure, a quiet client, anything the pusher must send), its
     pushes still unanswered go to the pusher (a drain job, the fd left unset so that no loop
@@ -156,21 +159,22 @@ class AsyncCopies:
         self._release_route(addr)  # the link is the pusher's again, behind the route's pushes
         if not pusher.push_inline(job):
             pusher.put(job)
-        elif job.sent and self._lib is not None and addr not in self._routes:
-            if len(self._routes) < ROUTES_MAX:  # the stream's next copies: _route_push
-                self._routes[addr] = _Route(pusher, ev.stream, ev.endpoint, ev.seq)
-                self._routes_changed = True
 
     # -- the routes: pushes the session's C loop sends itself (the session thread) -------------
 
-    def _take_route(self, route: _Route) -> bool:
-        """Hold the route's link for this session (its pusher idle): the loop may push on it."""
+    def _take_route(self, route: _Route, wait: float = 0.0) -> bool:
+        """Hold the route's link for this session (its pusher idle): the loop may push on it.
+        With `wait`, a pusher with nothing queued behind its job (reading its last answer, as a
+        while after the first copy of a stream) is waited for that long: on a loaded host its
+        thread may wake after the next copy came, and the one after, as often as not."""
         if route.held:
             return True
         if not self.state.p2p_enabled or self._closed:
             return False
         pusher = route.pusher
-        with pusher._lock:
+        with pusher._idle:
+            if wait and pusher._busy and pusher._queue.empty():
+                pusher._idle.wait_for(lambda: not pusher._busy, wait)
             if pusher._busy or pusher.link is None:
                 return False
             pusher._busy = True  # this session's thread and loop hold its link now
@@ -184,13 +188,17 @@ class AsyncCopies:
     def _route_push(self, addr: tuple[str, int], ev: CopyTensorToAsync, src: int) -> bool:
         """The copy pushed on its destination's route (taken now if its pusher is idle), as the
         loop would; False when it is the pusher's way (no route, too large, no room)."""
-        route = self._routes.get(addr)
-        if route is None or route.c.stream != ev.stream or not 0 < ev.size <= _Pusher.INLINE_MAX:
+        if not 0 < ev.size <= _Pusher.INLINE_MAX or not self.state.p2p_enabled:
             return False
-        if not self.state.p2p_enabled:
+        route = self._routes.get(addr)
+        if route is None:
+            route = self._new_route(addr, ev)
+            if route is None:
+                return False
+        if route.c.stream != ev.stream:
             return False
         self._pusher_for(addr)  # most recently used
-        if not self._take_route(route):
+        if not self._take_route(route, ROUTE_TAKE_WAIT_S):
             return False
         assert self._lib is not None
         c = route.c
@@ -200,6 +208,19 @@ class AsyncCopies:
         if sent == 0 or c.broken:  # no room in the ring or the budget, or the link failed
             self._release_route(addr)
         return sent != 0
+
+    def _new_route(self, addr: tuple[str, int], ev: CopyTensorToAsync) -> _Route | None:
+        """The route for a destination whose pusher opened its link (resolved and allowed as
+        every copy is), made for this copy's stream; None: none yet (no native part, no link,
+        ROUTES_MAX). The session then pushes this copy itself and reads its answer on the route,
+        so its next copies do not wait on the pusher's thread to take the route."""
+        pusher = self._pushers.get(addr)
+        if self._lib is None or pusher is None or pusher.link is None or len(self._routes) >= ROUTES_MAX:
+            return None
+        route = _Route(pusher, ev.stream, ev.endpoint, self._last_seq.get(ev.stream, 0))
+        self._routes[addr] = route
+        self._routes_changed = True
+        return route
 
     def arm_routes(self, fast) -> None:
         """Before the loop: its routes, and the idle ones taken."""
@@ -211,9 +232,14 @@ class AsyncCopies:
         for route in self._routes.values():
             self._take_route(route)
 
-    def disarm_routes(self, quiet: bool) -> None:
+    def disarm_routes(self, quiet: bool, client_fd: int) -> None:
         """After the loop: its seqs and counts back in Python; a route with a failed push, or
-        with pushes unanswered while the client is `quiet` (the loop idled), let go."""
+        with pushes unanswered while the client is `quiet` (the loop idled) and stays quiet for
+        QUIET_ANSWERS_S more, let go (its pusher then reads the rest). The wait keeps a route a
+        late answer would otherwise hand to the pusher, whose thread the next copy then finds
+        busy: on a loaded host a scheduling delay is enough for that."""
+        if quiet:
+            quiet = not self._answers_or_client(client_fd)
         for addr, route in list(self._routes.items()):
             if not route.held:
                 continue
@@ -228,6 +254,32 @@ class AsyncCopies:
             failed = c.answered > 0
             if failed or c.broken or (quiet and c.answered < c.n) or not self.state.p2p_enabled:
                 self._release_route(addr)
+
+    def _answers_or_client(self, client_fd: int) -> bool:
+        """Wait (QUIET_ANSWERS_S at most) until the held routes' pushes are answered or the
+        client sends: True if the client did (it is not quiet after all)."""
+        open_routes = [r for r in self._routes.values() if r.held and not r.c.broken]
+        if not any(r.c.answered < r.c.n for r in open_routes):
+            return False
+        poller = select.poll()
+        poller.register(client_fd, select.POLLIN)
+        for route in open_routes:
+            poller.register(route.c.fd, select.POLLIN)
+        deadline = time.monotonic() + QUIET_ANSWERS_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = {fd for fd, _ in poller.poll(left * 1000)}
+            if client_fd in ready:
+                return True
+            lib, streams = self._lib, self.state.peer_streams.handle
+            assert lib is not None
+            for route in open_routes:
+                if route.c.fd in ready:
+                    lib.fleetd_route_read_answers(ctypes.byref(route.c), streams, 0)
+            if not any(r.c.answered < r.c.n and not r.c.broken for r in open_routes):
+                return False
 
     def release_routes(self) -> None:
         """Every route let go (before PEER_TAKE: its copies then settle as the pusher's do)."""
@@ -420,6 +472,7 @@ class _Pusher:
         self.link: PeerLink | None = None
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when _busy goes False
         self._busy = False  # a job is queued or in the worker's hands
         self._thread = threading.Thread(
             target=self._run, name=f"fleetd-push-{addr[0]}:{addr[1]}", daemon=True
@@ -460,6 +513,7 @@ class _Pusher:
         with self._lock:
             if self._queue.empty():
                 self._busy = False
+                self._idle.notify_all()
 
     def stop(self) -> None:
         self._queue.put(None)

@@ -278,7 +278,7 @@ class Session:
                 if self.state.config.count_commands:
                     self.counters.record(Cmd.GRAPH_RECOMPUTE, RECOMPUTE_BYTES, 0)
         finally:
-            copies.disarm_routes(quiet=answer == native.LOOP_IDLE)
+            copies.disarm_routes(quiet=answer == native.LOOP_IDLE, client_fd=self.sock.fileno())
             if held is not None:
                 pool, worker, _ = held
                 pool.release_fast(worker, used=True)

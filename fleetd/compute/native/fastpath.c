@@ -399,9 +399,10 @@ static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uin
             return -1;
         }
     }
-    fleetd_streams_stage(p->streams, stream, seq, dst, data, size);
+    /* counted before staging: a gate that sees the bytes then sees the count too */
     f->served.push_count += 1;
     f->served.push_bytes += HEADER + payload;
+    fleetd_streams_stage(p->streams, stream, seq, dst, data, size);
     uint8_t staged = 1;
     int rc = send_reply(f->fd, 1, &staged);
     if (rc != 0) { f->error = rc; return -1; }
