@@ -33,7 +33,11 @@ no --tensor-split (llama.cpp splits by the free memory each node reports). Each 
 node's /v1/status is polled: the bytes its sessions hold (allocated_bytes, max over the run)
 and the layers they wrote, against the plan's predicted weights + KV + compute per node. The
 predicted t/s of the plan (its direct path) against the measured medians; also the cost model's
-prediction for the default split (the layers the nodes reported). Then the model that does not
+prediction for the default split (the layers the nodes reported). Before each round the fleet is
+probed again (as `fleetctl plan` probes it; --no-probe-rounds skips it) and both splits costed
+with that probe: the "in-round" predictions, against the host as the round found it (its speed
+drifts by up to 2x over a day, enough to move the plan's own prediction by 25% between the
+probe and arms run minutes later). Then the model that does not
 fit: `fleetctl plan --ctx 65536` on the unequal lab exits 1 before anything is loaded.
 
 Writes benchmarks/results/plan_lab.json (and the chart with --chart). Needs root.
@@ -300,8 +304,13 @@ def run_config(name: str, cfg: dict, model_path: Path, model, work: Workload, a,
             say(f"{arm}: the nodes' memory after the load")
             wait_released(lab.nodes_file)
             memory[arm] = memory_after_load(model_path, *arm_split(arm, plan, natural), work, lab.nodes_file)
-        rounds = []
+        rounds, round_facts = [], []
         for r in range(a.rounds):
+            if a.probe_rounds:  # the host as the round finds it: its speed drifts over minutes
+                say(f"round {r + 1}/{a.rounds}: probe")
+                wait_released(lab.nodes_file)
+                with NodeFleet.load(lab.nodes_file) as fleet:
+                    round_facts.append(measure(fleet, model, prompt_tokens=work.prompt_tokens))
             order = list(ARMS) if r % 2 == 0 else list(ARMS[::-1])
             for arm in order:
                 say(f"round {r + 1}/{a.rounds}: {arm}")
@@ -314,7 +323,29 @@ def run_config(name: str, cfg: dict, model_path: Path, model, work: Workload, a,
     finally:
         stop(busy)
         lab.down()
-    return analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, names, no_fit, plan_s)
+    res = analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, names, no_fit, plan_s)
+    res["round_predictions"] = round_predictions(model, work, plan, res, round_facts)
+    return res
+
+
+def round_predictions(model, work: Workload, plan, res: dict, round_facts: list) -> list[dict]:
+    """Each round's probe costing the plan's split and the default one (the nodes, order and
+    counts as the run used them): the cost model against the host as that round found it."""
+    by_name = {n: i for i, n in enumerate(res["node_names"])}
+    splits = {
+        "plan": ([s.node for s in plan.stages], [s.layers for s in plan.stages]),
+        "default": ([by_name[n] for n in res["default_order"]], res["default_counts"]),
+    }
+    out = []
+    for r, facts in enumerate(round_facts, 1):
+        cell = {"round": r}
+        for arm, (order, counts) in splits.items():
+            if sum(counts) != model.n_layer:
+                continue
+            sp = predict(model, facts, order, counts, work)
+            cell[arm] = {"pp_tps": sp.prompt_direct, "tg_tps": sp.decode_direct}
+        out.append(cell)
+    return out
 
 
 def analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, names, no_fit, plan_s) -> dict:
@@ -395,6 +426,7 @@ def analyse(name, cfg, model, work, facts, plan, doc, rounds, memory, roles, nam
         "plan": doc,
         "plan_order": [names.get(s.endpoint, s.name) for s in plan.stages],
         "plan_counts": [s.layers for s in plan.stages],
+        "node_names": [names[ep] for ep in endpoints],
         "default_order": [names[endpoints[i]] for i in default_order],
         "default_counts": default_counts,
         "summary": summary,
@@ -435,6 +467,16 @@ def does_not_fit(nodes_file: Path, model_path: Path) -> dict:
 # -- output --------------------------------------------------------------------------------------
 
 
+def in_round_ratios(res: dict, arm: str, m: str) -> list[float]:
+    """Each round's prediction over the same round's measurement, for one arm and metric."""
+    measured = {c["round"]: c[m] for c in res["rounds"] if c["arm"] == arm}
+    return [
+        p[arm][m] / measured[p["round"]]
+        for p in res.get("round_predictions", [])
+        if arm in p and measured.get(p["round"])
+    ]
+
+
 def report(results: list[dict], model, a) -> None:
     rows = []
     for res in results:
@@ -443,6 +485,7 @@ def report(results: list[dict], model, a) -> None:
             for arm in ARMS:
                 v = s[arm][m]
                 p = (pred[arm] or {}).get(m)
+                ratios = in_round_ratios(res, arm, m)
                 rows.append(
                     [
                         res["config"],
@@ -453,12 +496,18 @@ def report(results: list[dict], model, a) -> None:
                         f"{v['median'] / s['default'][m]['median']:.2f}",
                         f"{p:.1f}" if p else "-",
                         f"{p / v['median']:.2f}" if p else "-",
+                        (
+                            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
+                            if ratios
+                            else "-"
+                        ),
                     ]
                 )
     show(
         f"{model.n_layer} layers ({Path(model.path).name}), {a.rounds} rounds ABBA, "
-        f"pp{a.n_prompt} tg{a.n_gen}",
-        ["config", "metric", "arm", "median", "min..max", "x default", "predicted", "pred/meas"],
+        f"pp{a.n_prompt} tg{a.n_gen}; pred/meas: the plan's own probe; in-round: each round's "
+        "probe over that round (median, min..max)",
+        ["config", "metric", "arm", "median", "min..max", "x default", "predicted", "pred/meas", "in-round"],
         rows,
     )
     mem_rows = []
@@ -558,6 +607,12 @@ def main() -> int:
         help="the slow node's quota in cores (default 0.15; at 0.3 its share covers its decode layers)",
     )
     ap.add_argument("--busy-seconds", type=float, default=1800, help=f"busy loop bound (<= {BUSY_MAX_S})")
+    ap.add_argument(
+        "--no-probe-rounds",
+        dest="probe_rounds",
+        action="store_false",
+        help="skip the probe before each round (it costs 10-30 s a round; the plan's own probe stays)",
+    )
     ap.add_argument("--chart", help="write a PNG chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/plan_lab.json)")
     a = ap.parse_args()

@@ -47,6 +47,14 @@ class Shell:
         return self.run(cmd, stdin=script, timeout=timeout)
 
 
+def _read_to_end(recv) -> bytes:
+    """Everything a channel's stdout or stderr gives until its end (recv returns b"")."""
+    parts = []
+    while chunk := recv(65536):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class SshShell(Shell):
     """Runs commands over SSH exec channels and puts files by SFTP."""
 
@@ -56,17 +64,31 @@ class SshShell(Shell):
     def run(self, command: str, stdin: str | None = None, timeout: float = 300) -> Completed:
         """`command` on an SSH exec channel, `stdin` written then closed; an SSH failure is a
         NodeError, a non-zero exit only the Completed's `rc`."""
+        # The channel itself, not exec_command's three files: a ChannelFile left to the garbage
+        # collector closes itself in __del__, which takes its channel's lock, and when that
+        # runs on paramiko's transport thread while it holds the same lock (closing the
+        # channel), the deploy hangs for good (seen under load: a deploy stuck in open_session).
         client = self.node.ssh()
         try:
-            chan_in, chan_out, chan_err = client.exec_command(command, timeout=timeout)
-            if stdin is not None:
-                chan_in.write(stdin)
-            chan_in.channel.shutdown_write()
-            out = chan_out.read().decode(errors="replace")
-            err = chan_err.read().decode(errors="replace")
-            rc = chan_out.channel.recv_exit_status()
+            transport = client.get_transport()
+            if transport is None:
+                raise paramiko.SSHException("the SSH connection is closed")
+            chan = transport.open_session(timeout=timeout)
         except (paramiko.SSHException, OSError, TimeoutError) as exc:
             raise NodeError(f"{self.node.name}: {command.split()[0]}: {exc}") from exc
+        try:
+            chan.settimeout(timeout)
+            chan.exec_command(command)
+            if stdin is not None:
+                chan.sendall(stdin.encode())
+            chan.shutdown_write()
+            out = _read_to_end(chan.recv).decode(errors="replace")
+            err = _read_to_end(chan.recv_stderr).decode(errors="replace")
+            rc = chan.recv_exit_status()
+        except (paramiko.SSHException, OSError, TimeoutError) as exc:
+            raise NodeError(f"{self.node.name}: {command.split()[0]}: {exc}") from exc
+        finally:
+            chan.close()
         return Completed(command, rc, out, err)
 
     def put(self, local: Path, remote: str) -> None:
