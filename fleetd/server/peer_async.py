@@ -265,6 +265,8 @@ class AsyncCopies:
         poller.register(client_fd, select.POLLIN)
         for route in open_routes:
             poller.register(route.c.fd, select.POLLIN)
+        assert self._lib is not None
+        read, streams = self._lib.fleetd_route_read_answers, self.state.peer_streams.handle
         deadline = time.monotonic() + QUIET_ANSWERS_S
         while True:
             left = deadline - time.monotonic()
@@ -273,11 +275,10 @@ class AsyncCopies:
             ready = {fd for fd, _ in poller.poll(left * 1000)}
             if client_fd in ready:
                 return True
-            lib, streams = self._lib, self.state.peer_streams.handle
-            assert lib is not None
             for route in open_routes:
-                if route.c.fd in ready:
-                    lib.fleetd_route_read_answers(ctypes.byref(route.c), streams, 0)
+                # readable and nothing read: the link closed (or broke mid-answer), no waiting on it
+                if route.c.fd in ready and not read(ctypes.byref(route.c), streams, 0):
+                    return False
             if not any(r.c.answered < r.c.n and not r.c.broken for r in open_routes):
                 return False
 
