@@ -387,12 +387,13 @@ def test_a_stock_destination_is_refused_and_the_bytes_kept(fleetd_server, stock_
     assert src.state.peer_stats.as_dict()["fallbacks"]["refused"] == 1
 
 
-def _settled(check, seconds: float = 10.0) -> None:
+def _settled(check, seconds: float = 10.0, seen=None) -> None:
+    """Wait (bounded) until check() holds; `seen()` says in the failure what there was instead."""
     import time
 
     deadline = time.monotonic() + seconds
     while not check():
-        assert time.monotonic() < deadline, "not settled in time"
+        assert time.monotonic() < deadline, f"not settled in {seconds:g}s" + (f": {seen()}" if seen else "")
         time.sleep(0.02)
 
 
@@ -529,7 +530,7 @@ def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
         return out
 
     # a push Python serves is counted when its handler returns, after its answer
-    _settled(lambda: by_cmd() == {Cmd.PEER_PUSH: steps, Cmd.PEER_GATE: steps})
+    _settled(lambda: by_cmd() == {Cmd.PEER_PUSH: steps, Cmd.PEER_GATE: steps}, seen=by_cmd)
     served = {s.id: s.fast._ctx.served for s in sessions}
     pushes = sum(v.push_count for v in served.values())
     gates = sum(v.gate_count for v in served.values())
