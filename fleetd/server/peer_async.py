@@ -164,16 +164,18 @@ class AsyncCopies:
 
     def _take_route(self, route: _Route, wait: float = 0.0) -> bool:
         """Hold the route's link for this session (its pusher idle): the loop may push on it.
-        With `wait`, a pusher with nothing queued behind its job (reading its last answer, as a
-        while after the first copy of a stream) is waited for that long: on a loaded host its
-        thread may wake after the next copy came, and the one after, as often as not."""
+        With `wait`, a pusher with nothing queued behind its job that only reads the answer of a
+        small push (as a while after the first copy of a stream) is waited for that long: on a
+        loaded host its thread may wake after the next copy came, and the one after, as often
+        as not. A pusher still writing, or waiting on a large push, is not: the session thread
+        would stall its client's next commands (a prompt's copy, then decode's)."""
         if route.held:
             return True
         if not self.state.p2p_enabled or self._closed:
             return False
         pusher = route.pusher
         with pusher._idle:
-            if wait and pusher._busy and pusher._queue.empty():
+            if wait and pusher._busy and pusher.answering and pusher._queue.empty():
                 pusher._idle.wait_for(lambda: not pusher._busy, wait)
             if pusher._busy or pusher.link is None:
                 return False
@@ -475,6 +477,9 @@ class _Pusher:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when _busy goes False
         self._busy = False  # a job is queued or in the worker's hands
+        # the job in hand waits only for answers to small pushes already written (the worker
+        # is about to go idle): what a copy may wait for to take the route (_take_route)
+        self.answering = False
         self._thread = threading.Thread(
             target=self._run, name=f"fleetd-push-{addr[0]}:{addr[1]}", daemon=True
         )
@@ -514,6 +519,7 @@ class _Pusher:
         with self._lock:
             if self._queue.empty():
                 self._busy = False
+                self.answering = False
                 self._idle.notify_all()
 
     def stop(self) -> None:
@@ -548,6 +554,7 @@ class _Pusher:
 
     def _serve(self, job: _Job) -> None:
         copies = self.copies
+        self.answering = job.route is not None  # a drain reads the route's answers alone
         if job.route is not None:  # the loop's pushes: their answers, then they settle
             if copies.closed:
                 copies.dropped(job)
@@ -591,6 +598,8 @@ class _Pusher:
         try:
             if not job.sent:
                 self._write(link, job)
+            # a large push's answer waits for its bytes to cross the link: not worth a wait
+            self.answering = len(job.data) <= self.INLINE_MAX
             staged = link.channel.reply("PEER_PUSH").staged
         except ReadTimeout as exc:
             self._drop_link()
