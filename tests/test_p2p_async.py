@@ -294,17 +294,12 @@ def test_the_source_serves_its_next_commands_while_a_push_hangs(fleetd_server):
     listener = socket.create_server(("127.0.0.1", 0))
     conns = []
 
-    def fake_destination():
-        conn, _ = listener.accept()
+    def never_answer(conn):
         conns.append(conn)
-        conn.recv(9 + 24)  # HELLO
-        conn.sendall(hello_response(int(Feature.PEER_COPY | Feature.PEER_COPY_ASYNC)))
         while conn.recv(65536):  # the push, never answered
             pass
 
-    t = threading.Thread(target=fake_destination, daemon=True)
-    t.start()
-    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    to, t = fake_destination(listener, Feature.PEER_COPY | Feature.PEER_COPY_ASYNC, never_answer)
     with RpcClient(endpoint(src), BOUNDED) as cs:
         ps, _ = cs.alloc_buffer(NB)
         ts = f32(ps, cs.buffer_get_base(ps))
@@ -385,6 +380,31 @@ def test_a_stock_destination_is_refused_and_the_bytes_kept(fleetd_server, stock_
         cs.copy_tensor_to_async(ts, f32(0x10, 0x1000), NB, stock, 3, 1)
         assert bytes(cs.peer_take(3, 1, NB)) == values(1)
     assert src.state.peer_stats.as_dict()["fallbacks"]["refused"] == 1
+
+
+def fake_destination(listener: socket.socket, features: Feature, serve) -> tuple[str, threading.Thread]:
+    """A peer on `listener` for one link, in a daemon thread: accepts it, answers its HELLO with
+    `features`, then serve(conn). Returns (its endpoint, the thread)."""
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        conn.recv(9 + 24)  # HELLO
+        conn.sendall(hello_response(int(features)))
+        serve(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", t
+
+
+def read_push(f) -> int:
+    """One PEER_PUSH read whole from the link's file object: its command byte."""
+    head = f.read(9)
+    f.read(struct.unpack_from("<Q", head, 1)[0])
+    return head[0]
+
+
+STAGED = struct.pack("<QB", 1, 1)  # a PEER_PUSH's answer: staged
 
 
 def _settled(check, seconds: float = 10.0, seen=None) -> None:
@@ -593,24 +613,16 @@ def test_a_destination_that_stops_reading_never_blocks_the_source_loop(fleetd_se
     stop_reading, gone = threading.Event(), threading.Event()
     answered = []
 
-    def fake_destination():
-        conn, _ = listener.accept()
-        conn.recv(9 + 24)  # HELLO
-        conn.sendall(hello_response(int(Feature.ALL)))
+    def answer_three_then_stop_reading(conn):
         f = conn.makefile("rb")
         while len(answered) < 3:
-            head = f.read(9)
-            payload = struct.unpack_from("<Q", head, 1)[0]
-            f.read(payload)
-            answered.append(head[0])
-            conn.sendall(struct.pack("<QB", 1, 1))  # staged
+            answered.append(read_push(f))
+            conn.sendall(STAGED)
         stop_reading.set()
         gone.wait(60)
         conn.close()
 
-    t = threading.Thread(target=fake_destination, daemon=True)
-    t.start()
-    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    to, t = fake_destination(listener, Feature.ALL, answer_three_then_stop_reading)
     big = 64 * 1024
     with RpcClient(endpoint(src), BOUNDED) as cs:
         ptr, _ = cs.alloc_buffer(big + NB)
@@ -644,22 +656,16 @@ def test_a_route_outlives_a_quiet_client_whose_answers_come_late(fleetd_server):
     listener = socket.create_server(("127.0.0.1", 0))
     pushes = 4
 
-    def slow_destination():
-        conn, _ = listener.accept()
-        conn.recv(9 + 24)  # HELLO
-        conn.sendall(hello_response(int(Feature.ALL)))
+    def answer_late(conn):
         f = conn.makefile("rb")
         for _ in range(pushes):
-            head = f.read(9)
-            f.read(struct.unpack_from("<Q", head, 1)[0])
+            read_push(f)
             threading.Event().wait(0.15)
-            conn.sendall(struct.pack("<QB", 1, 1))  # staged
+            conn.sendall(STAGED)
         f.read(1)  # until the source closes the link
         conn.close()
 
-    t = threading.Thread(target=slow_destination, daemon=True)
-    t.start()
-    to = f"127.0.0.1:{listener.getsockname()[1]}"
+    to, t = fake_destination(listener, Feature.ALL, answer_late)
     with RpcClient(endpoint(src), BOUNDED) as cs:
         ptr, _ = cs.alloc_buffer(NB)
         ts = f32(ptr, cs.buffer_get_base(ptr))
