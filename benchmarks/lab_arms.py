@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shlex
 import statistics
 import subprocess
@@ -55,14 +56,28 @@ TOOL_TIMEOUT_S = 600
 
 
 def start_stock(
-    lab_nodes, threads: int, log_dir: Path, extra: Sequence[str] = (), env_for: Callable | None = None
+    lab_nodes,
+    threads: int,
+    log_dir: Path,
+    extra: Sequence[str] = (),
+    env_for: Callable | None = None,
+    node_cpus: Sequence[Sequence[int] | None] | None = None,
 ) -> list[subprocess.Popen]:
-    """A stock ggml-rpc-server (`extra` flags, `env_for(node)` its environment) in each node's
-    namespace on STOCK_PORT, each answering before this returns; all stopped if one does not."""
+    """A stock ggml-rpc-server (`extra` flags, `env_for(node)` its environment, `node_cpus[j]`
+    the cores it may run on, as its node's fleetd) in each node's namespace on STOCK_PORT, each
+    answering before this returns; all stopped if one does not."""
     procs = []
     exe = str(find_tool("ggml-rpc-server"))
     try:
-        for n in lab_nodes:
+        for j, n in enumerate(lab_nodes):
+            cpus = set(node_cpus[j]) if node_cpus and node_cpus[j] else None
+
+            def place(n=n, cpus=cpus) -> None:  # before exec, as the lab places its fleetd
+                if n.cpu_group:
+                    n.join_cpu_group()
+                if cpus:
+                    os.sched_setaffinity(0, cpus)
+
             with open(log_dir / f"stock-{n.name}.log", "ab") as log:
                 procs.append(
                     subprocess.Popen(
@@ -72,7 +87,7 @@ def start_stock(
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         env=env_for(n) if env_for else None,
-                        preexec_fn=n.join_cpu_group if n.cpu_group else None,  # the node's quota
+                        preexec_fn=place if (cpus or n.cpu_group) else None,
                     )
                 )
         for n, proc in zip(lab_nodes, procs, strict=True):
@@ -167,6 +182,12 @@ def main() -> int:
         help="CPU time per node in cores (a quota each node's fleetd or stock server runs under): "
         "nodes that stand for machines, so that a 4th node adds compute (default: none, all share)",
     )
+    ap.add_argument(
+        "--pin-nodes",
+        action="store_true",
+        help="run node j (its fleetd with its workers, its stock server) on core j mod the "
+        "machine's cores, as a machine's own cores: a daemon and its worker then wake on one core",
+    )
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
     a = ap.parse_args()
@@ -183,10 +204,17 @@ def main() -> int:
     lab = Lab(work / "lab")
     stock: list[subprocess.Popen] = []
     try:
+        cores = sorted(os.sched_getaffinity(0))
+        node_cpus = [[cores[j % len(cores)]] for j in range(a.nodes)] if a.pin_nodes else None
         lab_nodes = lab.up(
-            a.nodes, coord, peer, node_args=[shlex.split(a.fleetd_args)] * a.nodes, node_cores=a.node_cores
+            a.nodes,
+            coord,
+            peer,
+            node_args=[shlex.split(a.fleetd_args)] * a.nodes,
+            node_cores=a.node_cores,
+            node_cpus=node_cpus,
         )
-        stock = start_stock(lab_nodes, 1, work)
+        stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
         rpc = {
             "stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes),
             **{arm: ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes) for arm in ARMS[1:]},
@@ -236,6 +264,7 @@ def main() -> int:
             ]
             rows.append([label, arm, f"{s['median']:.1f}", f"{s['min']:.1f}..{s['max']:.1f}", *vs])
     cores = f" of {a.node_cores:g} cores" if a.node_cores else ""
+    cores += ", each pinned to one core" if a.pin_nodes else ""
     show(
         f"{a.nodes} nodes{cores}, coordinator links {a.coordinator_link}, peer links {a.peer_link}, "
         f"{model.name}, {a.rounds} rounds (ABBA)",
