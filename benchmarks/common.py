@@ -52,6 +52,13 @@ def pin_client() -> None:
 @contextlib.contextmanager
 def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
     """Yield the endpoint of a running 'fleetd' or 'stock' server process, pinned to SERVER_CPUS."""
+    with server_with_pid(kind, threads, extra) as (endpoint, _pid):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def server_with_pid(kind: str, threads: int = 1, extra: list[str] | None = None):
+    """As server_process, yielding (endpoint, the server's pid)."""
     if kind == "fleetd":  # the one fleetd launcher (fleetd.fleet.local); no control API needed
         with LocalFleet(
             1,
@@ -59,10 +66,22 @@ def server_process(kind: str, threads: int = 1, extra: list[str] | None = None):
             control=False,
             preexec_fn=_pin(SERVER_CPUS),
         ) as local:
-            yield local.endpoints[0]
+            yield local.endpoints[0], local.processes[0].pid
         return
-    with stock_process(threads, extra) as (endpoint, _proc):
-        yield endpoint
+    with stock_process(threads, extra) as (endpoint, proc):
+        yield endpoint, proc.pid
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far, in ns (schedstat: exact, where /proc's stat
+    counts in 10 ms ticks; threads that ended are not in it)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            pass
+    return total
 
 
 @contextlib.contextmanager

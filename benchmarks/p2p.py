@@ -90,19 +90,28 @@ def column(p: Pipeline, seconds: list[float]) -> dict:
 def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
     """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
     SET_TENSOR, direct COPY_TENSOR_TO, async COPY_TENSOR_TO_ASYNC + PEER_GATE (PEER_WAIT where
-    the destination has no gate), each followed by one round trip to the destination (what the
-    destination's next command waits for anyway: the hub's SET and the gate are pipelined, not
-    landed; the gate's answer is read before the round trip's)."""
+    the destination has no gate), each followed by one round trip to the destination, which
+    stands for the destination's next command: sent right behind the hub's SET and behind the
+    gate, as llama.cpp's client and the client half send the next graph, and answered once the
+    copy landed. The gate's answer is read before the round trip's, as the client half reads it.
+    (Until 2026-12-07 the round trip was sent only after the gate's answer had come back: one
+    more round trip on the destination than a client pays, which the hub arm did not have.)"""
     seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
     arms = list(pipes)
     for i in range(moves):
         for arm in arms if i % 2 == 0 else arms[::-1]:
             p = pipes[arm]
+            dst = p.stages[1].client
             t0 = time.perf_counter()
             how = p._move(0)
             if how == "gate":
+                dst.sync_begin()
                 how = "direct" if p.settle_gates(first=False) == (1, 0) else "fallback"
-            p.stages[1].client.sync()
+                if how != "direct":  # the destination skipped the round trip behind the gate
+                    raise SystemExit(f"boundary: the {arm} arm moved by {how}")
+                dst.sync_end()
+            else:
+                dst.sync()
             seconds[arm].append(time.perf_counter() - t0)
             if how != ("direct" if arm == "async" else arm):
                 raise SystemExit(f"boundary: the {arm} arm moved by {how}")

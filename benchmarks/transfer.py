@@ -3,9 +3,12 @@
     .venv/bin/python benchmarks/transfer.py [--max-mib 256] [--json PATH]
 
 All servers run as separate processes on loopback, driven by the same Python client; sizes are
-measured alternately (stock, fleetd, fleetd without counters, ...) so drift on a shared machine
-hits all alike. Ratio = fleetd / stock (throughput: higher is better; latency: lower is better);
-"count cost" = fleetd / fleetd with command counting switched off (1.00 = free).
+measured alternately (stock, fleetd, fleetd without counters, then the reverse order in the next
+round) so drift on a shared machine hits all alike. Ratio = fleetd / stock (throughput: higher is
+better; latency: lower is better), taken per round and given as the median and min..max over the
+rounds: on this shared host one round's ratio moves by up to 2x either way, and a ratio of
+medians taken minutes apart says less than the paired one. "count cost" = fleetd / fleetd with
+command counting switched off (1.00 = free).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pin_client, save, server_process, show  # noqa: E402
+from common import cpu_ns, pin_client, save, server_with_pid, show  # noqa: E402
 
 from fleetd.client import RpcClient  # noqa: E402
 from fleetd.wire import GgmlType, RpcTensor, contiguous_strides  # noqa: E402
@@ -37,12 +40,15 @@ def sizes(max_bytes: int) -> list[int]:
 
 
 def reps_for(size: int) -> int:
-    # Enough repetitions for ~64 MiB per measurement, at least 3, at most 200: bounded in count.
-    return max(3, min(200, (64 * MIB) // size))
+    # ~64 MiB per measurement, at least 3, at most 2000 (a 4 KiB measurement then lasts
+    # ~0.1-0.3 s, long enough to average over the host's scheduling hiccups): bounded in count.
+    return max(3, min(2000, (64 * MIB) // size))
 
 
 class Target:
-    def __init__(self, endpoint: str, max_bytes: int):
+    def __init__(self, endpoint: str, pid: int, max_bytes: int):
+        self.pid = pid
+        self.cpu_per_op = 0.0  # the server's CPU seconds per request in the last measurement
         self.client = RpcClient(endpoint).open()
         self.ptr, _ = self.client.alloc_buffer(max_bytes)
         self.base = self.client.buffer_get_base(self.ptr)
@@ -62,19 +68,23 @@ class Target:
         t = self.tensor(size)
         n = reps_for(size)
         self.client.sync()
-        t0 = time.perf_counter()
+        c0, t0 = cpu_ns(self.pid), time.perf_counter()
         for _ in range(n):
             self.client.set_tensor(t, data)
         self.client.sync()  # SET_TENSOR has no response: the next round trip proves it landed
-        return n * size / (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.cpu_per_op = (cpu_ns(self.pid) - c0) / 1e9 / n
+        return n * size / seconds
 
     def get_throughput(self, size: int, out: np.ndarray) -> float:
         t = self.tensor(size)
         n = reps_for(size)
-        t0 = time.perf_counter()
+        c0, t0 = cpu_ns(self.pid), time.perf_counter()
         for _ in range(n):
             self.client.get_tensor(t, 0, size, out=out)
-        return n * size / (time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.cpu_per_op = (cpu_ns(self.pid) - c0) / 1e9 / n
+        return n * size / seconds
 
     def latency(self, n: int) -> float:
         samples = []
@@ -90,16 +100,16 @@ class Target:
 
 
 def run(max_bytes: int, rounds: int, latency_calls: int) -> dict:
-    results = {"set": {}, "get": {}, "latency": {}}
+    results = {"set": {}, "get": {}, "latency": {}, "cpu_set": {}, "cpu_get": {}}
     with (
-        server_process("stock") as stock_ep,
-        server_process("fleetd") as fleetd_ep,
-        server_process("fleetd", extra=["--no-counters"]) as nocount_ep,
+        server_with_pid("stock") as stock,
+        server_with_pid("fleetd") as fleetd,
+        server_with_pid("fleetd", extra=["--no-counters"]) as nocount,
     ):
         targets = {
-            "stock": Target(stock_ep, max_bytes),
-            "fleetd": Target(fleetd_ep, max_bytes),
-            "fleetd-nocount": Target(nocount_ep, max_bytes),
+            "stock": Target(*stock, max_bytes),
+            "fleetd": Target(*fleetd, max_bytes),
+            "fleetd-nocount": Target(*nocount, max_bytes),
         }
         try:
             for size in sizes(max_bytes):
@@ -108,17 +118,31 @@ def run(max_bytes: int, rounds: int, latency_calls: int) -> dict:
                 for kind in ("set", "get"):
                     for name in targets:
                         results[kind].setdefault(name, {})[size] = []
-                    for _ in range(rounds):
-                        for name, tgt in targets.items():
+                        results["cpu_" + kind].setdefault(name, {})[size] = []
+                    for r in range(rounds):
+                        for name, tgt in alternate(targets, r):
                             fn = tgt.set_throughput if kind == "set" else tgt.get_throughput
                             results[kind][name][size].append(fn(size, data if kind == "set" else out))
-            for _ in range(rounds):
-                for name, tgt in targets.items():
+                            results["cpu_" + kind][name][size].append(tgt.cpu_per_op)
+            for r in range(rounds):
+                for name, tgt in alternate(targets, r):
                     results["latency"].setdefault(name, []).append(tgt.latency(latency_calls))
         finally:
             for tgt in targets.values():
                 tgt.close()
     return results
+
+
+def alternate(targets: dict, r: int) -> list:
+    """The targets in order on even rounds, reversed on odd ones."""
+    items = list(targets.items())
+    return items if r % 2 == 0 else items[::-1]
+
+
+def paired(fleetd: list[float], stock: list[float]) -> tuple[float, float, float]:
+    """fleetd / stock per round: (median, min, max)."""
+    ratios = [f / s for f, s in zip(fleetd, stock, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def fmt_size(n: int) -> str:
@@ -128,7 +152,7 @@ def fmt_size(n: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-mib", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (median taken)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per size (median taken)")
     p.add_argument("--latency-calls", type=int, default=2000)
     p.add_argument("--json", help="where to write the JSON (default benchmarks/results/transfer.json)")
     args = p.parse_args(argv)
@@ -143,18 +167,22 @@ def main(argv=None) -> int:
             s = statistics.median(raw[kind]["stock"][size])
             f = statistics.median(raw[kind]["fleetd"][size])
             n = statistics.median(raw[kind]["fleetd-nocount"][size])
+            ratio, low, high = paired(raw[kind]["fleetd"][size], raw[kind]["stock"][size])
             rec[kind] = {
                 "stock_bps": s,
                 "fleetd_bps": f,
                 "fleetd_nocount_bps": n,
-                "ratio": f / s,
+                "ratio": ratio,
+                "ratio_min": low,
+                "ratio_max": high,
                 "count_cost": f / n,
             }
-            row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", f"{f / s:.2f}", f"{f / n:.2f}"]
+            spread = f"{ratio:.2f} ({low:.2f}..{high:.2f})"
+            row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", spread, f"{f / n:.2f}"]
         rows.append(row)
         records.append(rec)
     show(
-        "SET_TENSOR / GET_TENSOR throughput on loopback (MiB/s, median)",
+        "SET_TENSOR / GET_TENSOR on loopback (MiB/s, median; ratio: paired per round, median (min..max))",
         [
             "payload",
             "SET stock",
@@ -167,6 +195,25 @@ def main(argv=None) -> int:
             "GET count cost",
         ],
         rows,
+    )
+    cpu_rows = []
+    for size in sizes(args.max_mib * MIB):
+        row = [fmt_size(size)]
+        for rec in records:
+            if rec["size"] == size:
+                break
+        for kind in ("set", "get"):
+            st, fl = raw["cpu_" + kind]["stock"][size], raw["cpu_" + kind]["fleetd"][size]
+            ratio, low, high = paired(fl, st)  # lower is better: fleetd's CPU over stock's
+            us = {"stock": statistics.median(st) * 1e6, "fleetd": statistics.median(fl) * 1e6}
+            rec[kind].update(cpu_us=us, cpu_ratio=ratio, cpu_ratio_min=low, cpu_ratio_max=high)
+            row += [f"{us['stock']:.1f}", f"{us['fleetd']:.1f}"]
+            row += [f"{ratio:.2f} ({low:.2f}..{high:.2f})"]
+        cpu_rows.append(row)
+    show(
+        "The server's CPU per request (µs, all its threads; ratio fleetd / stock, lower is better)",
+        ["payload", "SET stock", "SET fleetd", "SET ratio", "GET stock", "GET fleetd", "GET ratio"],
+        cpu_rows,
     )
     ls = statistics.median(raw["latency"]["stock"])
     lf = statistics.median(raw["latency"]["fleetd"])

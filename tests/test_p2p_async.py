@@ -210,6 +210,20 @@ def test_a_gate_lets_the_commands_sent_behind_it_run_on_the_copied_bytes(pair):
     assert p.dst_srv.state.peer_stats.as_dict()["gates_failed"] == 0
 
 
+def test_a_round_trip_sent_behind_a_gate_is_answered_after_the_gate(pair):
+    """sync_begin/sync_end (benchmarks/p2p.py --boundary): the round trip goes out behind the
+    gate, before its answer is read, and its reply comes after the gate's, the copy landed."""
+    p = pair()
+    a = values(2)
+    seq = p.copy(a)
+    p.cd.peer_gate(p.stream, seq)
+    p.cd.sync_begin()
+    assert p.cd.gate_result() is True
+    p.cd.sync_end()
+    assert p.cd.get_tensor(p.td) == a
+    assert p.cd.counters.response_bytes[Cmd.GET_ALIGNMENT] > 0  # its reply was counted
+
+
 @pytest.mark.parametrize("case", ["nothing_came", "src_p2p_off"])
 def test_a_failed_gate_skips_what_follows_until_resume(pair, case):
     """A gate of 0: the commands behind it are skipped (a streamed SET_TENSOR's data too), so

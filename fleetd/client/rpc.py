@@ -237,3 +237,13 @@ class RpcClient:
     def sync(self) -> None:
         """Wait until every pipelined command so far has been executed (a cheap round trip)."""
         self.get_alignment(0)
+
+    def sync_begin(self) -> None:
+        """sync() in two halves, for a round trip sent behind commands whose answers are read
+        first (PEER_GATE's, as the client half sends its next graph right behind a gate): the
+        request now, its reply with sync_end()."""
+        self._send(GetAlignment(0))
+
+    def sync_end(self) -> None:
+        self.channel.reply("GET_ALIGNMENT response")
+        self.counters.received(GetAlignment.cmd, self.channel.conn.response_bytes)
