@@ -1,0 +1,198 @@
+"""Where a decode token's time goes on each node: tok/s and the CPU each node's processes spend
+per generated token, a fleet of stock `ggml-rpc-server` against fleetd on the hub path and on
+the asynchronous direct path, in the lab (issue 20: "decode on the hub path >= a stock fleet").
+
+    .venv/bin/python benchmarks/lab_cpu.py --nodes 3 --coordinator-link 1gbit --rounds 3 --pin-nodes
+
+Per cell: the patched llama-bench `-p 0 -n N -r 3` (decode only) over the arm's fleet, then
+the same with `-n 32`, and each node's CPU time over each from /proc (utime + stime of every
+process of the node's tree, and of its children that ended: fleetd's daemon, fork server and
+compute workers, or the stock server). CPU per token is the difference of the two runs over
+the difference of their tokens (llama-bench's warm-up run included), so the load each run
+starts with (every weight sent again, the first graphs) cancels out. Rounds run the
+arms in order and then reversed (ABBA); the table gives medians and min..max. Needs root.
+About 1 min per round on 3 nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save, show, stop_processes  # noqa: E402
+from lab_arms import STOCK_PORT, start_stock  # noqa: E402
+
+from fleetd.errors import FleetError  # noqa: E402
+from fleetd.fleet.lab import Lab, parse_rate  # noqa: E402
+from fleetd.fleet.model_ab import parse_bench_json, run_p2p_tool  # noqa: E402
+from fleetd.models import generate_named  # noqa: E402
+from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
+
+ARMS = ("stock", "hub", "async")
+P2P_ENV = {"stock": "0", "hub": "0", "async": "1"}
+BENCH_RUNS = 4  # llama-bench -r 3 and its warm-up run
+SHORT_GEN = 32  # the run whose CPU is taken off: a run's fixed costs
+TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
+TOOL_TIMEOUT_S = 600
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def tree_cpu_ns(root: int) -> float:
+    """CPU time of `root`'s tree so far: each process's utime + stime (every thread, ended
+    ones too) + cutime + cstime (its children that ended and were waited for)."""
+    total = 0.0
+    for pid in process_tree(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) * TICK_NS
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def steal_ns() -> float:
+    """CPU time the hypervisor gave other guests instead of this machine so far (/proc/stat's
+    steal): a round with much of it ran on a host busy elsewhere."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) * TICK_NS
+
+
+def bench_cpu(model: Path, rpc: str, arm: str, roots: list[int], n_gen: int) -> tuple[float, list[float]]:
+    """One llama-bench decode run: (its tg tok/s, each node's CPU ns over the whole run)."""
+    args = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
+    args += ["-p", "0", "-n", str(n_gen), "-r", str(BENCH_RUNS - 1), "-o", "json"]
+    before = [tree_cpu_ns(r) for r in roots]
+    out = run_p2p_tool("llama-bench", args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
+    after = [tree_cpu_ns(r) for r in roots]
+    used = [a - b for a, b in zip(after, before, strict=True)]
+    return parse_bench_json(out.stdout, ("tg_tps",))["tg_tps"], used
+
+
+def cell(model: Path, rpc: str, arm: str, roots: list[int], n_gen: int) -> dict:
+    """tok/s of a tg`n_gen` run, and the CPU per token: the difference between it and a
+    tg`SHORT_GEN` run over the tokens between them, so that what a run costs once (the load:
+    every weight's SET_TENSOR, the context, the first graphs) cancels out."""
+    stolen = steal_ns()
+    tg, long_ns = bench_cpu(model, rpc, arm, roots, n_gen)
+    _, short_ns = bench_cpu(model, rpc, arm, roots, SHORT_GEN)
+    tokens = (n_gen - SHORT_GEN) * BENCH_RUNS
+    per_node = [(a - b) / tokens / 1e3 for a, b in zip(long_ns, short_ns, strict=True)]
+    steal_ms = (steal_ns() - stolen) / 1e6
+    return {"arm": arm, "tg_tps": tg, "cpu_us_per_token": per_node, "steal_ms": steal_ms}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}..{max(values):.0f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--coordinator-link", default="1gbit")
+    ap.add_argument("--peer-link", default="2gbit")
+    ap.add_argument("--model", default="llama-f16-wide", help="a fleetd.models name (default llama-f16-wide)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n-gen", type=int, default=256, help="tokens per llama-bench run (default 256)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--pin-nodes", action="store_true", help="node j on core j mod the cores (lab_arms.py's)")
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_cpu.json)")
+    a = ap.parse_args()
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    if not arms or any(x not in ARMS for x in arms):
+        ap.error(f"--arms: choose from {', '.join(ARMS)}")
+    if not 1 <= a.rounds <= 20 or not SHORT_GEN * 2 <= a.n_gen <= 4096:
+        ap.error(f"--rounds must be in 1..20 and --n-gen in {SHORT_GEN * 2}..4096")
+    try:
+        coord, peer = parse_rate(a.coordinator_link), parse_rate(a.peer_link)
+    except ValueError as exc:
+        ap.error(str(exc))
+    work = Path(tempfile.mkdtemp(prefix="lab-cpu-"))
+    model = generate_named(a.model, work)
+    lab = Lab(work / "lab")
+    stock = []
+    cores = sorted(os.sched_getaffinity(0))
+    node_cpus = [[cores[j % len(cores)]] for j in range(a.nodes)] if a.pin_nodes else None
+    try:
+        lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
+        stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
+        fleetd_rpc = ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes)
+        rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
+        rpc["async"] = fleetd_rpc
+        roots = {"stock": [p.pid for p in stock], "hub": lab.state["pids"], "async": lab.state["pids"]}
+        rounds = []
+        for r in range(a.rounds):
+            done = []
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
+                done.append(cell(model, rpc[arm], arm, roots[arm], a.n_gen))
+            rounds.append(done)
+    except FleetError as exc:
+        print(f"lab_cpu: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_processes(stock)
+        lab.down()
+
+    cells = {arm: [c for rd in rounds for c in rd if c["arm"] == arm] for arm in arms}
+    summary = {}
+    for arm, cs in cells.items():
+        totals = [sum(c["cpu_us_per_token"]) for c in cs]
+        summary[arm] = {
+            "tg_tps": [c["tg_tps"] for c in cs],
+            "cpu_us_per_token": totals,
+            "cpu_us_per_token_by_node": [
+                statistics.median(c["cpu_us_per_token"][j] for c in cs) for j in range(a.nodes)
+            ],
+        }
+    ref = summary.get("stock")
+    rows = []
+    for arm, s in summary.items():
+        vs = "-"
+        if ref and arm != "stock":
+            tg = statistics.median(s["tg_tps"]) / statistics.median(ref["tg_tps"])
+            cpu = statistics.median(s["cpu_us_per_token"]) / statistics.median(ref["cpu_us_per_token"])
+            vs = f"{tg:.2f} / {cpu:.2f}"
+        by_node = ", ".join(f"{x:.0f}" for x in s["cpu_us_per_token_by_node"])
+        steal = spread([c["steal_ms"] for c in cells[arm]])
+        rows.append([arm, spread(s["tg_tps"]), spread(s["cpu_us_per_token"]), by_node, vs, steal])
+    pinned = ", each on one core" if a.pin_nodes else ""
+    show(
+        f"{a.nodes} nodes{pinned}, coordinator links {a.coordinator_link}, {model.name}, decode "
+        f"tg{a.n_gen}, {a.rounds} rounds (ABBA)",
+        ["arm", "tok/s", "server CPU µs/token", "per node (median)", "x stock: tok/s / CPU", "steal ms"],
+        rows,
+    )
+    doc = {
+        "settings": {k: v for k, v in vars(a).items() if k != "out"},
+        "model": model.name,
+        "summary": summary,
+        "rounds": rounds,
+    }
+    print(f"wrote {save('lab_cpu', doc, a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
