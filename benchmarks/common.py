@@ -72,6 +72,13 @@ def server_with_pid(kind: str, threads: int = 1, extra: list[str] | None = None)
         yield endpoint, proc.pid
 
 
+def steal_ns() -> float:
+    """CPU time the hypervisor gave other guests instead of this machine so far (/proc/stat's
+    steal): a cell with much of it ran on a host busy elsewhere."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) * 1e9 / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_ns(pid: int) -> int:
     """CPU time of every thread of `pid` so far, in ns (schedstat: exact, where /proc's stat
     counts in 10 ms ticks; threads that ended are not in it)."""

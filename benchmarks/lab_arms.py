@@ -12,8 +12,10 @@ pipeline parallelism has several in flight) and tg; llama-batched-bench with --s
 sequences; llama-completion --temp 0: the md5 of the greedy text, which must be equal in every
 cell. Rounds run the arms in order and then reversed (ABBA); the table gives medians and
 min..max over rounds, ratios against the stock fleet and the hub. Peak RSS (VmHWM) of every
-server process is read at the end. Writes benchmarks/results/lab_arms.json. Needs root.
-Takes about 3 minutes per round with the defaults on 2 cores.
+server process is read at the end, and the hypervisor's steal time per cell (/proc/stat): a
+cell with seconds of it ran while the host was busy elsewhere. Writes
+benchmarks/results/lab_arms.json. Needs root. Takes about 3 minutes per round with the defaults
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show, stop_processes  # noqa: E402
+from common import save, show, steal_ns, stop_processes  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.chart import write_bar_chart  # noqa: E402
@@ -110,6 +112,13 @@ def run(tool: str, args: list[str], arm: str) -> subprocess.CompletedProcess:
 
 
 def cell(model: Path, rpc: str, arm: str, a) -> dict:
+    stolen = steal_ns()
+    out = tools_cell(model, rpc, arm, a)
+    out["steal_ms"] = (steal_ns() - stolen) / 1e6  # the host's: a cell with seconds of it is noise
+    return out
+
+
+def tools_cell(model: Path, rpc: str, arm: str, a) -> dict:
     base = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
     bench = run(
         "llama-bench",
@@ -272,6 +281,11 @@ def main() -> int:
         rows,
     )
     print(f"greedy text md5 equal in every cell: {len(md5s) == 1} ({', '.join(sorted(md5s))})")
+    steal = sorted((c["steal_ms"], rd["round"], c["arm"]) for rd in rounds for c in rd["cells"])
+    print(
+        f"host steal per cell: median {statistics.median(x for x, _, _ in steal):.0f} ms, "
+        f"most {steal[-1][0]:.0f} ms (round {steal[-1][1]}, {steal[-1][2]})"
+    )
     pp = {c["pipeline_parallel"] for rd in rounds for c in rd["cells"]}
     print(f"llama.cpp logged 'pipeline parallelism enabled': {sorted(pp)}")
     print(f"peak RSS MiB per node: stock {rss['stock']}, fleetd daemon {rss['fleetd']}")

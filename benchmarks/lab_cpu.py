@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show, stop_processes  # noqa: E402
+from common import save, show, steal_ns, stop_processes  # noqa: E402
 from lab_arms import STOCK_PORT, start_stock  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
@@ -70,13 +70,6 @@ def tree_cpu_ns(root: int) -> float:
         except (OSError, IndexError, ValueError):
             pass
     return total
-
-
-def steal_ns() -> float:
-    """CPU time the hypervisor gave other guests instead of this machine so far (/proc/stat's
-    steal): a round with much of it ran on a host busy elsewhere."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    return int(fields[8]) * TICK_NS
 
 
 def bench_cpu(model: Path, rpc: str, arm: str, roots: list[int], n_gen: int) -> tuple[float, list[float]]:
