@@ -245,5 +245,6 @@ class RpcClient:
         self._send(GetAlignment(0))
 
     def sync_end(self) -> None:
+        """Read sync_begin's reply (after every earlier answer was read)."""
         self.channel.reply("GET_ALIGNMENT response")
         self.counters.received(GetAlignment.cmd, self.channel.conn.response_bytes)
