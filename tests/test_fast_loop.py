@@ -122,6 +122,26 @@ def test_decode_steps_are_served_in_c_and_counted(server):
     d.client.close()
 
 
+def test_get_alignment_is_answered_in_c_and_counted_and_a_bad_device_closes(server):
+    """GET_ALIGNMENT (a client's sync) is answered by the loop with the device's own value,
+    counted as Python counts it; a device out of range is Python's, which closes only that
+    connection."""
+    c = RpcClient(endpoint(server)).open()
+    s = session_of(server, c)
+    before = s.fast.requests_served
+    answers = {c.get_alignment(0) for _ in range(50)}
+    assert answers == {server.state.devices[0].alignment}
+    assert s.fast.requests_served - before == 50  # C's, not the interpreter's
+    assert wait_until(lambda: s.counters_now().count[Cmd.GET_ALIGNMENT] == 50)
+    assert s.counters_now().request_bytes[Cmd.GET_ALIGNMENT] == 50 * 13
+    assert s.counters_now().response_bytes[Cmd.GET_ALIGNMENT] == 50 * 16
+    c.send_raw(bytes([Cmd.GET_ALIGNMENT]) + (4).to_bytes(8, "little") + (7).to_bytes(4, "little"))
+    assert connection_closed(c.sock, 30)
+    other = RpcClient(endpoint(server)).open()  # the daemon carries on
+    assert other.get_alignment(0) == server.state.devices[0].alignment
+    other.close()
+
+
 def test_after_an_idle_wait_a_stream_of_gets_goes_back_to_the_loop(server, monkeypatch):
     """The loop gives the connection to Python after LOOP_WAIT_MS without a byte; the request
     that ends the wait is Python's to read, and the ones after it are the loop's again, also

@@ -308,6 +308,8 @@ def test_an_out_of_bounds_get_still_closes_only_its_session(daemon):
                 ctypes.sizeof(native.FastBody),
                 native.FastContext.peer.offset,
                 ctypes.sizeof(native.FastPeer),
+                native.FastContext.align.offset,
+                native.FastContext.n_align.offset,
             ],
         ),
         (

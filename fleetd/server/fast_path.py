@@ -43,6 +43,8 @@ _SERVED_SIZE = ctypes.sizeof(native.FastServed)
 RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
 GATE_BYTES = 9 + 16  # a PEER_GATE request: header, stream, seq
 ANSWER_BYTES = 8 + 1  # PEER_GATE's and PEER_PUSH's answer: size, one byte
+ALIGNMENT_BYTES = 9 + 4  # a GET_ALIGNMENT request: header and device
+ALIGNMENT_REPLY_BYTES = 8 + 8  # its answer: size, the alignment
 # Between requests, how long C waits for a byte before the session's own recv (and its idle
 # timeout) takes over, letting go of the worker's lock; and how long C serves without a break
 # (the counters are live meanwhile: this bounds how long the worker stays locked to it).
@@ -91,6 +93,14 @@ class FastPath:
     @property
     def available(self) -> bool:
         return self._fn is not None
+
+    def set_alignments(self, alignments: list[int]) -> None:
+        """Each device's GET_ALIGNMENT answer, for C to give (a device beyond FAST_DEVICES, or
+        out of range, stays Python's, which closes the connection as before)."""
+        n = min(len(alignments), native.FAST_DEVICES)
+        for i in range(n):
+            self._ctx.align[i] = alignments[i]
+        self._ctx.n_align = n
 
     def set_buffers(self, buffers: list[Buffer]) -> None:
         """The session's own buffers with bytes in host memory, as they are now."""
@@ -242,7 +252,8 @@ class FastPath:
     def requests_served(self) -> int:
         """Requests C served since the session began (tests, diagnostics)."""
         s = self._ctx.served
-        return s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count + s.copy_count
+        served = s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count + s.copy_count
+        return served + s.align_count
 
     def _pending(self) -> dict[str, int]:
         """What C served that the counters do not hold yet, per FastServed field (under `lock`)."""
@@ -282,6 +293,10 @@ class FastPath:
         c.response_bytes[Cmd.PEER_PUSH] += pushes * ANSWER_BYTES
         c.count[Cmd.COPY_TENSOR_TO_ASYNC] += d["copy_count"]
         c.request_bytes[Cmd.COPY_TENSOR_TO_ASYNC] += d["copy_bytes"]
+        aligns = d["align_count"]
+        c.count[Cmd.GET_ALIGNMENT] += aligns
+        c.request_bytes[Cmd.GET_ALIGNMENT] += aligns * ALIGNMENT_BYTES
+        c.response_bytes[Cmd.GET_ALIGNMENT] += aligns * ALIGNMENT_REPLY_BYTES
 
     def _fold(self) -> None:
         """Fold what C served into the counters and the buffers' write generations (the

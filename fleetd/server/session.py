@@ -152,6 +152,7 @@ class Session:
         self.fast = FastPath(sock, self.counters, state.config.count_commands)
         self.fast.set_request_rules(self.limits.request_timeout, self.limits.min_request_rate)
         self.fast.set_peer(state.peer_streams.handle, self.id, state.p2p_cell, state.registry.frees_cell)
+        self.fast.set_alignments([d.alignment for d in state.devices])
         self._scratch = bytearray(RECV_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         # where C's fast loop reads into (the same bytes; the export keeps the array in place)

@@ -195,6 +195,7 @@ class FastServed(ctypes.Structure):
         ("push_bytes", ctypes.c_uint64),
         ("copy_count", ctypes.c_uint64),
         ("copy_bytes", ctypes.c_uint64),
+        ("align_count", ctypes.c_uint64),
     ]
 
 
@@ -283,6 +284,9 @@ class FastPeer(ctypes.Structure):
     ]
 
 
+FAST_DEVICES = 8  # fastpath.c's: devices whose GET_ALIGNMENT C answers
+
+
 class FastContext(ctypes.Structure):
     """fastpath.c's `struct fleetd_fast`: one session's fast path, set up once."""
 
@@ -299,6 +303,8 @@ class FastContext(ctypes.Structure):
         ("rc", FastRecompute),
         ("body", FastBody),
         ("peer", FastPeer),
+        ("align", ctypes.c_uint64 * FAST_DEVICES),
+        ("n_align", ctypes.c_int32),
     ]
 
 

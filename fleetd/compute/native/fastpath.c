@@ -23,6 +23,7 @@
 
 #include "peer_stage.h"
 
+#define CMD_GET_ALIGNMENT 1
 #define CMD_SET_TENSOR 6
 #define CMD_GET_TENSOR 8
 #define CMD_GRAPH_RECOMPUTE 16
@@ -30,6 +31,7 @@
 #define CMD_PEER_PUSH 0x44
 #define CMD_PEER_GATE 0x47
 #define HEADER 9          /* | cmd u8 | payload_size u64 | */
+#define FAST_DEVICES 8    /* GET_ALIGNMENT answered in C for up to this many devices */
 #define TENSOR 296        /* rpc_tensor */
 #define SET_FIXED 305     /* tensor, cache_flag u8, offset u64 */
 #define GET_PAYLOAD 312   /* tensor, offset u64, size u64 */
@@ -61,6 +63,7 @@ struct fleetd_served {   /* what C served, for the session's counters: they only
     uint64_t gate_count;                      /* PEER_GATEs answered 1 */
     uint64_t push_count, push_bytes;          /* PEER_PUSHes staged, request bytes */
     uint64_t copy_count, copy_bytes;          /* COPY_TENSOR_TO_ASYNCs pushed, request bytes */
+    uint64_t align_count;                     /* GET_ALIGNMENTs answered */
 };
 
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -190,6 +193,8 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     struct fleetd_recompute rc;
     struct fleetd_body body;
     struct fleetd_peer peer;
+    uint64_t align[FAST_DEVICES];  /* GET_ALIGNMENT's answer per device (a constant of it) */
+    int32_t n_align;         /* devices in align[]; 0: every GET_ALIGNMENT is Python's */
 };
 
 /* Where a SET_TENSOR's data goes (its fixed part at `t`, `payload` bytes in all, at least
@@ -511,6 +516,18 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 have -= used;
                 continue;
             }
+            if (buf[0] == CMD_GET_ALIGNMENT && payload == 4) {
+                /* a client's cheapest round trip (a sync): the device's constant, no interpreter */
+                if (have < HEADER + 4) goto more;
+                uint32_t device = u32_at(buf + HEADER);
+                if (device >= (uint32_t)f->n_align) { answer = LOOP_PYTHON; break; }
+                int rc = send_reply(f->fd, 8, (const uint8_t *)&f->align[device]);
+                if (rc != 0) { f->error = rc; answer = LOOP_ERROR; break; }
+                f->served.align_count += 1;
+                memmove(buf, buf + HEADER + 4, have - HEADER - 4);
+                have -= HEADER + 4;
+                continue;
+            }
             /* a whole request fleetd_fast_requests left, another command, or one too large */
             if ((buf[0] != CMD_SET_TENSOR && buf[0] != CMD_GET_TENSOR) || payload > cap - HEADER ||
                 HEADER + payload <= have) {
@@ -555,6 +572,8 @@ size_t fleetd_fast_layout(int which) {
     case 9: return sizeof(struct fleetd_body);
     case 10: return offsetof(struct fleetd_fast, peer);
     case 11: return sizeof(struct fleetd_peer);
+    case 12: return offsetof(struct fleetd_fast, align);
+    case 13: return offsetof(struct fleetd_fast, n_align);
     default: return 0;
     }
 }
