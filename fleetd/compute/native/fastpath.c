@@ -521,9 +521,9 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 if (have < HEADER + 4) goto more;
                 uint32_t device = u32_at(buf + HEADER);
                 if (device >= (uint32_t)f->n_align) { answer = LOOP_PYTHON; break; }
+                f->served.align_count += 1;  /* before the reply, as a GET: a reader sees every answer */
                 int rc = send_reply(f->fd, 8, (const uint8_t *)&f->align[device]);
                 if (rc != 0) { f->error = rc; answer = LOOP_ERROR; break; }
-                f->served.align_count += 1;
                 memmove(buf, buf + HEADER + 4, have - HEADER - 4);
                 have -= HEADER + 4;
                 continue;
