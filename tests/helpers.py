@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -90,6 +91,23 @@ def connection_closed(sock: socket.socket, timeout: float = 10.0) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def whole_text(stdout: bytes, _stderr: bytes) -> bool:
+    """A llama-completion run printed all of its text: it ends with its blank line."""
+    return stdout.endswith(b"\n\n")
+
+
+def run_client(args: list[str], finished=whole_text, timeout: float = 600, env=None):
+    """A llama.cpp tool run to the end (its CompletedProcess, bytes). It prints through an
+    asynchronous log thread that can lose the tail at exit on a busy machine: rerun (at most
+    twice) until `finished(stdout, stderr)`."""
+    for _ in range(3):
+        proc = subprocess.run(args, capture_output=True, timeout=timeout, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+        if finished(proc.stdout, proc.stderr):
+            break
+    return proc
 
 
 # -- the protocol oracle: the wire as the protocol document lays it out -------------------------

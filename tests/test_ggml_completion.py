@@ -4,11 +4,10 @@ and off."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PROMPT, TEST_ARCHS, TEST_TYPES, endpoint, needs_tool
+from helpers import PROMPT, TEST_ARCHS, TEST_TYPES, endpoint, needs_tool, run_client
 
 from fleetd.tools import find_tool
 
@@ -43,12 +42,7 @@ def complete(model: Path, server: str, fa: str) -> bytes:
         "--seed",
         "1",
     ]
-    for _ in range(3):  # its asynchronous log thread can lose the tail on a busy machine
-        proc = subprocess.run(args, capture_output=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
-        if proc.stdout.endswith(b"\n\n"):
-            break
-    return proc.stdout
+    return run_client(args).stdout
 
 
 @needs_tool("llama-completion", "ggml-rpc-server")

@@ -10,11 +10,10 @@ and off, must print the same text through fleetd as through the stock ggml-rpc-s
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import PROMPT, TEST_ARCHS, TEST_TYPES, endpoint, needs_tool
+from helpers import PROMPT, TEST_ARCHS, TEST_TYPES, endpoint, needs_tool, run_client
 
 from fleetd.tools import tools_dir
 
@@ -29,18 +28,6 @@ TEXT = " ".join(["the first time was one of the new ones and they had all been t
 def servers(stock_server, fleetd_server):
     """(stock endpoint, fleetd endpoint)."""
     return stock_server(), endpoint(fleetd_server())
-
-
-def run_client(args: list[str], finished) -> tuple[bytes, bytes]:
-    """(stdout, stderr) of a llama.cpp tool. It prints through an asynchronous log thread that
-    can lose the tail at exit on a busy machine: rerun (at most twice) until
-    `finished(stdout, stderr)`."""
-    for _ in range(3):
-        proc = subprocess.run(args, capture_output=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
-        if finished(proc.stdout, proc.stderr):
-            break
-    return proc.stdout, proc.stderr
 
 
 def complete(model: Path, server: str, fa: str, *extra: str) -> bytes:
@@ -67,9 +54,7 @@ def complete(model: Path, server: str, fa: str, *extra: str) -> bytes:
         "1",
         *extra,
     ]
-    # A complete run ends with its blank line.
-    stdout, _ = run_client(args, lambda out, err: out.endswith(b"\n\n"))
-    return stdout
+    return run_client(args).stdout
 
 
 @pytest.mark.parametrize("type_name", TEST_TYPES)
@@ -113,7 +98,8 @@ def perplexity(model: Path, server: str, text_file: Path) -> float:
         "1",
     ]
     final = re.compile(rb"Final estimate: PPL = ([0-9.]+)")
-    out, err = run_client(args, lambda out, err: final.search(out + err))
+    proc = run_client(args, lambda out, err: final.search(out + err))
+    out, err = proc.stdout, proc.stderr
     m = final.search(out + err)
     assert m, (out + err)[-2000:].decode(errors="replace")
     return float(m.group(1))

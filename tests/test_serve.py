@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import needs_tool
+from helpers import needs_tool, run_client
 
 from fleetd.fleet.local import LocalFleet
 from fleetd.fleet.plan import Workload, read_model, split_plan
@@ -95,12 +95,7 @@ def llama_completion(model: Path, doc: dict) -> str:
     cmd = [str(find_p2p_tool("llama-completion")), "-m", str(model), *args]
     cmd += ["-p", PROMPT, "-n", str(N_PREDICT), "--temp", "0", "--seed", "1", "-t", "1", "-no-cnv"]
     cmd += ["--ignore-eos"]
-    for _ in range(3):  # its asynchronous log thread can lose the text's tail at exit on a busy host
-        proc = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
-        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
-        if proc.stdout.endswith(b"\n\n"):  # a whole run ends with its blank line
-            break
-    text = proc.stdout.decode(errors="replace")
+    text = run_client(cmd, timeout=120).stdout.decode(errors="replace")
     assert PROMPT in text
     return text.split(PROMPT, 1)[1].rstrip("\n")
 
