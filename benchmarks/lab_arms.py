@@ -107,6 +107,29 @@ def start_stock(
     return procs
 
 
+def parse_arms(ap: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
+    """--arms as a list, or a usage error naming what is unknown."""
+    arms = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in arms if x not in known]
+    if bad or not arms:
+        ap.error(f"--arms: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")
+    return arms
+
+
+def parse_links(ap: argparse.ArgumentParser, a) -> tuple[int, int]:
+    """(coordinator, peer) link rates in bit/s from --coordinator-link and --peer-link."""
+    try:
+        return parse_rate(a.coordinator_link), parse_rate(a.peer_link)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def one_core_each(nodes: int) -> list[list[int]]:
+    """Node j's cores for --pin-nodes: core j mod this machine's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [[cores[j % len(cores)]] for j in range(nodes)]
+
+
 def run(tool: str, args: list[str], arm: str) -> subprocess.CompletedProcess:
     return run_p2p_tool(tool, args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
 
@@ -200,21 +223,14 @@ def main() -> int:
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
     a = ap.parse_args()
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x not in ARMS]
-    if bad or not arms:
-        ap.error(f"--arms: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(ARMS)}")
-    try:
-        coord, peer = parse_rate(a.coordinator_link), parse_rate(a.peer_link)
-    except ValueError as exc:
-        ap.error(str(exc))
+    arms = parse_arms(ap, a.arms, ARMS)
+    coord, peer = parse_links(ap, a)
     work = Path(tempfile.mkdtemp(prefix="lab-arms-"))
     model = generate_named(a.model, work)
     lab = Lab(work / "lab")
     stock: list[subprocess.Popen] = []
     try:
-        cores = sorted(os.sched_getaffinity(0))
-        node_cpus = [[cores[j % len(cores)]] for j in range(a.nodes)] if a.pin_nodes else None
+        node_cpus = one_core_each(a.nodes) if a.pin_nodes else None
         lab_nodes = lab.up(
             a.nodes,
             coord,

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, steal_ns, stop_processes  # noqa: E402
-from lab_arms import STOCK_PORT, start_stock  # noqa: E402
+from lab_arms import STOCK_PORT, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
-from fleetd.fleet.lab import Lab, parse_rate  # noqa: E402
+from fleetd.fleet.lab import Lab  # noqa: E402
 from fleetd.fleet.model_ab import parse_bench_json, run_p2p_tool  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
 from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
@@ -112,21 +112,15 @@ def main() -> int:
     ap.add_argument("--pin-nodes", action="store_true", help="node j on core j mod the cores (lab_arms.py's)")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_cpu.json)")
     a = ap.parse_args()
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    if not arms or any(x not in ARMS for x in arms):
-        ap.error(f"--arms: choose from {', '.join(ARMS)}")
+    arms = parse_arms(ap, a.arms, ARMS)
     if not 1 <= a.rounds <= 20 or not SHORT_GEN * 2 <= a.n_gen <= 4096:
         ap.error(f"--rounds must be in 1..20 and --n-gen in {SHORT_GEN * 2}..4096")
-    try:
-        coord, peer = parse_rate(a.coordinator_link), parse_rate(a.peer_link)
-    except ValueError as exc:
-        ap.error(str(exc))
+    coord, peer = parse_links(ap, a)
     work = Path(tempfile.mkdtemp(prefix="lab-cpu-"))
     model = generate_named(a.model, work)
     lab = Lab(work / "lab")
     stock = []
-    cores = sorted(os.sched_getaffinity(0))
-    node_cpus = [[cores[j % len(cores)]] for j in range(a.nodes)] if a.pin_nodes else None
+    node_cpus = one_core_each(a.nodes) if a.pin_nodes else None
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)

@@ -64,27 +64,27 @@ class Target:
             data=self.base,
         )
 
-    def set_throughput(self, size: int, data: np.ndarray) -> float:
-        t = self.tensor(size)
+    def _throughput(self, size: int, request, then=lambda: None) -> float:
+        """Bytes a second over reps_for(size) requests (`then` ends the timed part), the
+        server's CPU per request into cpu_per_op."""
         n = reps_for(size)
-        self.client.sync()
         c0, t0 = cpu_ns(self.pid), time.perf_counter()
         for _ in range(n):
-            self.client.set_tensor(t, data)
-        self.client.sync()  # SET_TENSOR has no response: the next round trip proves it landed
+            request()
+        then()
         seconds = time.perf_counter() - t0
         self.cpu_per_op = (cpu_ns(self.pid) - c0) / 1e9 / n
         return n * size / seconds
 
+    def set_throughput(self, size: int, data: np.ndarray) -> float:
+        t = self.tensor(size)
+        self.client.sync()
+        # SET_TENSOR has no response: the round trip after them proves they landed
+        return self._throughput(size, lambda: self.client.set_tensor(t, data), self.client.sync)
+
     def get_throughput(self, size: int, out: np.ndarray) -> float:
         t = self.tensor(size)
-        n = reps_for(size)
-        c0, t0 = cpu_ns(self.pid), time.perf_counter()
-        for _ in range(n):
-            self.client.get_tensor(t, 0, size, out=out)
-        seconds = time.perf_counter() - t0
-        self.cpu_per_op = (cpu_ns(self.pid) - c0) / 1e9 / n
-        return n * size / seconds
+        return self._throughput(size, lambda: self.client.get_tensor(t, 0, size, out=out))
 
     def latency(self, n: int) -> float:
         samples = []
@@ -159,15 +159,18 @@ def main(argv=None) -> int:
 
     pin_client()
     raw = run(args.max_mib * MIB, args.rounds, args.latency_calls)
-    rows, records = [], []
+    rows, cpu_rows, records = [], [], []
     for size in sizes(args.max_mib * MIB):
         rec = {"size": size}
-        row = [fmt_size(size)]
+        row, cpu_row = [fmt_size(size)], [fmt_size(size)]
         for kind in ("set", "get"):
             s = statistics.median(raw[kind]["stock"][size])
             f = statistics.median(raw[kind]["fleetd"][size])
             n = statistics.median(raw[kind]["fleetd-nocount"][size])
             ratio, low, high = paired(raw[kind]["fleetd"][size], raw[kind]["stock"][size])
+            st, fl = raw["cpu_" + kind]["stock"][size], raw["cpu_" + kind]["fleetd"][size]
+            cpu, cpu_low, cpu_high = paired(fl, st)  # lower is better: fleetd's CPU over stock's
+            us = {"stock": statistics.median(st) * 1e6, "fleetd": statistics.median(fl) * 1e6}
             rec[kind] = {
                 "stock_bps": s,
                 "fleetd_bps": f,
@@ -176,10 +179,20 @@ def main(argv=None) -> int:
                 "ratio_min": low,
                 "ratio_max": high,
                 "count_cost": f / n,
+                "cpu_us": us,
+                "cpu_ratio": cpu,
+                "cpu_ratio_min": cpu_low,
+                "cpu_ratio_max": cpu_high,
             }
             spread = f"{ratio:.2f} ({low:.2f}..{high:.2f})"
             row += [f"{s / MIB:.0f}", f"{f / MIB:.0f}", spread, f"{f / n:.2f}"]
+            cpu_row += [
+                f"{us['stock']:.1f}",
+                f"{us['fleetd']:.1f}",
+                f"{cpu:.2f} ({cpu_low:.2f}..{cpu_high:.2f})",
+            ]
         rows.append(row)
+        cpu_rows.append(cpu_row)
         records.append(rec)
     show(
         "SET_TENSOR / GET_TENSOR on loopback (MiB/s, median; ratio: paired per round, median (min..max))",
@@ -196,20 +209,6 @@ def main(argv=None) -> int:
         ],
         rows,
     )
-    cpu_rows = []
-    for size in sizes(args.max_mib * MIB):
-        row = [fmt_size(size)]
-        for rec in records:
-            if rec["size"] == size:
-                break
-        for kind in ("set", "get"):
-            st, fl = raw["cpu_" + kind]["stock"][size], raw["cpu_" + kind]["fleetd"][size]
-            ratio, low, high = paired(fl, st)  # lower is better: fleetd's CPU over stock's
-            us = {"stock": statistics.median(st) * 1e6, "fleetd": statistics.median(fl) * 1e6}
-            rec[kind].update(cpu_us=us, cpu_ratio=ratio, cpu_ratio_min=low, cpu_ratio_max=high)
-            row += [f"{us['stock']:.1f}", f"{us['fleetd']:.1f}"]
-            row += [f"{ratio:.2f} ({low:.2f}..{high:.2f})"]
-        cpu_rows.append(row)
     show(
         "The server's CPU per request (µs, all its threads; ratio fleetd / stock, lower is better)",
         ["payload", "SET stock", "SET fleetd", "SET ratio", "GET stock", "GET fleetd", "GET ratio"],
