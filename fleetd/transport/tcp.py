@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,36 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# Ports free_port hands out lie below the kernel's ephemeral range: a port bind(0) returned is
+# in that range, and the kernel may give it to any outgoing connection (this process makes
+# many) between free_port's close and the server's bind, which then fails "Address already in
+# use" (seen in CI: a local fleet's node, once in ~780 tests).
+FREE_PORT_FLOOR = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FREE_PORT_TRIES = 200
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (for local fleets, tests and benchmarks)."""
+    """A TCP port nobody listens on right now (for local fleets, tests and benchmarks), chosen
+    below the ephemeral range so that no outgoing connection takes it before it is bound; a
+    bind(0) port when none there is free."""
+    low = _ephemeral_low()
+    if low > FREE_PORT_FLOOR:
+        for _ in range(FREE_PORT_TRIES):
+            port = random.randrange(FREE_PORT_FLOOR, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:  # in use, or in TIME_WAIT
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
