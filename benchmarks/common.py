@@ -79,11 +79,39 @@ def steal_ns() -> float:
     return int(fields[8]) * 1e9 / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and every live descendant."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def tree_cpu_by_process(root: int) -> dict[int, int]:
+    """CPU time so far of each live process of `root`'s tree (its live threads, exact), in ns:
+    fleetd's daemon, fork server and compute workers, or the stock server."""
+    return {pid: cpu_ns(pid) for pid in process_tree(root)}
+
+
 def cpu_ns(pid: int) -> int:
     """CPU time of every thread of `pid` so far, in ns (schedstat: exact, where /proc's stat
     counts in 10 ms ticks; threads that ended are not in it)."""
     total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process ended
+        return 0
+    for task in tasks:
         try:
             total += int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):  # the thread ended meanwhile

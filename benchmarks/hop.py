@@ -10,6 +10,11 @@ server spends around a graph: parsing, checks, the hand-off to a compute worker 
 reply. Servers run side by side (pinned away from the client), rounds alternate their order;
 the figure is the median step, its ratio fleetd / stock (lower is better), and the difference
 in microseconds, which the Python client's own share (the same for both) does not dilute.
+
+Beside the time, the CPU each server's processes spend per step (every live thread, exact, from
+schedstat): on a node whose cores are shared (the lab, a busy machine) that is what a step costs
+the others. fleetd's is split into the daemon (its session thread: the socket, the checks, the
+hand-off) and the compute worker (the graph, its side of the hand-off).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pin_client, save, server_process, show  # noqa: E402
+from common import pin_client, save, server_with_pid, show, tree_cpu_by_process  # noqa: E402
 
 from fleetd.client import RpcClient  # noqa: E402
 from fleetd.client.graph import GraphBuilder  # noqa: E402
@@ -85,10 +90,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     pin_client()
     medians: dict[str, list[float]] = {"stock": [], "fleetd": []}
+    cpu_us: dict[str, list[float]] = {"stock": [], "fleetd": [], "fleetd daemon": [], "fleetd worker": []}
     with (
-        server_process("stock") as stock_ep,
-        server_process("fleetd", extra=args.fleetd_args.split()) as fleetd_ep,
+        server_with_pid("stock") as (stock_ep, stock_pid),
+        server_with_pid("fleetd", extra=args.fleetd_args.split()) as (fleetd_ep, fleetd_pid),
     ):
+        roots = {"stock": stock_pid, "fleetd": fleetd_pid}
         steps = {
             "stock": Step(stock_ep, args.hidden_kib * 1024),
             "fleetd": Step(fleetd_ep, args.hidden_kib * 1024),
@@ -99,12 +106,21 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 order = list(steps) if r % 2 == 0 else list(steps)[::-1]
                 for name in order:
+                    before = tree_cpu_by_process(roots[name])
                     medians[name].append(statistics.median(steps[name].run(args.steps)))
+                    after = tree_cpu_by_process(roots[name])
+                    per = {pid: (after[pid] - before.get(pid, 0)) / args.steps / 1e3 for pid in after}
+                    cpu_us[name].append(sum(per.values()))
+                    if name == "fleetd":  # the daemon's own threads, the rest is its workers'
+                        daemon = per.get(roots[name], 0.0)
+                        cpu_us["fleetd daemon"].append(daemon)
+                        cpu_us["fleetd worker"].append(sum(per.values()) - daemon)
         finally:
             for s in steps.values():
                 s.close()
     ratios = [f / s for f, s in zip(medians["fleetd"], medians["stock"])]
     diffs = [(f - s) * 1e6 for f, s in zip(medians["fleetd"], medians["stock"])]
+    cpu_ratios = [f / s for f, s in zip(cpu_us["fleetd"], cpu_us["stock"])]
     stock_us = statistics.median(medians["stock"]) * 1e6
     fleetd_us = statistics.median(medians["fleetd"]) * 1e6
     show(
@@ -120,6 +136,20 @@ def main(argv=None) -> int:
             ]
         ],
     )
+    show(
+        "Server CPU per step (µs, median of rounds; fleetd = daemon + compute worker)",
+        ["stock", "fleetd", "daemon", "worker", "fleetd / stock (paired)", "spread"],
+        [
+            [
+                *(
+                    f"{statistics.median(cpu_us[k]):.1f}"
+                    for k in ("stock", "fleetd", "fleetd daemon", "fleetd worker")
+                ),
+                f"{statistics.median(cpu_ratios):.2f}",
+                f"{min(cpu_ratios):.2f}..{max(cpu_ratios):.2f}",
+            ]
+        ],
+    )
     out = save(
         "hop",
         {
@@ -130,6 +160,8 @@ def main(argv=None) -> int:
             "fleetd_step_s": medians["fleetd"],
             "ratio": statistics.median(ratios),
             "extra_us": statistics.median(diffs),
+            "cpu_us_per_step": cpu_us,
+            "cpu_ratio": statistics.median(cpu_ratios),
         },
         args.json,
     )

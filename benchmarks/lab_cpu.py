@@ -5,12 +5,12 @@ the asynchronous direct path, in the lab (issue 20: "decode on the hub path >= a
     .venv/bin/python benchmarks/lab_cpu.py --nodes 3 --coordinator-link 1gbit --rounds 3 --pin-nodes
 
 Per cell: the patched llama-bench `-p 0 -n N -r 3` (decode only) over the arm's fleet, then
-the same with `-n 32`, and each node's CPU time over each from /proc (utime + stime of every
-process of the node's tree, and of its children that ended: fleetd's daemon, fork server and
-compute workers, or the stock server). CPU per token is the difference of the two runs over
-the difference of their tokens (llama-bench's warm-up run included), so the load each run
-starts with (every weight sent again, the first graphs) cancels out. Rounds run the
-arms in order and then reversed (ABBA); the table gives medians and min..max. Needs root.
+the same with `-n 32`, and each node's CPU time over each, exact: every process of the node
+(fleetd's daemon, fork server and compute workers, or the stock server) in a cpuacct cgroup of
+its own (NodeCpu; /proc's tick samples where there is no cpuacct hierarchy). CPU per token is
+the difference of the two runs over the difference of their tokens (llama-bench's warm-up run
+included), so the load each run starts with (every weight sent again, the first graphs) cancels
+out. Rounds run the arms in order and then reversed (ABBA); the table gives medians and min..max. Needs root.
 About 1 min per round on 3 nodes.
 """
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save, show, steal_ns, stop_processes  # noqa: E402
+from common import process_tree, save, show, steal_ns, stop_processes  # noqa: E402
 from lab_arms import STOCK_PORT, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
@@ -41,27 +41,10 @@ TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 TOOL_TIMEOUT_S = 600
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # ended meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def tree_cpu_ns(root: int) -> float:
-    """CPU time of `root`'s tree so far: each process's utime + stime (every thread, ended
-    ones too) + cutime + cstime (its children that ended and were waited for)."""
+    """CPU time of `root`'s tree so far from /proc: each process's utime + stime (every thread,
+    ended ones too) + cutime + cstime (its children that ended and were waited for). Samples at
+    the 10 ms tick: the fallback where no cpuacct group can be made."""
     total = 0.0
     for pid in process_tree(root):
         try:
@@ -72,24 +55,65 @@ def tree_cpu_ns(root: int) -> float:
     return total
 
 
-def bench_cpu(model: Path, rpc: str, arm: str, roots: list[int], n_gen: int) -> tuple[float, list[float]]:
+class NodeCpu:
+    """Each node's CPU time so far, exact: its processes (and all they fork later) in a cgroup v1
+    cpuacct group of their own, whose cpuacct.usage is the ns every thread of them ran, ended
+    ones included. /proc's utime and stime are samples at the 10 ms tick (a kernel without
+    VIRT_CPU_ACCOUNTING, as this one): a node that runs 50 us at a time wins or loses whole
+    ticks, and a daemon with a worker beside it wakes in a pattern other than a stock server's.
+    Without the cpuacct hierarchy it falls back to tree_cpu_ns."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, name: str, roots: list[int]) -> None:
+        self.roots, self.groups = roots, []
+        if not (self.ROOT / "cpuacct.usage").exists():
+            print("lab_cpu: no cpuacct hierarchy: CPU from /proc's 10 ms ticks", file=sys.stderr)
+            return
+        for j, root in enumerate(roots):
+            group = self.ROOT / f"fleetd-lab-cpu-{os.getpid()}-{name}-{j}"
+            group.mkdir(exist_ok=True)
+            self.groups.append(group)
+            for pid in process_tree(root):
+                try:
+                    (group / "cgroup.procs").write_text(str(pid))
+                except OSError:  # ended meanwhile
+                    pass
+
+    def used_ns(self) -> list[float]:
+        if not self.groups:
+            return [tree_cpu_ns(r) for r in self.roots]
+        return [float((g / "cpuacct.usage").read_text()) for g in self.groups]
+
+    def remove(self) -> None:
+        """Give back the groups (their processes, if any are left, to the hierarchy's root)."""
+        for group in self.groups:
+            try:
+                for pid in (group / "cgroup.procs").read_text().split():
+                    (self.ROOT / "cgroup.procs").write_text(pid)
+                group.rmdir()
+            except OSError as exc:
+                print(f"lab_cpu: {group} not removed: {exc}", file=sys.stderr)
+
+
+def bench_cpu(model: Path, rpc: str, arm: str, cpu: NodeCpu, n_gen: int) -> tuple[float, list[float]]:
     """One llama-bench decode run: (its tg tok/s, each node's CPU ns over the whole run)."""
     args = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
     args += ["-p", "0", "-n", str(n_gen), "-r", str(BENCH_RUNS - 1), "-o", "json"]
-    before = [tree_cpu_ns(r) for r in roots]
+    before = cpu.used_ns()
     out = run_p2p_tool("llama-bench", args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
-    after = [tree_cpu_ns(r) for r in roots]
+    after = cpu.used_ns()
     used = [a - b for a, b in zip(after, before, strict=True)]
     return parse_bench_json(out.stdout, ("tg_tps",))["tg_tps"], used
 
 
-def cell(model: Path, rpc: str, arm: str, roots: list[int], n_gen: int) -> dict:
+def cell(model: Path, rpc: str, arm: str, cpu: NodeCpu, n_gen: int) -> dict:
     """tok/s of a tg`n_gen` run, and the CPU per token: the difference between it and a
     tg`SHORT_GEN` run over the tokens between them, so that what a run costs once (the load:
     every weight's SET_TENSOR, the context, the first graphs) cancels out."""
     stolen = steal_ns()
-    tg, long_ns = bench_cpu(model, rpc, arm, roots, n_gen)
-    _, short_ns = bench_cpu(model, rpc, arm, roots, SHORT_GEN)
+    tg, long_ns = bench_cpu(model, rpc, arm, cpu, n_gen)
+    _, short_ns = bench_cpu(model, rpc, arm, cpu, SHORT_GEN)
     tokens = (n_gen - SHORT_GEN) * BENCH_RUNS
     per_node = [(a - b) / tokens / 1e3 for a, b in zip(long_ns, short_ns, strict=True)]
     steal_ms = (steal_ns() - stolen) / 1e6
@@ -120,6 +144,7 @@ def main() -> int:
     model = generate_named(a.model, work)
     lab = Lab(work / "lab")
     stock = []
+    accounts: list[NodeCpu] = []
     node_cpus = one_core_each(a.nodes) if a.pin_nodes else None
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
@@ -127,13 +152,16 @@ def main() -> int:
         fleetd_rpc = ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes)
         rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
         rpc["async"] = fleetd_rpc
-        roots = {"stock": [p.pid for p in stock], "hub": lab.state["pids"], "async": lab.state["pids"]}
+        fleetd_cpu = NodeCpu("fleetd", lab.state["pids"])
+        stock_cpu = NodeCpu("stock", [p.pid for p in stock])
+        accounts += [fleetd_cpu, stock_cpu]
+        cpus = {"stock": stock_cpu, "hub": fleetd_cpu, "async": fleetd_cpu}
         rounds = []
         for r in range(a.rounds):
             done = []
             for arm in arms if r % 2 == 0 else arms[::-1]:
                 print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
-                done.append(cell(model, rpc[arm], arm, roots[arm], a.n_gen))
+                done.append(cell(model, rpc[arm], arm, cpus[arm], a.n_gen))
             rounds.append(done)
     except FleetError as exc:
         print(f"lab_cpu: {exc}", file=sys.stderr)
@@ -141,6 +169,8 @@ def main() -> int:
     finally:
         stop_processes(stock)
         lab.down()
+        for account in accounts:
+            account.remove()
 
     cells = {arm: [c for rd in rounds for c in rd if c["arm"] == arm] for arm in arms}
     summary = {}
@@ -173,6 +203,7 @@ def main() -> int:
     )
     doc = {
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
+        "cpu_source": "cpuacct" if accounts and accounts[0].groups else "proc ticks",
         "model": model.name,
         "summary": summary,
         "rounds": rounds,

@@ -122,6 +122,29 @@ def test_decode_steps_are_served_in_c_and_counted(server):
     d.client.close()
 
 
+def test_a_decode_stream_stays_in_c_and_the_session_says_so_at_debug(server, caplog):
+    d = Decoder(endpoint(server))
+    d.step(first=True)
+    s = session_of(server, d.client)
+    served_so_far(s, 1)
+    back = s.fast.loop_answers[native.LOOP_PYTHON]
+    for _ in range(200):
+        d.step()
+    served_so_far(s, 201)
+    # the steady state never gives the connection back: were it once a step, this is 200
+    assert s.fast.loop_answers[native.LOOP_PYTHON] - back <= 2
+    caplog.set_level(logging.DEBUG, logger="fleetd.session")
+    d.client.close()
+    line = f"session {s.id}: "
+    assert wait_until(
+        lambda: any(line in r.getMessage() and "served in C" in r.getMessage() for r in caplog.records)
+    )
+    (text,) = [
+        r.getMessage() for r in caplog.records if line in r.getMessage() and "served in C" in r.getMessage()
+    ]
+    assert f"{s.fast.requests_served} requests served in C" in text and "eof 1" in text
+
+
 def test_get_alignment_is_answered_in_c_and_counted_and_a_bad_device_closes(server):
     """GET_ALIGNMENT (a client's sync) is answered by the loop with the device's own value,
     counted as Python counts it; a device out of range is Python's, which closes only that

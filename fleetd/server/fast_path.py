@@ -89,6 +89,17 @@ class FastPath:
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
         self.buffer_serves = 0  # serve() calls that served requests Python had read (not the loop)
+        self.loop_answers = [0] * (native.LOOP_BODY + 1)  # why the loop gave the session back
+
+    def summary(self) -> str:
+        """Where this session's requests went, for the debug log: how many C served, and why its
+        loop gave the connection back to Python how often."""
+        names = ("python", "idle", "eof", "error", "budget", "worker", "body")
+        back = ", ".join(f"{n} {c}" for n, c in zip(names, self.loop_answers[1:]) if c)
+        return (
+            f"{self.requests_served} requests served in C; loop gave back: {back or 'never'}; "
+            f"{self.buffer_serves} serves from Python's buffer"
+        )
 
     @property
     def available(self) -> bool:
@@ -236,6 +247,8 @@ class FastPath:
         ctx = self._ctx
         ctx.have = 0
         answer = self._loop(self._ctx_ref, scratch, capacity, LOOP_WAIT_MS, LOOP_BUDGET_MS)
+        if 0 < answer < len(self.loop_answers):
+            self.loop_answers[answer] += 1
         self._fold()
         if answer == native.LOOP_ERROR:
             code = -ctx.error

@@ -444,6 +444,8 @@ class Session:
             self._charged = 0
         self.state.session_ended(self)
         log.info("session %d %s: closed", self.id, self.peer)
+        if log.isEnabledFor(logging.DEBUG):  # where a session's requests were served
+            log.debug("session %d: %s", self.id, self.fast.summary())
 
     # -- helpers ----------------------------------------------------------------------------
 
