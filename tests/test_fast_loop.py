@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 from helpers import connection_closed, endpoint, wait_until
+from test_fast_path import frame_set
 from test_workers import Bystander, Slab, gone, long_graph, start, worker_pid_of_new_session
 
 from fleetd.client.rpc import RpcClient
@@ -216,6 +218,35 @@ def test_a_set_larger_than_the_loop_buffer_is_streamed_into_its_tensor_in_c(serv
     assert now.request_bytes[Cmd.SET_TENSOR] == sum(9 + 305 + n for n in (64, *sizes))
     client.close()  # the loop returns and folds what it wrote into the write generation
     assert wait_until(lambda: buf.generation > generation)
+
+
+def test_a_hidden_state_still_arriving_goes_straight_into_its_tensor(server):
+    # a 16 KiB SET whose bytes come in pieces (a shaped link): C reads the rest into the tensor,
+    # not through its buffer, and the request behind it is served as before
+    client = RpcClient(endpoint(server)).open()
+    slab = Slab(client, 1 << 20)
+    small = slab.place(F32, (16,))
+    client.set_tensor(small.rpc(), np.zeros(16, np.float32).tobytes())
+    client.get_tensor(small.rpc())
+    s = session_of(server, client)
+    before = served_so_far(s, 1)
+    hidden = slab.place(F32, (4096,))
+    value = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    request = frame_set(hidden.rpc(), 0, value.tobytes())
+    for at in range(0, len(request), 5000):  # the fixed part, then the data, in four pieces
+        client.send_raw(request[at : at + 5000])
+        time.sleep(0.02)
+    np.testing.assert_array_equal(np.frombuffer(client.get_tensor(hidden.rpc()), np.float32), value)
+    assert served_so_far(s, 2) - before == 2  # the SET and the GET, both in C
+    assert s.fast.loop_answers[native.LOOP_BODY] == 0
+    # cut in the middle of the data: only that connection ends, with the tensor's rule
+    client.send_raw(request[: len(request) // 2])
+    client.sock.shutdown(socket.SHUT_WR)
+    assert connection_closed(client.sock)
+    assert s.fast.loop_answers[native.LOOP_BODY] == 1  # cut while C streamed it into the tensor
+    other = RpcClient(endpoint(server)).open()
+    assert other.get_alignment(0) > 0
+    other.close()
 
 
 def test_a_row_id_out_of_range_in_a_recompute_closes_only_its_session(server, caplog):
