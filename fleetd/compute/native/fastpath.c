@@ -278,6 +278,17 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* SO_RCVTIMEO to `ms` for a run of blocking recv()s (one syscall a wake-up, where a
+ * non-blocking recv, a poll and a recv made three); 1 when it changed, `was` then holds what
+ * to put back (Python keeps its own and expects it kept). */
+static int set_recv_timeout(int fd, int ms, struct timeval *was) {
+    struct timeval want = {ms / 1000, (ms % 1000) * 1000};
+    socklen_t len = sizeof *was;
+    return getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) == 0 &&
+           (was->tv_sec != want.tv_sec || was->tv_usec != want.tv_usec) &&
+           setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0;
+}
+
 /* Hand the armed graph to the worker and wait for its answer: 1 when it is DONE (consumed),
  * 0 when Python must take over (any other answer, the worker or the client gone, the deadline,
  * a failed send: Python's wait finds out which, kills what must be killed and says why). */
@@ -450,6 +461,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     size_t have = f->have;
     int64_t until = now_ns() + (int64_t)budget_ms * 1000000;
     int answer;
+    struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
+    int restore = set_recv_timeout(f->fd, wait_ms, &was);
     for (;;) {
         size_t used = fleetd_fast_requests(f, buf, have);
         if (used) {
@@ -542,16 +555,16 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     more:
         /* between requests only: a request C started reading stays C's to serve */
         if (have == 0 && now_ns() >= until) { answer = LOOP_BUDGET; break; }
-        ssize_t n = recv(f->fd, buf + have, cap - have, MSG_DONTWAIT);
+        ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }
         if (n == 0) { answer = LOOP_EOF; break; }
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) { f->error = -errno; answer = LOOP_ERROR; break; }
-        struct pollfd p = {f->fd, POLLIN, 0};
-        int k = poll(&p, 1, wait_ms);
-        if (k == 0) { answer = LOOP_IDLE; break; }
-        if (k < 0 && errno != EINTR) { f->error = -errno; answer = LOOP_ERROR; break; }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) { answer = LOOP_IDLE; break; }  /* wait_ms */
+        f->error = -errno;
+        answer = LOOP_ERROR;
+        break;
     }
+    if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
     f->have = have;
     return answer;
 }
@@ -591,13 +604,8 @@ size_t fleetd_fast_layout(int which) {
  * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
 size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why) {
-    /* blocking recv()s under SO_RCVTIMEO = timeout_ms: one syscall a wake-up, where a
-     * non-blocking recv, a poll and a recv made three (a 1 MiB body: 16 wake-ups) */
-    struct timeval was, want = {timeout_ms / 1000, (timeout_ms % 1000) * 1000};
-    socklen_t len = sizeof was;
-    int restore = getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &was, &len) == 0 &&
-                  (was.tv_sec != want.tv_sec || was.tv_usec != want.tv_usec) &&
-                  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0;
+    struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
+    int restore = set_recv_timeout(fd, timeout_ms, &was);
     size_t done = 0;
     *why = 0;
     while (done < n) {
