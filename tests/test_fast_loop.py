@@ -144,7 +144,8 @@ def test_a_decode_stream_stays_in_c_and_the_session_says_so_at_debug(server, cap
     (text,) = [
         r.getMessage() for r in caplog.records if line in r.getMessage() and "served in C" in r.getMessage()
     ]
-    assert f"{s.fast.requests_served} requests served in C" in text and "eof 1" in text
+    # (the hang-up itself may land in C or, between two budgets of the loop, in Python)
+    assert f"{s.fast.requests_served} requests served in C" in text and "loop gave back: " in text
 
 
 def test_get_alignment_is_answered_in_c_and_counted_and_a_bad_device_closes(server):

@@ -282,6 +282,7 @@ static int64_t now_ns(void) {
  * non-blocking recv, a poll and a recv made three); 1 when it changed, `was` then holds what
  * to put back (Python keeps its own and expects it kept). */
 static int set_recv_timeout(int fd, int ms, struct timeval *was) {
+    if (ms < 1) ms = 1;  /* 0 would be no timeout at all: a recv that never gives up */
     struct timeval want = {ms / 1000, (ms % 1000) * 1000};
     socklen_t len = sizeof *was;
     return getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) == 0 &&
