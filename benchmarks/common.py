@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetd.fleet.local import LocalFleet
+from fleetd.fleet.procs import process_tree
 from fleetd.tools import find_tool
 from fleetd.transport import free_port, wait_listening
 
@@ -77,24 +78,6 @@ def steal_ns() -> float:
     steal): a cell with much of it ran on a host busy elsewhere."""
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
     return int(fields[8]) * 1e9 / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and every live descendant."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # ended meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 def tree_cpu_by_process(root: int) -> dict[int, int]:

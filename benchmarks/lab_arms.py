@@ -116,6 +116,16 @@ def parse_arms(ap: argparse.ArgumentParser, text: str, known: Sequence[str]) -> 
     return arms
 
 
+def add_lab_options(ap: argparse.ArgumentParser, coordinator_link: str) -> None:
+    """The lab's own options (nodes, links, model, rounds), as lab_arms.py and lab_cpu.py take
+    them; `coordinator_link` the default rate of each node's link to the coordinator."""
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--coordinator-link", default=coordinator_link)
+    ap.add_argument("--peer-link", default="2gbit")
+    ap.add_argument("--model", default="llama-f16-wide", help="a fleetd.models name (default llama-f16-wide)")
+    ap.add_argument("--rounds", type=int, default=3)
+
+
 def parse_links(ap: argparse.ArgumentParser, a) -> tuple[int, int]:
     """(coordinator, peer) link rates in bit/s from --coordinator-link and --peer-link."""
     try:
@@ -194,11 +204,7 @@ def peak_rss_mib(pids: list[int]) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--coordinator-link", default="200mbit")
-    ap.add_argument("--peer-link", default="2gbit")
-    ap.add_argument("--model", default="llama-f16-wide", help="a fleetd.models name (default llama-f16-wide)")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_lab_options(ap, coordinator_link="200mbit")
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--ubatch", type=int, default=128, help="micro-batch (default 128: 4 per prompt)")
     ap.add_argument("--n-gen", type=int, default=64)

@@ -24,12 +24,20 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import process_tree, save, show, steal_ns, stop_processes  # noqa: E402
-from lab_arms import STOCK_PORT, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
+from common import save, show, steal_ns, stop_processes  # noqa: E402
+from lab_arms import (  # noqa: E402
+    STOCK_PORT,
+    add_lab_options,
+    one_core_each,
+    parse_arms,
+    parse_links,
+    start_stock,
+)
 
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.lab import Lab  # noqa: E402
 from fleetd.fleet.model_ab import parse_bench_json, run_p2p_tool  # noqa: E402
+from fleetd.fleet.procs import process_tree  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
 from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
 
@@ -126,11 +134,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--coordinator-link", default="1gbit")
-    ap.add_argument("--peer-link", default="2gbit")
-    ap.add_argument("--model", default="llama-f16-wide", help="a fleetd.models name (default llama-f16-wide)")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_lab_options(ap, coordinator_link="1gbit")
     ap.add_argument("--n-gen", type=int, default=256, help="tokens per llama-bench run (default 256)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     ap.add_argument("--pin-nodes", action="store_true", help="node j on core j mod the cores (lab_arms.py's)")

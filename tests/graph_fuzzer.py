@@ -48,6 +48,7 @@ import numpy as np
 from fleetd.client.graph import GraphBuilder, Tensor, f32_bits
 from fleetd.client.rpc import RpcClient
 from fleetd.errors import FleetdError
+from fleetd.fleet.procs import process_tree
 from fleetd.transport.tcp import Timeout
 from fleetd.wire import METADATA_OPS, TYPE_TRAITS, GgmlOp, GgmlType, RpcTensor, contiguous_strides, nbytes
 from fleetd.wire.ggml import GluOp, UnaryOp
@@ -1239,19 +1240,8 @@ def process_stacks(d: Daemon) -> str:
     hang's evidence, read from /proc before the harness closes anything."""
     if d.proc is None:
         return ""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo, tree = [], [d.proc.pid], []
-    while todo:
-        pid = todo.pop(0)
-        tree.append(pid)
-        todo += sorted(children.get(pid, []))
+    out, tree = [], process_tree(d.proc.pid)
+    for pid in tree:
         for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda p: int(p.name)):
             try:
                 comm = (task / "comm").read_text().strip()

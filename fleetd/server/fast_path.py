@@ -22,6 +22,7 @@ import errno
 import os
 import struct
 import threading
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from fleetd.compute import native
@@ -51,6 +52,15 @@ ALIGNMENT_REPLY_BYTES = 8 + 8  # its answer: size, the alignment
 LOOP_WAIT_MS = 20
 LOOP_BUDGET_MS = 100
 _SIZE = struct.Struct("<Q")
+_LOOP_NAMES = {
+    native.LOOP_PYTHON: "python",
+    native.LOOP_IDLE: "idle",
+    native.LOOP_EOF: "eof",
+    native.LOOP_ERROR: "error",
+    native.LOOP_BUDGET: "budget",
+    native.LOOP_WORKER: "worker",
+    native.LOOP_BODY: "body",
+}
 
 _BLCK = (ctypes.c_uint32 * GGML_TYPE_COUNT)(
     *(TYPE_TRAITS[t].blck_size if t in TYPE_TRAITS else 0 for t in range(GGML_TYPE_COUNT))
@@ -89,13 +99,12 @@ class FastPath:
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
         self.buffer_serves = 0  # serve() calls that served requests Python had read (not the loop)
-        self.loop_answers = [0] * (native.LOOP_BODY + 1)  # why the loop gave the session back
+        self.loop_answers: Counter[int] = Counter()  # LOOP_* -> times the loop gave it back
 
     def summary(self) -> str:
         """Where this session's requests went, for the debug log: how many C served, and why its
         loop gave the connection back to Python how often."""
-        names = ("python", "idle", "eof", "error", "budget", "worker", "body")
-        back = ", ".join(f"{n} {c}" for n, c in zip(names, self.loop_answers[1:]) if c)
+        back = ", ".join(f"{_LOOP_NAMES.get(a, a)} {n}" for a, n in sorted(self.loop_answers.items()))
         return (
             f"{self.requests_served} requests served in C; loop gave back: {back or 'never'}; "
             f"{self.buffer_serves} serves from Python's buffer"
@@ -247,8 +256,7 @@ class FastPath:
         ctx = self._ctx
         ctx.have = 0
         answer = self._loop(self._ctx_ref, scratch, capacity, LOOP_WAIT_MS, LOOP_BUDGET_MS)
-        if 0 < answer < len(self.loop_answers):
-            self.loop_answers[answer] += 1
+        self.loop_answers[answer] += 1
         self._fold()
         if answer == native.LOOP_ERROR:
             code = -ctx.error
