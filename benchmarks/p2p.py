@@ -11,7 +11,14 @@ direct and async arms are three pipelines open side by side on the same fleetd s
 alternating rounds (--rounds; the order flips every round) so that drift on a shared machine
 hits both alike; the ratios direct / hub and async / hub are taken per round and given as median and range.
 Then boundary 0 -> 1 is timed alone (--boundary moves per arm, alternating move by move): the
-direct path's own cost against the hub's, without the stages' compute around it.
+direct path's own cost against the hub's, without the stages' compute around it. By default its
+commands go out as prebuilt frames, a send and an exact read each, as a compiled client sends
+them (--boundary-client raw): through the Pipeline's own client (--boundary-client pipeline) the
+client's Python bookkeeping is most of a move (121 us of CPU a hub move, 144 an async one, on the
+2-core test machine), and the hub's share of it is the larger. The client's CPU per move is
+printed beside the times. --cpus pins the whole run (servers, workers, client) to those CPUs:
+with one, a move's time is the CPU of everything it sets off, without the cross-CPU wake-ups
+that on a shared VM make the same arm 55 or 185 us from one run to the next.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -30,6 +39,17 @@ from fleetd.fleet.local import LocalFleet
 from fleetd.pipeline import Pipeline, per_step, step_table
 from fleetd.tools import find_tool, have_tool
 from fleetd.transport import wait_listening
+from fleetd.wire import (
+    Cmd,
+    CopyTensorTo,
+    CopyTensorToAsync,
+    GetAlignment,
+    GetTensor,
+    PeerGate,
+    SetTensor,
+)
+from fleetd.wire.connection import encode_response
+from fleetd.wire.tensor import RPC_TENSOR
 
 
 def start_stock(n: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -87,38 +107,123 @@ def column(p: Pipeline, seconds: list[float]) -> dict:
     return out
 
 
-def boundary_seconds(pipes: dict[str, Pipeline], moves: int) -> dict[str, list[float]]:
+def request_frame(request, body: int = 0) -> bytes:
+    """| cmd u8 | size u64 | payload |, as ClientConnection.send frames a request, without its
+    reply bookkeeping (the raw boundary client reads each reply by its known size); `body`: the
+    bytes of data that follow (a SET_TENSOR's), counted in size."""
+    payload = request.encode()
+    return struct.pack("<BQ", request.cmd, len(payload) + body) + payload
+
+
+class RawBoundary:
+    """Boundary 0 -> 1 of one pipeline moved with prebuilt frames on its connections' sockets,
+    each reply read by its exact size: per command a send and a read, as a compiled client pays,
+    so that the arms differ in what the servers do and not in the client's Python. The
+    pipeline's own client saw none of it: every reply is read before the next move."""
+
+    SYNC = request_frame(GetAlignment(0))
+    SYNC_REPLY = len(encode_response(Cmd.GET_ALIGNMENT, 0))
+    GATE_REPLY = len(encode_response(Cmd.PEER_GATE, 1))
+    COPY_REPLY = len(encode_response(Cmd.COPY_TENSOR_TO, 1))
+    # | stream u64 | seq u64 |: in PEER_GATE's payload first, in COPY_TENSOR_TO_ASYNC's after its
+    # two tensors and size
+    COPY_IDS = struct.Struct("<QQ")
+    COPY_IDS_AT = 9 + 2 * RPC_TENSOR.size + 8
+
+    def __init__(self, p: Pipeline) -> None:
+        self.p = p
+        self.src_stage, self.dst_stage = p.stages[0], p.stages[1]
+        self.src_sock, self.dst_sock = self.src_stage.client.sock, self.dst_stage.client.sock
+        self.src = p.graphs[0].hidden_out.rpc()
+        self.dst = p.graphs[1].hidden_in.rpc()
+        self.get = request_frame(GetTensor(self.src, 0, self.src.nbytes))
+        self.set_head = request_frame(SetTensor(self.dst, 0, self.src.nbytes, 0), self.src.nbytes)
+        ep = self.dst_stage.peer_endpoint
+        self.copy = request_frame(CopyTensorTo(self.src, self.dst, self.src.nbytes, ep))
+        # the async arm's two frames, built once; each move writes its (stream, seq) into them
+        self.copy_async = bytearray(
+            request_frame(CopyTensorToAsync(self.src, self.dst, self.src.nbytes, 0, 0, ep))
+        )
+        self.gate = bytearray(request_frame(PeerGate(0, 0)) + self.SYNC)
+        self.buf = bytearray(8 + self.src.nbytes + self.GATE_REPLY + self.SYNC_REPLY)
+
+    def _read(self, sock: socket.socket, n: int) -> memoryview:
+        view = memoryview(self.buf)[:n]
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise SystemExit("boundary: a server closed the connection")
+            got += k
+        return view
+
+    def move(self, arm: str) -> None:
+        if arm == "hub":
+            self.src_sock.sendall(self.get)
+            data = self._read(self.src_sock, 8 + self.src.nbytes)[8:]
+            self.dst_sock.sendall(self.set_head + bytes(data) + self.SYNC)
+            self._read(self.dst_sock, self.SYNC_REPLY)
+        elif arm == "direct":
+            self.src_sock.sendall(self.copy)
+            if self._read(self.src_sock, self.COPY_REPLY)[8] != 1:
+                raise SystemExit("boundary: the direct arm's copy was refused")
+            self.dst_sock.sendall(self.SYNC)
+            self._read(self.dst_sock, self.SYNC_REPLY)
+        else:
+            stream, seq = self.dst_stage.next_copy()
+            self.COPY_IDS.pack_into(self.copy_async, self.COPY_IDS_AT, stream, seq)
+            self.COPY_IDS.pack_into(self.gate, 9, stream, seq)
+            self.src_sock.sendall(self.copy_async)
+            self.dst_sock.sendall(self.gate)
+            if self._read(self.dst_sock, self.GATE_REPLY + self.SYNC_REPLY)[8] != 1:
+                raise SystemExit("boundary: the async arm's gate answered 0")
+
+
+def boundary_seconds(
+    pipes: dict[str, Pipeline], moves: int, client: str = "raw"
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Boundary 0 -> 1 alone, `moves` times per arm, alternating move by move: hub GET_TENSOR +
     SET_TENSOR, direct COPY_TENSOR_TO, async COPY_TENSOR_TO_ASYNC + PEER_GATE (PEER_WAIT where
-    the destination has no gate), each followed by one round trip to the destination, which
-    stands for the destination's next command: sent right behind the hub's SET and behind the
-    gate, as llama.cpp's client and the client half send the next graph, and answered once the
-    copy landed. The gate's answer is read before the round trip's, as the client half reads it.
-    (Until 2026-12-07 the round trip was sent only after the gate's answer had come back: one
-    more round trip on the destination than a client pays, which the hub arm did not have.)"""
+    the destination has no gate, pipeline client only), each followed by one round trip to the
+    destination, which stands for the destination's next command: sent right behind the hub's
+    SET and behind the gate, as llama.cpp's client and the client half send the next graph, and
+    answered once the copy landed. The gate's answer is read before the round trip's, as the
+    client half reads it. (Until 2026-12-07 the round trip was sent only after the gate's answer
+    had come back: one more round trip on the destination than a client pays, which the hub arm
+    did not have.) Returns each arm's seconds per move and the client's mean CPU seconds per
+    move."""
     seconds: dict[str, list[float]] = {arm: [] for arm in pipes}
+    cpu = dict.fromkeys(pipes, 0.0)
+    raw = {arm: RawBoundary(p) for arm, p in pipes.items()} if client == "raw" else {}
     arms = list(pipes)
     for i in range(moves):
         for arm in arms if i % 2 == 0 else arms[::-1]:
-            p = pipes[arm]
-            dst = p.stages[1].client
-            t0 = time.perf_counter()
-            how = p._move(0)
-            if how == "gate":
-                dst.sync_begin()
-                how = "direct" if p.settle_gates(first=False) == (1, 0) else "fallback"
-                if how != "direct":  # the destination skipped the round trip behind the gate
-                    raise SystemExit(f"boundary: the {arm} arm moved by {how}")
-                dst.sync_end()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            if raw:
+                raw[arm].move(arm)
             else:
-                dst.sync()
+                _pipeline_move(arm, pipes[arm])
             seconds[arm].append(time.perf_counter() - t0)
-            if how != ("direct" if arm == "async" else arm):
-                raise SystemExit(f"boundary: the {arm} arm moved by {how}")
-    return seconds
+            cpu[arm] += time.thread_time() - c0
+    return seconds, {arm: c / moves for arm, c in cpu.items()}
 
 
-def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, list[float]]]:
+def _pipeline_move(arm: str, p: Pipeline) -> None:
+    dst = p.stages[1].client
+    how = p._move(0)
+    if how == "gate":
+        dst.sync_begin()
+        how = "direct" if p.settle_gates(first=False) == (1, 0) else "fallback"
+        if how != "direct":  # the destination skipped the round trip behind the gate
+            raise SystemExit(f"boundary: the {arm} arm moved by {how}")
+        dst.sync_end()
+    else:
+        dst.sync()
+    if how != ("direct" if arm == "async" else arm):
+        raise SystemExit(f"boundary: the {arm} arm moved by {how}")
+
+
+def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], tuple[dict, dict]]:
     """hub, direct and async on the same servers, in alternating rounds (ABC CBA ...); then the
     boundary alone."""
     pipes = {"hub": open_pipeline(endpoints, args, False)}
@@ -132,7 +237,12 @@ def run_arms(endpoints: list[str], args) -> tuple[dict[str, dict], dict[str, lis
                 seconds[arm].append(timed(pipes[arm], args.steps))
         cols = {arm: column(p, seconds[arm]) for arm, p in pipes.items()}
         remote = [s for s in pipes["direct"].stages if s.client is not None]
-        moves = boundary_seconds(pipes, args.boundary) if args.boundary and len(remote) >= 2 else {}
+        moves: tuple[dict[str, list[float]], dict[str, float]] = ({}, {})
+        if args.boundary and len(remote) >= 2:
+            moves = boundary_seconds(pipes, args.boundary, args.boundary_client)
+            # one more step per arm, which must agree: the moves left every arm's bytes alike
+            if len({p.step().output for p in pipes.values()}) != 1:
+                raise SystemExit("boundary: the arms' outputs differ after the boundary moves")
         return cols, moves
     finally:
         for p in pipes.values():
@@ -176,12 +286,32 @@ def main() -> int:
         metavar="N",
         help="then time boundary 0 -> 1 alone N times per arm (0: skip)",
     )
+    ap.add_argument(
+        "--boundary-client",
+        choices=("raw", "pipeline"),
+        default="raw",
+        help="the boundary's commands as prebuilt frames (raw: a compiled client's cost) or "
+        "through the Pipeline's Python client",
+    )
+    ap.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="pin the whole run to these CPUs (e.g. 0, or 0,1): with one, a move's time is the "
+        "CPU it sets off, without cross-CPU wake-ups",
+    )
     ap.add_argument("--no-stock", action="store_true", help="skip the stock server column")
     ap.add_argument("--json-out", type=Path, default=Path("benchmarks/results/p2p.json"))
     args = ap.parse_args()
     remote = args.stages - int(args.local_last)
     if args.steps < 1 or args.rounds < 1 or args.boundary < 0:
         ap.error("--steps and --rounds must be at least 1, --boundary at least 0")
+    if args.cpus is not None:
+        try:
+            cpus = {int(c) for c in args.cpus.split(",")}
+            os.sched_setaffinity(0, cpus)  # the servers and their workers inherit it
+        except (ValueError, OSError) as exc:
+            ap.error(f"--cpus {args.cpus}: {exc}")
 
     with LocalFleet(remote, control=False) as local:
         cols, moves = run_arms(local.endpoints, args)
@@ -210,19 +340,24 @@ def main() -> int:
             f"{name} / hub time per step: median {r['median']:.3f} (rounds {r['min']:.3f} .. {r['max']:.3f})"
         )
     boundary = {}
+    moves, client_cpu = moves
     if moves:
-        boundary = {arm: quartiles(v) for arm, v in moves.items()}
+        boundary = {arm: quartiles(v) | {"client_cpu": client_cpu[arm]} for arm, v in moves.items()}
         boundary["direct_over_hub"] = boundary["direct"]["median"] / boundary["hub"]["median"]
         boundary["async_over_hub"] = boundary["async"]["median"] / boundary["hub"]["median"]
         print(
-            f"boundary 0 -> 1 alone, {args.boundary} moves per arm (ms: median, quartiles)  "
-            + "  ".join(
-                f"{arm} {b['median'] * 1e3:.3f} [{b['q1'] * 1e3:.3f} .. {b['q3'] * 1e3:.3f}]"
-                for arm, b in boundary.items()
-                if not arm.endswith("_over_hub")
+            f"boundary 0 -> 1 alone, {args.boundary} moves per arm, {args.boundary_client} client"
+            + (f", CPUs {args.cpus}" if args.cpus else "")
+            + " (us: median [quartiles], client CPU a move)"
+        )
+        for arm in moves:
+            b = boundary[arm]
+            print(
+                f"  {arm:7s} {b['median'] * 1e6:7.1f} [{b['q1'] * 1e6:.1f} .. {b['q3'] * 1e6:.1f}]"
+                f"  client {b['client_cpu'] * 1e6:.1f}"
             )
-            + f"  direct / hub {boundary['direct_over_hub']:.3f}"
-            + f"  async / hub {boundary['async_over_hub']:.3f}"
+        print(
+            f"  direct / hub {boundary['direct_over_hub']:.3f}  async / hub {boundary['async_over_hub']:.3f}"
         )
     for arm, c in cols.items():
         print(f"md5 {arm}: {c['md5']}")

@@ -168,6 +168,48 @@ def test_get_alignment_is_answered_in_c_and_counted_and_a_bad_device_closes(serv
     other.close()
 
 
+def test_replies_of_requests_sent_together_come_whole_and_in_order(server):
+    """The loop gathers the replies of requests that came in one piece and sends them at once:
+    small ones copied (a SET behind a GET does not change the GET's answer), a large one sent
+    behind those gathered before it; every answer whole and in request order."""
+    from test_fast_path import frame_get
+
+    client = RpcClient(endpoint(server)).open()
+    slab = Slab(client, 1 << 17)
+    small, large = slab.place(F32, (256,)), slab.place(F32, (8192,))  # 1 KiB, 32 KiB
+    old = np.arange(256, dtype=np.float32).tobytes()
+    new = (np.arange(256, dtype=np.float32) + 7).tobytes()
+    big = np.arange(8192, dtype=np.float32).tobytes()
+    client.set_tensor(small.rpc(), old)
+    client.set_tensor(large.rpc(), big)
+    assert client.get_alignment(0)  # the session is in its loop
+    s = session_of(server, client)
+    before = s.fast.requests_served
+    align = bytes([Cmd.GET_ALIGNMENT]) + (4).to_bytes(8, "little") + (0).to_bytes(4, "little")
+    burst = (
+        frame_get(small.rpc(), 0, 1024)
+        + frame_get(large.rpc(), 0, 32768)
+        + align
+        + frame_get(small.rpc(), 0, 1024)
+        + frame_set(small.rpc(), 0, new)
+        + frame_get(small.rpc(), 0, 1024)
+        + frame_get(large.rpc(), 4, 8)
+    )
+    client.send_raw(burst)
+    want = [old, big, server.state.devices[0].alignment.to_bytes(8, "little"), old, new, big[4:12]]
+    sock = client.sock
+    for i, body in enumerate(want):
+        got = bytearray()
+        while len(got) < 8 + len(body):
+            chunk = sock.recv(8 + len(body) - len(got))
+            assert chunk, f"closed before answer {i}"
+            got += chunk
+        assert int.from_bytes(got[:8], "little") == len(body), i
+        assert bytes(got[8:]) == body, i
+    assert s.fast.requests_served - before == 7  # the loop's, not the interpreter's
+    client.close()
+
+
 def test_after_an_idle_wait_a_stream_of_gets_goes_back_to_the_loop(server, monkeypatch):
     """The loop gives the connection to Python after LOOP_WAIT_MS without a byte; the request
     that ends the wait is Python's to read, and the ones after it are the loop's again, also

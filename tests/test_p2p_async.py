@@ -18,7 +18,16 @@ from fleetd.client import RpcClient
 from fleetd.errors import FleetdError
 from fleetd.server.peer import FALLBACK_REASONS
 from fleetd.transport import Timeout
-from fleetd.wire import Cmd, CopyTensorToAsync, Feature, GgmlType, PeerGate, PeerPush, hello_response
+from fleetd.wire import (
+    Cmd,
+    CopyTensorToAsync,
+    Feature,
+    GetTensor,
+    GgmlType,
+    PeerGate,
+    PeerPush,
+    hello_response,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -578,6 +587,44 @@ def test_a_decode_stream_of_gated_copies_is_staged_and_written_in_c(pair):
     # the loop's answers are counted when it returns (at the latest when it idles, 20 ms on)
     _settled(lambda: p.src_srv.state.peer_stats.as_dict()["copies_ok"] == steps)
     _settled(lambda: held(p.src_srv, p.dst_srv) == [0, 0])
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "the server closed the connection"
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")
+def test_an_answer_ahead_of_a_gate_leaves_before_the_gate_waits(pair, monkeypatch):
+    """The loop gathers the replies of requests that came together and sends them at once
+    (a gate's and the sync behind it in one send), but never past a wait: a GET_TENSOR's reply
+    ahead of a gate whose copy has not come reaches the client while the gate still waits in C
+    (its wait here as long as the test), and the gate then answers 1 once the copy lands."""
+    from fleetd.server import fast_path
+
+    monkeypatch.setattr(fast_path, "LOOP_WAIT_MS", 60_000)
+    p = pair()
+    seq = p.copy(values(1))
+    p.cd.peer_gate(p.stream, seq)  # the stream vouched, the sessions in their loops
+    assert p.cd.gate_result() is True
+    get = frame(Cmd.GET_TENSOR, GetTensor(p.td, 0, NB).encode())
+    gate = frame(Cmd.PEER_GATE, PeerGate(p.stream, seq + 1).encode())
+    sock = p.cd.sock
+    sock.sendall(get + gate + frame(Cmd.GET_ALIGNMENT, struct.pack("<I", 0)))
+    sock.settimeout(10.0)  # the gate waits up to 60 s: a reply held behind it times out here
+    assert _recv_exactly(sock, 8 + NB) == struct.pack("<Q", NB) + values(1)
+    p.copy(values(2))
+    # the gate's answer and the sync's, in order
+    assert _recv_exactly(sock, 9) == struct.pack("<QB", 1, 1)
+    assert struct.unpack("<QQ", _recv_exactly(sock, 16))[0] == 8
+    sock.settimeout(BOUNDED.read)
+    assert p.cd.get_tensor(p.td) == values(2)
+    gates_in_c = sum(s.fast._ctx.served.gate_count for s in _live_sessions(p.dst_srv))
+    assert gates_in_c >= 1, gates_in_c
 
 
 @pytest.mark.skipif(not native_staging(), reason="libfleetd-native without peer_stage.c")

@@ -105,7 +105,7 @@ static uint8_t *checked_region(const uint8_t *t, uint64_t offset, uint64_t size,
     return r->host + (uint64_t)(at - p0);
 }
 
-/* Send all of iov[0, n) (n <= 2, the iovecs advanced as it goes); 0, or -errno (EAGAIN:
+/* Send all of iov[0, n) (the iovecs advanced as it goes); 0, or -errno (EAGAIN:
  * SO_SNDTIMEO ran out). A reply here, a PEER_PUSH on a route in peer_stage.c. */
 int fleetd_send_all(int fd, struct iovec *iov, int n) {
     int first = 0;
@@ -128,14 +128,6 @@ int fleetd_send_all(int fd, struct iovec *iov, int n) {
         }
     }
     return 0;
-}
-
-/* Send all of a reply: its size, then `data`; 0, or -errno as fleetd_send_all. */
-static int send_reply(int fd, uint64_t size, const uint8_t *data) {
-    uint8_t header[8];
-    memcpy(header, &size, 8);
-    struct iovec iov[2] = {{header, 8}, {(void *)data, size}};
-    return fleetd_send_all(fd, iov, 2);
 }
 
 /* The session's stored graph, armed by Python for one fleetd_fast_loop call: a GRAPH_RECOMPUTE
@@ -199,6 +191,46 @@ struct fleetd_fast {      /* one session's fast path, set up once, passed by poi
     int32_t n_align;         /* devices in align[]; 0: every GET_ALIGNMENT is Python's */
 };
 
+/* Replies of one run of pipelined requests, gathered: a GATE and the sync behind it, or pushes
+ * that came together, leave in one send (and wake their reader once) where each was a send. It
+ * is flushed before anything that can wait (a recv, a gate, the worker, a streamed body) and
+ * when the loop returns, so no answer waits behind another request's wait. */
+#define OUT_CAP 16384
+#define OUT_COPY_MAX 4096   /* a larger reply is not copied: it leaves now, behind the gathered */
+struct out {
+    size_t n;
+    uint8_t buf[OUT_CAP];
+};
+
+/* Send what is gathered; 0, or -errno (also in f->error). */
+static int flush(struct fleetd_fast *f, struct out *o) {
+    if (o->n == 0) return 0;
+    struct iovec iov[1] = {{o->buf, o->n}};
+    o->n = 0;
+    int rc = fleetd_send_all(f->fd, iov, 1);
+    if (rc != 0) f->error = rc;
+    return rc;
+}
+
+/* A reply (its size, then `data`) gathered, or sent now behind the gathered ones when it is
+ * large; 0, or -errno (also in f->error) when a send failed. */
+static int reply(struct fleetd_fast *f, struct out *o, uint64_t size, const uint8_t *data) {
+    if (size <= OUT_COPY_MAX && o->n + 8 + size <= OUT_CAP) {
+        memcpy(o->buf + o->n, &size, 8);
+        memcpy(o->buf + o->n + 8, data, size);
+        o->n += 8 + size;
+        return 0;
+    }
+    uint8_t header[8];
+    memcpy(header, &size, 8);
+    struct iovec iov[3] = {{o->buf, o->n}, {header, 8}, {(void *)data, size}};
+    o->n = 0;
+    int rc = fleetd_send_all(f->fd, iov, 3);
+    if (rc != 0) f->error = rc;
+    return rc;
+}
+
+
 /* Where a SET_TENSOR's data goes (its fixed part at `t`, `payload` bytes in all, at least
  * SET_FIXED), or NULL when the request is Python's: the cache flag (Python stores the file), a
  * model weight (Python notes its layer), or a region checked_region refuses. */
@@ -209,11 +241,11 @@ static uint8_t *set_destination(struct fleetd_fast *f, const uint8_t *t, uint64_
                           f->blck, f->tsize, f->n_types, which);
 }
 
-/* Serve the whole fast requests at the front of data[0, len): the bytes consumed. A reply that
- * could not be sent sets f->error (the connection is then broken) and stops there. */
-size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t len) {
+/* Serve the whole fast requests at the front of data[0, len), their replies gathered in `o`:
+ * the bytes consumed. A reply that could not be sent sets f->error (the connection is then
+ * broken) and stops there. */
+static size_t serve_requests(struct fleetd_fast *f, struct out *o, const uint8_t *data, size_t len) {
     size_t pos = 0;
-    f->error = 0;
     while (len - pos >= HEADER) {
         const uint8_t *req = data + pos;
         uint64_t payload = u64_at(req + 1);
@@ -238,17 +270,23 @@ size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t l
             f->served.get_count += 1;
             f->served.get_bytes += HEADER + payload;
             f->served.get_reply_bytes += 8 + size;
-            int rc = send_reply(f->fd, size, src);
-            if (rc != 0) {
-                f->error = rc;
-                return pos;
-            }
+            if (reply(f, o, size, src) != 0) return pos;
         } else {
             break;
         }
         pos += HEADER + payload;
     }
     return pos;
+}
+
+/* serve_requests for Python's receive buffer: the replies sent before it returns. */
+size_t fleetd_fast_requests(struct fleetd_fast *f, const uint8_t *data, size_t len) {
+    struct out o;
+    o.n = 0;
+    f->error = 0;
+    size_t used = serve_requests(f, &o, data, len);
+    flush(f, &o);
+    return used;
 }
 
 /* fleetd_fast_loop's answers: why it gave the connection back to Python */
@@ -363,7 +401,7 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
 /* PEER_GATE(stream, seq) at `req`: 1 answered 1 (the staged copy written into the session's own
  * buffer), 0 Python's (nothing changed: not staged within gate_ms, refused, another session's
  * buffer, any failed check), -1 the answer could not be sent (f->error). */
-static int peer_gate(struct fleetd_fast *f, const uint8_t *req) {
+static int peer_gate(struct fleetd_fast *f, struct out *o, const uint8_t *req) {
     struct fleetd_peer *p = &f->peer;
     uint64_t stream = u64_at(req), seq = u64_at(req + 8), size = 0;
     uint8_t dst[PS_TENSOR];
@@ -384,16 +422,15 @@ static int peer_gate(struct fleetd_fast *f, const uint8_t *req) {
     fleetd_streams_done(p->streams, data, size);
     f->served.gate_count += 1;
     uint8_t landed = 1;
-    int rc = send_reply(f->fd, 1, &landed);
-    if (rc != 0) { f->error = rc; return -1; }
-    return 1;
+    return reply(f, o, 1, &landed) == 0 ? 1 : -1;
 }
 
 /* PEER_PUSH at buf's front (its fixed part in, have bytes in all, payload as its header says):
  * staged when Python vouched for its destination and the streams admit it, the bytes already
  * here copied and the rest read from the socket. 1 served (answered 1); 0 Python's (nothing
  * changed); -1 its body was cut (f->body says why; the copy is refused) or the answer not sent. */
-static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
+static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, size_t have,
+                     uint64_t payload) {
     struct fleetd_peer *p = &f->peer;
     const uint8_t *h = buf + HEADER;
     uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PS_PUSH_FIXED;
@@ -410,6 +447,10 @@ static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uin
         struct fleetd_body *b = &f->body;
         b->waited_ns = 0;
         b->got = have;
+        if (flush(f, o) != 0) {
+            fleetd_streams_refuse(p->streams, stream, seq, data, size);
+            return -1;
+        }
         size_t n = fleetd_recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
                                     &b->waited_ns, &b->got, &b->why);
         if (here + n < size) {
@@ -423,9 +464,7 @@ static int peer_push(struct fleetd_fast *f, const uint8_t *buf, size_t have, uin
     f->served.push_bytes += HEADER + payload;
     fleetd_streams_stage(p->streams, stream, seq, dst, data, size);
     uint8_t staged = 1;
-    int rc = send_reply(f->fd, 1, &staged);
-    if (rc != 0) { f->error = rc; return -1; }
-    return 1;
+    return reply(f, o, 1, &staged) == 0 ? 1 : -1;
 }
 
 /* COPY_TENSOR_TO_ASYNC at `req` (payload bytes, whole): the source region of the session's own
@@ -464,8 +503,11 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     int answer;
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     int restore = set_recv_timeout(f->fd, wait_ms, &was);
+    struct out o;
+    o.n = 0;
+    f->error = 0;
     for (;;) {
-        size_t used = fleetd_fast_requests(f, buf, have);
+        size_t used = serve_requests(f, &o, buf, have);
         if (used) {
             memmove(buf, buf + used, have - used);
             have -= used;
@@ -485,6 +527,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                     __atomic_sub_fetch(g->computing, 1, __ATOMIC_ACQ_REL);
                     answer = LOOP_PYTHON; break;
                 }
+                if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
                 int done = recompute(f);
                 __atomic_sub_fetch(g->computing, 1, __ATOMIC_ACQ_REL);
                 memmove(buf, buf + HEADER + 4, have - HEADER - 4);
@@ -501,6 +544,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             if (buf[0] == CMD_SET_TENSOR && payload >= SET_FIXED && f->body.timeout_ms > 0 &&
                 (payload > cap - HEADER || (HEADER + payload > have && payload >= STREAM_MIN))) {
                 if (have < HEADER + SET_FIXED) goto more;
+                if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
                 int r = stream_set(f, buf, have, payload);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
@@ -509,7 +553,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             }
             if (buf[0] == CMD_PEER_GATE && payload == GATE_PAYLOAD && f->peer.streams != NULL) {
                 if (have < HEADER + GATE_PAYLOAD) goto more;
-                int r = peer_gate(f, buf + HEADER);
+                if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }  /* the gate may wait */
+                int r = peer_gate(f, &o, buf + HEADER);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = LOOP_ERROR; break; }
                 memmove(buf, buf + HEADER + GATE_PAYLOAD, have - HEADER - GATE_PAYLOAD);
@@ -527,7 +572,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             if (buf[0] == CMD_PEER_PUSH && payload >= PS_PUSH_FIXED && f->peer.streams != NULL &&
                 f->body.timeout_ms > 0) {
                 if (have < HEADER + PS_PUSH_FIXED) goto more;
-                int r = peer_push(f, buf, have, payload);
+                int r = peer_push(f, &o, buf, have, payload);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }
                 size_t used = HEADER + payload <= have ? (size_t)(HEADER + payload) : have;
@@ -541,8 +586,9 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 uint32_t device = u32_at(buf + HEADER);
                 if (device >= (uint32_t)f->n_align) { answer = LOOP_PYTHON; break; }
                 f->served.align_count += 1;  /* before the reply, as a GET: a reader sees every answer */
-                int rc = send_reply(f->fd, 8, (const uint8_t *)&f->align[device]);
-                if (rc != 0) { f->error = rc; answer = LOOP_ERROR; break; }
+                if (reply(f, &o, 8, (const uint8_t *)&f->align[device]) != 0) {
+                    answer = LOOP_ERROR; break;
+                }
                 memmove(buf, buf + HEADER + 4, have - HEADER - 4);
                 have -= HEADER + 4;
                 continue;
@@ -556,6 +602,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     more:
         /* between requests only: a request C started reading stays C's to serve */
         if (have == 0 && now_ns() >= until) { answer = LOOP_BUDGET; break; }
+        if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
         ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }
         if (n == 0) { answer = LOOP_EOF; break; }
@@ -565,6 +612,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
         answer = LOOP_ERROR;
         break;
     }
+    if (flush(f, &o) != 0) answer = LOOP_ERROR;  /* every answer out before Python's next */
     if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
     f->have = have;
     return answer;

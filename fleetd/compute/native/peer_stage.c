@@ -435,11 +435,13 @@ int fleetd_route_drain(struct fleetd_route *r, struct fleetd_streams *t, int fd,
  * queue (SIOCOUTQ: not yet sent or not yet acknowledged) plus them within half of SO_SNDBUF
  * (the kernel doubles what is asked, for its own overhead). A destination that stops reading
  * closes its window, the queue stays, and the loop leaves the copy to the pusher's thread
- * rather than wait on that socket with its client's commands behind it. */
-static int fits_send_buffer(int fd, uint64_t bytes) {
+ * rather than wait on that socket with its client's commands behind it. With every push on the
+ * route answered (`all_answered`) the queue is empty without asking: an answer leaves the
+ * destination after it read the whole push, and its segment acknowledges every byte before it. */
+static int fits_send_buffer(int fd, uint64_t bytes, int all_answered) {
     int queued = 0, sndbuf = 0;
     socklen_t len = sizeof sndbuf;
-    if (ioctl(fd, SIOCOUTQ, &queued) != 0 || queued < 0) return 0;
+    if (!all_answered && (ioctl(fd, SIOCOUTQ, &queued) != 0 || queued < 0)) return 0;
     if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) != 0 || sndbuf <= 0) return 0;
     return (uint64_t)queued + bytes <= (uint64_t)sndbuf / 2;
 }
@@ -453,7 +455,7 @@ int fleetd_route_push(struct fleetd_route *r, struct fleetd_streams *t, uint64_t
     fleetd_route_read_answers(r, t, 0);
     if (r->broken || r->n >= ROUTE_RING) return 0;
     uint8_t head[9 + PS_PUSH_FIXED];  /* the request's header and fixed part, then its data */
-    if (!fits_send_buffer(r->fd, sizeof head + size)) return 0;
+    if (!fits_send_buffer(r->fd, sizeof head + size, r->answered == r->n)) return 0;
     if (!fleetd_mem_reserve(t, size, 0)) return 0;
     uint8_t *data = malloc(size);
     if (data == NULL) { fleetd_mem_release(t, size); return 0; }
