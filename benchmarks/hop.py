@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One decode step's round trip with a near-empty graph: fleetd vs the stock server.
 
-    benchmarks/hop.py [--steps 2000] [--rounds 5] [--hidden-kib 16] [--json PATH]
+    benchmarks/hop.py [--steps 2000] [--rounds 5] [--hidden-kib 16] [--gap-ms 3] [--json PATH]
 
 A step is what llama.cpp sends a node per token once its graph is stored: the inputs
 (SET_TENSOR of a token id, a position, and a hidden state), GRAPH_RECOMPUTE, and the GET_TENSOR
@@ -60,7 +60,9 @@ class Step:
         self.rpc = (self.token.rpc(), self.pos.rpc(), self.x.rpc(), out.rpc())
         self.ids = np.zeros(1, np.int32)
 
-    def run(self, steps: int) -> list[float]:
+    def run(self, steps: int, gap: float = 0.0) -> list[float]:
+        """Seconds of each step; with `gap`, that long idle after each (not timed), as a lab
+        node waits for the other nodes between its steps."""
         token, pos, x, out = self.rpc
         c, ids, hidden, result = self.client, self.ids, self.hidden, self.result
         times = []
@@ -73,6 +75,8 @@ class Step:
             c.graph_recompute(0)
             c.get_tensor(out, out=result)
             times.append(time.perf_counter() - t0)
+            if gap:
+                time.sleep(gap)
         return times
 
     def close(self) -> None:
@@ -85,6 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000, help="steps per server per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds, the servers' order reversed each round")
     p.add_argument("--hidden-kib", type=int, default=16, help="the hidden state's size (KiB)")
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle this long after each step (a lab node between its tokens: 3 ms); default none",
+    )
     p.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "-d numpy"')
     p.add_argument("--json", help="where to write the JSON (default benchmarks/results/hop.json)")
     args = p.parse_args(argv)
@@ -107,7 +117,7 @@ def main(argv=None) -> int:
                 order = list(steps) if r % 2 == 0 else list(steps)[::-1]
                 for name in order:
                     before = tree_cpu_by_process(roots[name])
-                    medians[name].append(statistics.median(steps[name].run(args.steps)))
+                    medians[name].append(statistics.median(steps[name].run(args.steps, args.gap_ms / 1e3)))
                     after = tree_cpu_by_process(roots[name])
                     per = {pid: (after[pid] - before.get(pid, 0)) / args.steps / 1e3 for pid in after}
                     cpu_us[name].append(sum(per.values()))
@@ -124,7 +134,9 @@ def main(argv=None) -> int:
     stock_us = statistics.median(medians["stock"]) * 1e6
     fleetd_us = statistics.median(medians["fleetd"]) * 1e6
     show(
-        f"One decode step's round trip, {args.hidden_kib} KiB hidden state (median step, µs)",
+        f"One decode step's round trip, {args.hidden_kib} KiB hidden state"
+        + (f", {args.gap_ms:g} ms idle after each" if args.gap_ms else "")
+        + " (median step, µs)",
         ["stock", "fleetd", "ratio (paired median)", "fleetd - stock µs", "spread of the ratio"],
         [
             [
@@ -154,6 +166,7 @@ def main(argv=None) -> int:
         "hop",
         {
             "hidden_bytes": args.hidden_kib * 1024,
+            "gap_ms": args.gap_ms,
             "steps": args.steps,
             "rounds": args.rounds,
             "stock_step_s": medians["stock"],

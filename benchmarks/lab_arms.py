@@ -13,15 +13,19 @@ sequences; llama-completion --temp 0: the md5 of the greedy text, which must be 
 cell. Rounds run the arms in order and then reversed (ABBA); the table gives medians and
 min..max over rounds, ratios against the stock fleet and the hub. Peak RSS (VmHWM) of every
 server process is read at the end, and the hypervisor's steal time per cell (/proc/stat): a
-cell with seconds of it ran while the host was busy elsewhere. Writes
-benchmarks/results/lab_arms.json. Needs root. Takes about 3 minutes per round with the defaults
-on 2 cores.
+cell with seconds of it ran while the host was busy elsewhere. Beside the medians, the ratios
+per round (each from the same round's two cells, so drift between rounds cancels): their median
+and quartiles over all rounds and over the quiet ones (no cell lost over 100 ms to steal);
+`--report FILE` prints the tables of a saved run. Writes benchmarks/results/lab_arms.json. Needs
+root. A cell takes 3-10 s on 2 cores (3 arms x 20 rounds with --n-gen 128: 3 min at 1 Gbit/s,
+5-7 min at 200 Mbit/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shlex
 import statistics
@@ -202,6 +206,129 @@ def peak_rss_mib(pids: list[int]) -> list[float]:
     return out
 
 
+QUIET_MS = 100  # a round is quiet when none of its cells lost more than this to the host's steal
+
+
+def summarize(rounds: list[dict], arms: Sequence[str]) -> dict:
+    """Per arm and metric: median, min and max over the rounds."""
+    by_arm = {arm: [c for rd in rounds for c in rd["cells"] if c["arm"] == arm] for arm in arms}
+    return {
+        arm: {
+            m: {
+                "median": statistics.median(c[m] for c in cells),
+                "min": min(c[m] for c in cells),
+                "max": max(c[m] for c in cells),
+            }
+            for m in METRICS
+        }
+        for arm, cells in by_arm.items()
+        if cells
+    }
+
+
+def paired(rounds: list[dict], arm: str, ref: str, metric: str, quiet_ms: float | None = None) -> list[float]:
+    """arm / ref per round, each from the same round's two cells (ABBA: next to each other in
+    time), so drift between rounds cancels; with `quiet_ms`, only rounds where no cell lost
+    more than that to the host's steal."""
+    out = []
+    for rd in rounds:
+        cells = {c["arm"]: c for c in rd["cells"]}
+        if arm not in cells or ref not in cells or not cells[ref][metric]:
+            continue
+        if quiet_ms is not None and max(c["steal_ms"] for c in rd["cells"]) > quiet_ms:
+            continue
+        out.append(cells[arm][metric] / cells[ref][metric])
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    """Median and quartiles (the values themselves below 4 of them)."""
+    if not xs:
+        return {"n": 0}
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 4 else [min(xs), statistics.median(xs), max(xs)]
+    return {"n": len(xs), "median": q[1], "q1": q[0], "q3": q[2]}
+
+
+def paired_summary(rounds: list[dict], arms: Sequence[str]) -> dict:
+    """Per arm, metric and reference arm: the paired ratios over all rounds and the quiet ones."""
+    return {
+        arm: {
+            m: {
+                f"x_{ref}": {
+                    "all": spread(paired(rounds, arm, ref, m)),
+                    "quiet": spread(paired(rounds, arm, ref, m, QUIET_MS)),
+                }
+                for ref in ("stock", "hub")
+                if ref in arms and ref != arm
+            }
+            for m in METRICS
+        }
+        for arm in arms
+    }
+
+
+def cores_text(node_cores: float | None, pin_nodes: bool) -> str:
+    cores = f" of {node_cores:g} cores" if node_cores else ""
+    return cores + (", each pinned to one core" if pin_nodes else "")
+
+
+def _ratio_text(r: dict) -> str:
+    if not r["n"]:
+        return "-"
+    return f"{r['median']:.2f} [{r['q1']:.2f}..{r['q3']:.2f}] n={r['n']}"
+
+
+def report(doc: dict) -> None:
+    """The tables of a run: medians with min..max and their ratios, then the paired ratios per
+    round (all rounds, and the quiet ones), md5, steal, pipeline parallelism, peak RSS."""
+    st, rounds = doc["settings"], doc["rounds"]
+    arms = [c["arm"] for c in rounds[0]["cells"]]
+    summary = doc.get("summary") or summarize(rounds, arms)
+    pairs = doc.get("paired") or paired_summary(rounds, arms)
+    rows = []
+    for m, label in METRICS.items():
+        for arm in arms:
+            s = summary[arm][m]
+            vs = [
+                f"{s['median'] / summary[ref][m]['median']:.2f}" if ref in summary and ref != arm else "-"
+                for ref in ("stock", "hub")
+            ]
+            rows.append([label, arm, f"{s['median']:.1f}", f"{s['min']:.1f}..{s['max']:.1f}", *vs])
+    title = (
+        f"{st['nodes']} nodes{cores_text(st.get('node_cores'), st.get('pin_nodes'))}, "
+        f"coordinator links {st['coordinator_link']}, peer links {st['peer_link']}, "
+        f"{doc['model']}, {st['rounds']} rounds (ABBA)"
+    )
+    show(title, ["metric", "arm", "median", "min..max", "x stock", "x hub"], rows)
+    rows = []
+    for m, label in METRICS.items():
+        for arm in arms:
+            ratios = pairs[arm][m]
+            if not ratios:
+                continue
+            row = [label, arm]
+            for ref in ("stock", "hub"):
+                r = ratios.get(f"x_{ref}")
+                row += [_ratio_text(r["all"]), _ratio_text(r["quiet"])] if r else ["-", "-"]
+            rows.append(row)
+    show(
+        f"paired per round: median (quartiles); quiet: no cell of the round lost over {QUIET_MS} ms to steal",
+        ["metric", "arm", "x stock", "x stock, quiet", "x hub", "x hub, quiet"],
+        rows,
+    )
+    md5s = {c["md5"] for rd in rounds for c in rd["cells"]}
+    print(f"greedy text md5 equal in every cell: {len(md5s) == 1} ({', '.join(sorted(md5s))})")
+    steal = sorted((c["steal_ms"], rd["round"], c["arm"]) for rd in rounds for c in rd["cells"])
+    print(
+        f"host steal per cell: median {statistics.median(x for x, _, _ in steal):.0f} ms, "
+        f"most {steal[-1][0]:.0f} ms (round {steal[-1][1]}, {steal[-1][2]})"
+    )
+    pp = {c["pipeline_parallel"] for rd in rounds for c in rd["cells"]}
+    print(f"llama.cpp logged 'pipeline parallelism enabled': {sorted(pp)}")
+    rss = doc["peak_rss_mib"]
+    print(f"peak RSS MiB per node: stock {rss['stock']}, fleetd daemon {rss['fleetd']}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_lab_options(ap, coordinator_link="200mbit")
@@ -228,7 +355,16 @@ def main() -> int:
     )
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     a = ap.parse_args()
+    if a.report:
+        try:
+            report(json.loads(Path(a.report).read_text()))
+        except (KeyError, IndexError, TypeError) as exc:
+            ap.error(f"--report {a.report}: not a lab_arms.py result (no {exc})")
+        except (OSError, ValueError) as exc:
+            ap.error(f"--report {a.report}: {exc}")
+        return 0
     arms = parse_arms(ap, a.arms, ARMS)
     coord, peer = parse_links(ap, a)
     work = Path(tempfile.mkdtemp(prefix="lab-arms-"))
@@ -272,54 +408,19 @@ def main() -> int:
                 p.kill()
         lab.down()
 
-    by_arm = {arm: [c for rd in rounds for c in rd["cells"] if c["arm"] == arm] for arm in arms}
-    summary = {
-        arm: {
-            m: {
-                "median": statistics.median(c[m] for c in cells),
-                "min": min(c[m] for c in cells),
-                "max": max(c[m] for c in cells),
-            }
-            for m in METRICS
-        }
-        for arm, cells in by_arm.items()
-    }
     md5s = {c["md5"] for rd in rounds for c in rd["cells"]}
-    rows = []
-    for m, label in METRICS.items():
-        for arm in arms:
-            s = summary[arm][m]
-            vs = [
-                f"{s['median'] / summary[ref][m]['median']:.2f}" if ref in summary and ref != arm else "-"
-                for ref in ("stock", "hub")
-            ]
-            rows.append([label, arm, f"{s['median']:.1f}", f"{s['min']:.1f}..{s['max']:.1f}", *vs])
-    cores = f" of {a.node_cores:g} cores" if a.node_cores else ""
-    cores += ", each pinned to one core" if a.pin_nodes else ""
-    show(
-        f"{a.nodes} nodes{cores}, coordinator links {a.coordinator_link}, peer links {a.peer_link}, "
-        f"{model.name}, {a.rounds} rounds (ABBA)",
-        ["metric", "arm", "median", "min..max", "x stock", "x hub"],
-        rows,
-    )
-    print(f"greedy text md5 equal in every cell: {len(md5s) == 1} ({', '.join(sorted(md5s))})")
-    steal = sorted((c["steal_ms"], rd["round"], c["arm"]) for rd in rounds for c in rd["cells"])
-    print(
-        f"host steal per cell: median {statistics.median(x for x, _, _ in steal):.0f} ms, "
-        f"most {steal[-1][0]:.0f} ms (round {steal[-1][1]}, {steal[-1][2]})"
-    )
-    pp = {c["pipeline_parallel"] for rd in rounds for c in rd["cells"]}
-    print(f"llama.cpp logged 'pipeline parallelism enabled': {sorted(pp)}")
-    print(f"peak RSS MiB per node: stock {rss['stock']}, fleetd daemon {rss['fleetd']}")
     doc = {
-        "settings": {k: v for k, v in vars(a).items() if k not in ("chart", "out")},
+        "settings": {k: v for k, v in vars(a).items() if k not in ("chart", "out", "report")},
         "model": model.name,
-        "summary": summary,
+        "summary": summarize(rounds, arms),
+        "paired": paired_summary(rounds, arms),
         "md5_equal": len(md5s) == 1,
         "peak_rss_mib": rss,
         "rounds": rounds,
     }
+    report(doc)
     print(f"wrote {save('lab_arms', doc, a.out)}")
+    summary, cores = doc["summary"], cores_text(a.node_cores, a.pin_nodes)
     if a.chart:
         panels = {
             label: {

@@ -230,7 +230,6 @@ static int reply(struct fleetd_fast *f, struct out *o, uint64_t size, const uint
     return rc;
 }
 
-
 /* Where a SET_TENSOR's data goes (its fixed part at `t`, `payload` bytes in all, at least
  * SET_FIXED), or NULL when the request is Python's: the cache flag (Python stores the file), a
  * model weight (Python notes its layer), or a region checked_region refuses. */
