@@ -282,7 +282,7 @@ def report(doc: dict) -> None:
     """The tables of a run: medians with min..max and their ratios, then the paired ratios per
     round (all rounds, and the quiet ones), md5, steal, pipeline parallelism, peak RSS."""
     st, rounds = doc["settings"], doc["rounds"]
-    arms = [c["arm"] for c in rounds[0]["cells"]]
+    arms = _arms_of(doc)
     summary = doc.get("summary") or summarize(rounds, arms)
     pairs = doc.get("paired") or paired_summary(rounds, arms)
     rows = []
@@ -329,6 +329,28 @@ def report(doc: dict) -> None:
     print(f"peak RSS MiB per node: stock {rss['stock']}, fleetd daemon {rss['fleetd']}")
 
 
+def chart(doc: dict, path: str) -> str:
+    """A bar chart of a run: each metric's median per arm, min..max as the error bar."""
+    st, summary = doc["settings"], doc.get("summary") or summarize(doc["rounds"], _arms_of(doc))
+    panels = {
+        label: {
+            arm: (summary[arm][m]["median"], summary[arm][m]["min"], summary[arm][m]["max"])
+            for arm in summary
+        }
+        for m, label in METRICS.items()
+    }
+    title = (
+        f"{st['nodes']} nodes{cores_text(st.get('node_cores'), st.get('pin_nodes'))}, "
+        f"coordinator {st['coordinator_link']}, peers {st['peer_link']}, "
+        f"{st['rounds']} rounds: median, min..max"
+    )
+    return write_bar_chart(path, title, panels)
+
+
+def _arms_of(doc: dict) -> list[str]:
+    return [c["arm"] for c in doc["rounds"][0]["cells"]]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_lab_options(ap, coordinator_link="200mbit")
@@ -355,11 +377,16 @@ def main() -> int:
     )
     ap.add_argument("--chart", help="write a PNG bar chart here")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/lab_arms.json)")
-    ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
+    ap.add_argument(
+        "--report", metavar="JSON", help="print the tables of an earlier run's JSON (and --chart) and exit"
+    )
     a = ap.parse_args()
     if a.report:
         try:
-            report(json.loads(Path(a.report).read_text()))
+            doc = json.loads(Path(a.report).read_text())
+            report(doc)
+            if a.chart:
+                print(f"wrote {chart(doc, a.chart)}")
         except (KeyError, IndexError, TypeError) as exc:
             ap.error(f"--report {a.report}: not a lab_arms.py result (no {exc})")
         except (OSError, ValueError) as exc:
@@ -420,18 +447,8 @@ def main() -> int:
     }
     report(doc)
     print(f"wrote {save('lab_arms', doc, a.out)}")
-    summary, cores = doc["summary"], cores_text(a.node_cores, a.pin_nodes)
     if a.chart:
-        panels = {
-            label: {
-                arm: (summary[arm][m]["median"], summary[arm][m]["min"], summary[arm][m]["max"])
-                for arm in arms
-            }
-            for m, label in METRICS.items()
-        }
-        title = f"{a.nodes} nodes{cores}, coordinator {a.coordinator_link}, peers {a.peer_link}"
-        title += ": median, min..max"
-        print(f"wrote {write_bar_chart(a.chart, title, panels)}")
+        print(f"wrote {chart(doc, a.chart)}")
     return 0 if len(md5s) == 1 else 1
 
 

@@ -62,13 +62,18 @@ def test_paired_ratios_take_each_rounds_own_cells_and_quiet_rounds_drop_stolen_o
     assert lab_arms.summarize(rounds, ["stock", "async"])["async"]["pp_tps"]["median"] == 120
 
 
-def test_report_prints_a_saved_run_and_a_bad_file_is_a_usage_error(tmp_path):
+def test_report_prints_and_charts_a_saved_run_and_a_bad_file_is_a_usage_error(tmp_path):
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(run_of([[cell("stock", 100), cell("hub", 90), cell("async", 130)]] * 4)))
+    png = tmp_path / "run.png"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--report", str(saved)], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SCRIPT), "--report", str(saved), "--chart", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "paired per round" in proc.stdout
     assert "1.30 [1.30..1.30] n=4" in proc.stdout  # async over stock, every round
     bad = tmp_path / "bad.json"
