@@ -307,11 +307,14 @@ def main() -> int:
     if args.steps < 1 or args.rounds < 1 or args.boundary < 0:
         ap.error("--steps and --rounds must be at least 1, --boundary at least 0")
     if args.cpus is not None:
+        allowed = os.sched_getaffinity(0)
         try:
             cpus = {int(c) for c in args.cpus.split(",")}
-            os.sched_setaffinity(0, cpus)  # the servers and their workers inherit it
-        except (ValueError, OSError) as exc:
-            ap.error(f"--cpus {args.cpus}: {exc}")
+        except ValueError:
+            ap.error(f"--cpus {args.cpus}: expected CPU numbers, e.g. 0 or 0,1")
+        if not cpus or not cpus <= allowed:
+            ap.error(f"--cpus {args.cpus}: this process may run on CPUs {sorted(allowed)} only")
+        os.sched_setaffinity(0, cpus)  # the servers and their workers inherit it
 
     with LocalFleet(remote, control=False) as local:
         cols, moves = run_arms(local.endpoints, args)
