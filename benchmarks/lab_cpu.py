@@ -37,7 +37,7 @@ from lab_arms import (  # noqa: E402
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.lab import Lab  # noqa: E402
 from fleetd.fleet.model_ab import parse_bench_json, run_p2p_tool  # noqa: E402
-from fleetd.fleet.procs import process_tree  # noqa: E402
+from fleetd.fleet.procs import children_of, process_tree  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
 from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
 
@@ -104,18 +104,54 @@ class NodeCpu:
                 print(f"lab_cpu: {group} not removed: {exc}", file=sys.stderr)
 
 
-def bench_cpu(model: Path, rpc: str, arm: str, cpu: NodeCpu, n_gen: int) -> tuple[float, list[float]]:
-    """One llama-bench decode run: (its tg tok/s, each node's CPU ns over the whole run)."""
+class FleetdCpu:
+    """fleetd's nodes, split: each daemon in a group of its own, and its fork server with every
+    compute worker it forks (they inherit the group) in another, so a token's CPU shows as the
+    session's side (socket, checks, hand-off) and the worker's (the graph, its side of the
+    hand-off). Without the cpuacct hierarchy only the total is known."""
+
+    def __init__(self, daemons: list[int]) -> None:
+        self.daemon = NodeCpu("fleetd", daemons)
+        forks = [children_of(d) for d in daemons]
+        self.workers = NodeCpu("fleetd-workers", [f[0] for f in forks if f]) if all(forks) else None
+        self.split = bool(self.daemon.groups and self.workers is not None and self.workers.groups)
+
+    def used_ns(self) -> dict[str, list[float]]:
+        if not self.split:
+            return {"total": self.daemon.used_ns()}
+        daemon, workers = self.daemon.used_ns(), self.workers.used_ns()
+        return {"total": [a + b for a, b in zip(daemon, workers)], "daemon": daemon, "workers": workers}
+
+    def remove(self) -> None:
+        if self.workers is not None:
+            self.workers.remove()
+        self.daemon.remove()
+
+
+class StockCpu:
+    def __init__(self, pids: list[int]) -> None:
+        self.node = NodeCpu("stock", pids)
+
+    def used_ns(self) -> dict[str, list[float]]:
+        return {"total": self.node.used_ns()}
+
+    def remove(self) -> None:
+        self.node.remove()
+
+
+def bench_cpu(model: Path, rpc: str, arm: str, cpu, n_gen: int) -> tuple[float, dict[str, list[float]]]:
+    """One llama-bench decode run: (its tg tok/s, each node's CPU ns over the whole run: the
+    total, and for fleetd its daemon's and its workers' when they are split)."""
     args = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
     args += ["-p", "0", "-n", str(n_gen), "-r", str(BENCH_RUNS - 1), "-o", "json"]
     before = cpu.used_ns()
     out = run_p2p_tool("llama-bench", args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
     after = cpu.used_ns()
-    used = [a - b for a, b in zip(after, before, strict=True)]
+    used = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in after}
     return parse_bench_json(out.stdout, ("tg_tps",))["tg_tps"], used
 
 
-def cell(model: Path, rpc: str, arm: str, cpu: NodeCpu, n_gen: int) -> dict:
+def cell(model: Path, rpc: str, arm: str, cpu, n_gen: int) -> dict:
     """tok/s of a tg`n_gen` run, and the CPU per token: the difference between it and a
     tg`SHORT_GEN` run over the tokens between them, so that what a run costs once (the load:
     every weight's SET_TENSOR, the context, the first graphs) cancels out."""
@@ -123,9 +159,15 @@ def cell(model: Path, rpc: str, arm: str, cpu: NodeCpu, n_gen: int) -> dict:
     tg, long_ns = bench_cpu(model, rpc, arm, cpu, n_gen)
     _, short_ns = bench_cpu(model, rpc, arm, cpu, SHORT_GEN)
     tokens = (n_gen - SHORT_GEN) * BENCH_RUNS
-    per_node = [(a - b) / tokens / 1e3 for a, b in zip(long_ns, short_ns, strict=True)]
+    per_token = {
+        k: [(a - b) / tokens / 1e3 for a, b in zip(long_ns[k], short_ns[k], strict=True)] for k in long_ns
+    }
     steal_ms = (steal_ns() - stolen) / 1e6
-    return {"arm": arm, "tg_tps": tg, "cpu_us_per_token": per_node, "steal_ms": steal_ms}
+    out = {"arm": arm, "tg_tps": tg, "cpu_us_per_token": per_token["total"], "steal_ms": steal_ms}
+    if "daemon" in per_token:
+        out["daemon_us_per_token"] = per_token["daemon"]
+        out["workers_us_per_token"] = per_token["workers"]
+    return out
 
 
 def spread(values: list[float]) -> str:
@@ -148,7 +190,7 @@ def main() -> int:
     model = generate_named(a.model, work)
     lab = Lab(work / "lab")
     stock = []
-    accounts: list[NodeCpu] = []
+    accounts: list[FleetdCpu | StockCpu] = []
     node_cpus = one_core_each(a.nodes) if a.pin_nodes else None
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
@@ -156,8 +198,8 @@ def main() -> int:
         fleetd_rpc = ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes)
         rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
         rpc["async"] = fleetd_rpc
-        fleetd_cpu = NodeCpu("fleetd", lab.state["pids"])
-        stock_cpu = NodeCpu("stock", [p.pid for p in stock])
+        fleetd_cpu = FleetdCpu(lab.state["pids"])
+        stock_cpu = StockCpu([p.pid for p in stock])
         accounts += [fleetd_cpu, stock_cpu]
         cpus = {"stock": stock_cpu, "hub": fleetd_cpu, "async": fleetd_cpu}
         rounds = []
@@ -187,6 +229,11 @@ def main() -> int:
                 statistics.median(c["cpu_us_per_token"][j] for c in cs) for j in range(a.nodes)
             ],
         }
+        for part in ("daemon", "workers"):
+            if all(f"{part}_us_per_token" in c for c in cs):
+                summary[arm][f"{part}_us_per_token_by_node"] = [
+                    statistics.median(c[f"{part}_us_per_token"][j] for c in cs) for j in range(a.nodes)
+                ]
     ref = summary.get("stock")
     rows = []
     for arm, s in summary.items():
@@ -196,18 +243,34 @@ def main() -> int:
             cpu = statistics.median(s["cpu_us_per_token"]) / statistics.median(ref["cpu_us_per_token"])
             vs = f"{tg:.2f} / {cpu:.2f}"
         by_node = ", ".join(f"{x:.0f}" for x in s["cpu_us_per_token_by_node"])
+        if "daemon_us_per_token_by_node" in s:  # each node's daemon + workers
+            by_node += (
+                " ("
+                + ", ".join(
+                    f"{d:.0f}+{w:.0f}"
+                    for d, w in zip(s["daemon_us_per_token_by_node"], s["workers_us_per_token_by_node"])
+                )
+                + ")"
+            )
         steal = spread([c["steal_ms"] for c in cells[arm]])
         rows.append([arm, spread(s["tg_tps"]), spread(s["cpu_us_per_token"]), by_node, vs, steal])
     pinned = ", each on one core" if a.pin_nodes else ""
     show(
         f"{a.nodes} nodes{pinned}, coordinator links {a.coordinator_link}, {model.name}, decode "
         f"tg{a.n_gen}, {a.rounds} rounds (ABBA)",
-        ["arm", "tok/s", "server CPU µs/token", "per node (median)", "x stock: tok/s / CPU", "steal ms"],
+        [
+            "arm",
+            "tok/s",
+            "server CPU µs/token",
+            "per node (fleetd: daemon+workers)",
+            "x stock: tok/s / CPU",
+            "steal ms",
+        ],
         rows,
     )
     doc = {
         "settings": {k: v for k, v in vars(a).items() if k != "out"},
-        "cpu_source": "cpuacct" if accounts and accounts[0].groups else "proc ticks",
+        "cpu_source": "cpuacct" if accounts and accounts[0].daemon.groups else "proc ticks",
         "model": model.name,
         "summary": summary,
         "rounds": rounds,
