@@ -88,6 +88,10 @@ class NodeCpu:
                 except OSError:  # ended meanwhile
                     pass
 
+    def parts_ns(self) -> dict[str, list[float]]:
+        """used_ns as bench_cpu reads every account: a stock server is one part, its total."""
+        return {"total": self.used_ns()}
+
     def used_ns(self) -> list[float]:
         if not self.groups:
             return [tree_cpu_ns(r) for r in self.roots]
@@ -116,7 +120,7 @@ class FleetdCpu:
         self.workers = NodeCpu("fleetd-workers", [f[0] for f in forks if f]) if all(forks) else None
         self.split = bool(self.daemon.groups and self.workers is not None and self.workers.groups)
 
-    def used_ns(self) -> dict[str, list[float]]:
+    def parts_ns(self) -> dict[str, list[float]]:
         if not self.split:
             return {"total": self.daemon.used_ns()}
         daemon, workers = self.daemon.used_ns(), self.workers.used_ns()
@@ -128,30 +132,21 @@ class FleetdCpu:
         self.daemon.remove()
 
 
-class StockCpu:
-    def __init__(self, pids: list[int]) -> None:
-        self.node = NodeCpu("stock", pids)
-
-    def used_ns(self) -> dict[str, list[float]]:
-        return {"total": self.node.used_ns()}
-
-    def remove(self) -> None:
-        self.node.remove()
-
-
-def bench_cpu(model: Path, rpc: str, arm: str, cpu, n_gen: int) -> tuple[float, dict[str, list[float]]]:
+def bench_cpu(
+    model: Path, rpc: str, arm: str, cpu: NodeCpu | FleetdCpu, n_gen: int
+) -> tuple[float, dict[str, list[float]]]:
     """One llama-bench decode run: (its tg tok/s, each node's CPU ns over the whole run: the
     total, and for fleetd its daemon's and its workers' when they are split)."""
     args = ["-m", str(model), "--rpc", rpc, "-sm", "layer", "-ngl", "99", "-t", "1"]
     args += ["-p", "0", "-n", str(n_gen), "-r", str(BENCH_RUNS - 1), "-o", "json"]
-    before = cpu.used_ns()
+    before = cpu.parts_ns()
     out = run_p2p_tool("llama-bench", args, P2P_ENV[arm], arm, TOOL_TIMEOUT_S)
-    after = cpu.used_ns()
+    after = cpu.parts_ns()
     used = {k: [a - b for a, b in zip(after[k], before[k], strict=True)] for k in after}
     return parse_bench_json(out.stdout, ("tg_tps",))["tg_tps"], used
 
 
-def cell(model: Path, rpc: str, arm: str, cpu, n_gen: int) -> dict:
+def cell(model: Path, rpc: str, arm: str, cpu: NodeCpu | FleetdCpu, n_gen: int) -> dict:
     """tok/s of a tg`n_gen` run, and the CPU per token: the difference between it and a
     tg`SHORT_GEN` run over the tokens between them, so that what a run costs once (the load:
     every weight's SET_TENSOR, the context, the first graphs) cancels out."""
@@ -190,7 +185,7 @@ def main() -> int:
     model = generate_named(a.model, work)
     lab = Lab(work / "lab")
     stock = []
-    accounts: list[FleetdCpu | StockCpu] = []
+    accounts: list[FleetdCpu | NodeCpu] = []
     node_cpus = one_core_each(a.nodes) if a.pin_nodes else None
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
@@ -199,7 +194,7 @@ def main() -> int:
         rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
         rpc["async"] = fleetd_rpc
         fleetd_cpu = FleetdCpu(lab.state["pids"])
-        stock_cpu = StockCpu([p.pid for p in stock])
+        stock_cpu = NodeCpu("stock", [p.pid for p in stock])
         accounts += [fleetd_cpu, stock_cpu]
         cpus = {"stock": stock_cpu, "hub": fleetd_cpu, "async": fleetd_cpu}
         rounds = []

@@ -131,7 +131,6 @@ class RawBoundary:
     COPY_IDS_AT = 9 + 2 * RPC_TENSOR.size + 8
 
     def __init__(self, p: Pipeline) -> None:
-        self.p = p
         self.src_stage, self.dst_stage = p.stages[0], p.stages[1]
         self.src_sock, self.dst_sock = self.src_stage.client.sock, self.dst_stage.client.sock
         self.src = p.graphs[0].hidden_out.rpc()

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import connection_closed, endpoint, wait_until
+from helpers import connection_closed, endpoint, frame, wait_until
 from test_fast_path import frame_set
 from test_workers import Bystander, Slab, gone, long_graph, start, worker_pid_of_new_session
 
@@ -185,7 +185,7 @@ def test_replies_of_requests_sent_together_come_whole_and_in_order(server):
     assert client.get_alignment(0)  # the session is in its loop
     s = session_of(server, client)
     before = s.fast.requests_served
-    align = bytes([Cmd.GET_ALIGNMENT]) + (4).to_bytes(8, "little") + (0).to_bytes(4, "little")
+    align = frame(Cmd.GET_ALIGNMENT, (0).to_bytes(4, "little"))
     burst = (
         frame_get(small.rpc(), 0, 1024)
         + frame_get(large.rpc(), 0, 32768)
