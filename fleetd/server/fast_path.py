@@ -26,7 +26,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from fleetd.compute import native
-from fleetd.wire import GGML_TYPE_COUNT, TYPE_TRAITS, Cmd
+from fleetd.compute.ggml.channel import SERVE, SERVE_REGION
+from fleetd.wire import GGML_TYPE_COUNT, Cmd
 
 if TYPE_CHECKING:
     import socket
@@ -41,6 +42,7 @@ SMALLEST = 9 + 305 + 1
 _FAST_COMMANDS = (Cmd.SET_TENSOR, Cmd.GET_TENSOR)
 _SERVED_FIELDS = [name for name, _ in native.FastServed._fields_]
 _SERVED_SIZE = ctypes.sizeof(native.FastServed)
+_SERVED_OFFSET = native.FastContext.served.offset
 RECOMPUTE_BYTES = 9 + 4  # a GRAPH_RECOMPUTE request: header and device
 GATE_BYTES = 9 + 16  # a PEER_GATE request: header, stream, seq
 ANSWER_BYTES = 8 + 1  # PEER_GATE's and PEER_PUSH's answer: size, one byte
@@ -51,6 +53,9 @@ ALIGNMENT_REPLY_BYTES = 8 + 8  # its answer: size, the alignment
 # (the counters are live meanwhile: this bounds how long the worker stays locked to it).
 LOOP_WAIT_MS = 20
 LOOP_BUDGET_MS = 100
+# A stint's: its counts are live (the worker's page), so only its start costs (~0.5 ms of Python
+# on both sides), and how soon a session that starts computing meanwhile is seen bounds it.
+STINT_BUDGET_MS = 500
 _SIZE = struct.Struct("<Q")
 _LOOP_NAMES = {
     native.LOOP_PYTHON: "python",
@@ -62,12 +67,7 @@ _LOOP_NAMES = {
     native.LOOP_BODY: "body",
 }
 
-_BLCK = (ctypes.c_uint32 * GGML_TYPE_COUNT)(
-    *(TYPE_TRAITS[t].blck_size if t in TYPE_TRAITS else 0 for t in range(GGML_TYPE_COUNT))
-)
-_TSIZE = (ctypes.c_uint32 * GGML_TYPE_COUNT)(
-    *(TYPE_TRAITS[t].type_size if t in TYPE_TRAITS else 0 for t in range(GGML_TYPE_COUNT))
-)
+_BLCK, _TSIZE = native.type_tables()
 
 
 class FastPath:
@@ -98,6 +98,9 @@ class FastPath:
         self._written = (ctypes.c_int32 * 0)()
         self._armed: tuple | None = None  # what arm() last set up
         self.handovers = 0  # GRAPH_RECOMPUTEs C handed over whose answer Python read (LOOP_WORKER)
+        self.stints = 0  # stints begun: the connection served by the session's worker for a while
+        self._live: native.FastServed | None = None  # a stint's counts, in its worker's page
+        self._live_folded = native.FastServed()  # what of them a counters reset took
         self.buffer_serves = 0  # serve() calls that served requests Python had read (not the loop)
         self.loop_answers: Counter[int] = Counter()  # LOOP_* -> times the loop gave it back
 
@@ -107,7 +110,7 @@ class FastPath:
         back = ", ".join(f"{_LOOP_NAMES.get(a, a)} {n}" for a, n in sorted(self.loop_answers.items()))
         return (
             f"{self.requests_served} requests served in C; loop gave back: {back or 'never'}; "
-            f"{self.buffer_serves} serves from Python's buffer"
+            f"{self.buffer_serves} serves from Python's buffer; {self.stints} stints in the worker"
         )
 
     @property
@@ -265,6 +268,53 @@ class FastPath:
             raise ConnectionError(code, f"fast loop: {os.strerror(code)}")
         return answer, ctx.have
 
+    # -- a stint: the same loop in the session's worker, which then holds the connection --------
+
+    def stint_request(self) -> bytes:
+        """MSG_SERVE's payload for the armed graph: its device and threads, the budget, the
+        session's regions (the worker serves those it maps), the regions the graph writes, the
+        alignments C answers."""
+        ctx, rc = self._ctx, self._ctx.rc
+        parts = [SERVE.pack(rc.device, rc.threads, STINT_BUDGET_MS, ctx.n_regions, rc.n_written, ctx.n_align)]
+        parts += [SERVE_REGION.pack(r.handle, r.base, r.size) for r in self._regions]
+        parts.append(struct.pack(f"<{rc.n_written}I", *self._written))
+        parts.append(struct.pack(f"<{ctx.n_align}Q", *ctx.align[: ctx.n_align]))
+        return b"".join(parts)
+
+    def begin_stint(self, page) -> None:
+        """Before a stint: the worker's loop context will lie at the start of `page` (a shared
+        numpy array of the worker's), zeroed here; its counts are read live from there until
+        stint_done()."""
+        with self.lock:
+            page[:] = 0
+            self._live = native.FastServed.from_buffer(page, _SERVED_OFFSET)
+        self.stints += 1
+
+    def stint_done(self, result) -> None:
+        """Take in what a stint served (a workers.StintResult): its counts and written regions,
+        folded as after the loop. Raises as loop() does for a reply the worker could not send;
+        ValueError for an answer that does not fit this session (the caller kills the worker)."""
+        if len(result.written) != len(self._regions):
+            raise ValueError(f"{len(result.written)} written flags for {len(self._regions)} regions")
+        served = native.FastServed.from_buffer_copy(result.served)
+        with self.lock:  # a reader sees the stint's counts live or folded in, never both
+            base, folded = self._live_folded, self._folded
+            for name in _SERVED_FIELDS:
+                setattr(self._ctx.served, name, getattr(self._ctx.served, name) + getattr(served, name))
+                setattr(folded, name, getattr(folded, name) + getattr(base, name))
+            self._live = None
+            self._live_folded = native.FastServed()
+        for r, flag in zip(self._regions, result.written):
+            if flag:
+                r.written = 1
+        self.loop_answers[result.answer] += 1
+        self._fold()
+        if result.answer == native.LOOP_ERROR:
+            code = -result.error
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise BlockingIOError(code, os.strerror(code))
+            raise ConnectionError(code, f"fast loop in the worker: {os.strerror(code)}")
+
     def _account(self, conn: ServerConnection, used: int) -> None:
         self._fold()
         conn.served(used)
@@ -272,14 +322,22 @@ class FastPath:
     @property
     def requests_served(self) -> int:
         """Requests C served since the session began (tests, diagnostics)."""
-        s = self._ctx.served
-        served = s.set_count + s.get_count + s.recompute_count + s.gate_count + s.push_count + s.copy_count
-        return served + s.align_count
+        total = 0
+        for s in (self._ctx.served, self._live):  # a stint's still in its worker's page
+            if s is not None:
+                total += s.set_count + s.get_count + s.recompute_count + s.gate_count
+                total += s.push_count + s.copy_count + s.align_count
+        return total
 
     def _pending(self) -> dict[str, int]:
         """What C served that the counters do not hold yet, per FastServed field (under `lock`)."""
-        served, folded = self._ctx.served, self._folded
-        return {name: getattr(served, name) - getattr(folded, name) for name in _SERVED_FIELDS}
+        served, folded, live = self._ctx.served, self._folded, self._live
+        pending = {name: getattr(served, name) - getattr(folded, name) for name in _SERVED_FIELDS}
+        if live is not None:
+            base = self._live_folded
+            for name in _SERVED_FIELDS:
+                pending[name] += getattr(live, name) - getattr(base, name)
+        return pending
 
     def add_pending(self, counters: CommandCounters) -> None:
         """Add to `counters` (a copy of the session's) what C served since the last fold."""
@@ -290,6 +348,8 @@ class FastPath:
         """Count what C served so far as folded in (caller holds `lock`; the session's counters
         are being zeroed)."""
         ctypes.memmove(ctypes.addressof(self._folded), ctypes.addressof(self._ctx.served), _SERVED_SIZE)
+        if self._live is not None:  # and of a stint's, what its worker counted so far
+            self._live_folded = native.FastServed.from_buffer_copy(self._live)
 
     @staticmethod
     def _add(c: CommandCounters, d: dict[str, int], per_command: bool) -> None:

@@ -224,6 +224,11 @@ class AsyncCopies:
         self._routes_changed = True
         return route
 
+    @property
+    def routed(self) -> bool:
+        """Whether this session pushes copies on routes (the loop serves them in the daemon)."""
+        return bool(self._routes)
+
     def arm_routes(self, fast) -> None:
         """Before the loop: its routes, and the idle ones taken."""
         if not self._routes:

@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,9 +21,11 @@ import numpy as np
 
 from fleetd.compute import native
 from fleetd.compute.buffers import Buffer
+from fleetd.compute.ggml.channel import REPLY_REFUSED
+from fleetd.compute.ggml.workers import WorkerDied
 from fleetd.compute.views import check_extent
 from fleetd.errors import ComputeError, FleetdError, RemoteProtocolError
-from fleetd.server import regions
+from fleetd.server import fast_path, regions
 from fleetd.server.fast_path import RECOMPUTE_BYTES, FastPath
 from fleetd.server.fast_path import SMALLEST as FAST_SMALLEST
 from fleetd.server.graph_bounds import check_graph
@@ -96,6 +99,10 @@ RECV_CHUNK = 64 * 1024
 FIRST_READ = 4 * 1024
 # Responses up to this size are joined with their header into one send (one segment, one syscall).
 SMALL_RESPONSE = 64 * 1024
+# A stint's answer comes within its budget, one graph and an idle wait; this much later the
+# worker is killed.
+STINT_SLACK_S = 2.0
+_TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO
 
 
 _UNKNOWN = object()  # Session.local_addr not asked yet
@@ -159,6 +166,9 @@ class Session:
         self._scratch_c = (ctypes.c_char * RECV_CHUNK).from_buffer(self._scratch)
         self._scratch_address = ctypes.addressof(self._scratch_c)
         self._recv_body = native.recv_body()  # request bodies read in C (None: in Python)
+        # Stints (the worker serves the connection): on, unless switched off for the daemon
+        # (FLEETD_STINTS=0, for A/B) or once the session sends peer commands (the daemon's).
+        self._stints = os.environ.get("FLEETD_STINTS", "1") != "0"
         self._local_addr: str | None | object = _UNKNOWN
 
     # -- the loop ---------------------------------------------------------------------------
@@ -262,6 +272,19 @@ class Session:
         fast = self.fast
         held = self._arm_recompute()
         copies = self.async_copies
+        if held is not None and self._stints and not copies.routed:
+            pool, worker, _ = held
+            # The only session with a worker, and computing alone: the worker takes the
+            # connection (counted as computing all along, so a session that starts meanwhile
+            # takes its share of the threads; at the next stint's start it is seen).
+            if pool.computing.add(1) == 1 and pool.live() == 1:
+                try:
+                    return self._stint(pool, worker)
+                finally:
+                    pool.computing.add(-1)
+                    pool.release_fast(worker, used=True)
+                    fast.disarm()
+            pool.computing.add(-1)
         copies.arm_routes(fast)
         answer = 0
         try:
@@ -290,6 +313,42 @@ class Session:
             why, got, waited, cmd = fast.body_cut()
             self._body_cut(why, got, waited, Cmd(cmd).name)
         return answer
+
+    def _stint(self, pool, worker) -> int:
+        """Hand the connection to the session's worker (held, armed, this session the only one
+        computing) for a stint of STINT_BUDGET_MS at most: it serves the loop's requests itself and
+        computes the stored graph in place, so a decode step wakes one process, not the daemon
+        and then its worker. Returns the loop's answer; what the worker read of the next request
+        goes into the receive buffer, and a graph that failed raises as finish_fast would."""
+        fast = self.fast
+        sock = self.sock
+        was = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size)
+        wait_ms = fast_path.LOOP_WAIT_MS
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(wait_ms // 1000, wait_ms % 1000 * 1000)
+        )
+        try:
+            # the budget (twice for a request still arriving), an idle wait, one graph
+            longest = (2 * fast_path.STINT_BUDGET_MS + wait_ms) / 1000 + self.limits.graph_timeout
+            fast.begin_stint(worker.stint_page())
+            timeout = self.limits.graph_timeout
+            result = pool.stint(self.id, worker, fast.stint_request(), timeout, longest + STINT_SLACK_S, sock)
+        finally:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, was)
+        try:
+            fast.stint_done(result)
+        except ValueError as exc:
+            worker.kill()
+            raise WorkerDied(f"compute worker {worker.pid}: {exc}") from None
+        if result.left:
+            self.conn.receive_data(result.left)
+            if result.answer == native.LOOP_PYTHON and result.left[0] >= Cmd.COPY_TENSOR_TO:
+                self._stints = False  # a session on the direct path: its peer commands are the daemon's
+        if result.answer == native.LOOP_WORKER:
+            if result.failed == REPLY_REFUSED:
+                raise RemoteProtocolError(result.text)
+            raise ComputeError(result.text)
+        return result.answer
 
     def _arm_recompute(self):
         """(pool, worker, stored graph) when the session's one stored graph can be recomputed

@@ -15,6 +15,7 @@ import mmap
 import os
 import pickle
 import socket
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,11 +26,16 @@ from fleetd.compute.ggml.channel import (
     MSG_COMPUTE,
     MSG_FORGET,
     MSG_RUN,
+    MSG_SERVE,
     REPLY_DONE,
     REPLY_FAILED,
     REPLY_READY,
     REPLY_REFUSED,
+    REPLY_SERVED,
     RUN,
+    SERVE,
+    SERVE_REGION,
+    SERVED,
     recv_message,
     send_message,
 )
@@ -225,6 +231,95 @@ class WorkerPlan:
         self.padded.clear()
 
 
+STINT_CAPACITY = 64 * 1024  # the session's receive chunk: a request larger goes to the daemon
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+class Stint:
+    """The session's connection served in this worker for a while (MSG_SERVE), so a decode step
+    is one process's wake-up, as on a stock server: fastpath.c's loop, the same checks as the
+    daemon's, over this worker's own mappings (a region it does not map stays the daemon's), the
+    built graph's GRAPH_RECOMPUTE computed in place. The loop stops at the first request that is
+    not a plain SET_TENSOR, GET_TENSOR, GET_ALIGNMENT or that GRAPH_RECOMPUTE, at the budget or
+    after an idle wait, and what it read of the next request goes back to the daemon."""
+
+    def __init__(self) -> None:
+        self.ctx: native.FastContext | None = None  # in the daemon's page: its counts are live there
+        self.loop = native.fast_loop()
+        self.buffer = ctypes.create_string_buffer(STINT_CAPACITY)
+        self.blck, self.tsize = native.type_tables()
+        # A stint's graph reaches only its session's buffers, which nobody frees while the
+        # daemon's session thread waits for the stint: the frees count and the compute count
+        # are the stint's own.
+        self.frees = ctypes.c_uint64(0)
+        self.computing = ctypes.c_int32(0)
+
+    def serve(
+        self, fds: list[int], payload: bytes, maps: dict[int, Mapping], plan: WorkerPlan, state
+    ) -> bytes:
+        """One stint on the client's socket (fds[0]; fds[1] is the daemon's page for the loop's
+        context; the caller closes both) with `plan` built (`state`, its native_state); the
+        REPLY_SERVED payload. The daemon zeroed the page's counts before it sent this."""
+        client_fd, page_fd = fds
+        if self.ctx is None:
+            self.page = mmap.mmap(page_fd, ctypes.sizeof(native.FastContext), mmap.MAP_SHARED)
+            self.ctx = native.FastContext.from_buffer(self.page)
+        device, threads, budget_ms, n_regions, n_written, n_align = SERVE.unpack_from(payload)
+        at = SERVE.size
+        mine: list[tuple[int, int, int, int, int]] = []  # (daemon's index, handle, base, size, address)
+        for i in range(n_regions):
+            handle, base, size = SERVE_REGION.unpack_from(payload, at)
+            at += SERVE_REGION.size
+            m = maps.get(handle)
+            if m is not None and m.base == base and m.size == size:
+                mine.append((i, handle, base, size, m.address))
+        local = {daemon_index: k for k, (daemon_index, *_) in enumerate(mine)}
+        written = []
+        for _ in range(n_written):
+            (i,) = _U32.unpack_from(payload, at)
+            at += 4
+            written.append(local[i])  # KeyError: a graph writing a region not mapped here
+        ctx = self.ctx
+        ctx.have = 0
+        regions = (native.FastRegion * len(mine))()
+        for r, (_, handle, base, size, address) in zip(regions, mine):
+            r.handle, r.base, r.size, r.host = handle, base, size, address
+        ctx.fd, ctx.regions, ctx.n_regions = client_fd, regions, len(mine)
+        ctx.blck, ctx.tsize, ctx.n_types = self.blck, self.tsize, len(self.blck)
+        ctx.n_align = min(n_align, native.FAST_DEVICES)
+        for d in range(ctx.n_align):
+            (ctx.align[d],) = _U64.unpack_from(payload, at + 8 * d)
+        rc = ctx.rc
+        written_ids = (ctypes.c_int32 * len(written))(*written)
+        rc.device, rc.worker_fd, rc.threads = device, -1, threads
+        rc.n_written, rc.written = len(written), written_ids
+        rc.frees, rc.frees_seen = ctypes.pointer(self.frees), self.frees.value
+        rc.computing = ctypes.pointer(self.computing)
+        rc.inline_worker = ctypes.addressof(state)
+        answer = self.loop(ctypes.byref(ctx), self.buffer, STINT_CAPACITY, -1, budget_ms)
+        failed, text = 0, b""
+        if answer == native.LOOP_WORKER:  # the graph did not compute: the daemon says why
+            failed, message = (
+                plan.refused(state.failed)
+                if rc.inline_status == native.WORKER_REFUSED
+                else plan.failed(state.failed)
+            )
+            text = message.encode()
+        flags = bytearray(n_regions)
+        for (daemon_index, *_), r in zip(mine, regions):
+            flags[daemon_index] = 1 if r.written else 0
+        left = ctx.have
+        return b"".join(
+            (
+                SERVED.pack(answer, failed, ctx.error, left, n_regions, len(text)),
+                bytes(ctx.served),
+                bytes(flags),
+                self.buffer.raw[:left],
+                text,
+            )
+        )
+
+
 def warm_up(lib: ggml.GgmlLibrary, backend: int) -> None:
     """One tiny graph before the sandbox closes: the CPU backend's lazy set-up (feature
     detection, the thread pool) happens while it may still read /proc and /sys."""
@@ -252,6 +347,7 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
     loop = native.worker_loop()  # RUNs in C, while the plan stays; None: all in Python
     state: native.WorkerState | None = None
     state_of: WorkerPlan | None = None  # the plan `state` points into (its arrays, its graph)
+    stint = Stint()
     while True:
         if loop is not None and key in plans:
             if state_of is not plans[key]:
@@ -278,6 +374,25 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
             kind, payload, fds = recv_message(sock, MAX_MESSAGE, max_fds=1 << 16)
         except EOFError:
             return
+        if kind == MSG_SERVE:
+            try:
+                if len(fds) != 2:
+                    raise ValueError(f"MSG_SERVE with {len(fds)} fds")
+                plan = plans[key]
+                if state_of is not plan:
+                    state_of = plan
+                    state = plan.native_state(sock, backend)
+                if state is None or loop is None:  # nothing to compute in C: all the daemon's
+                    served = SERVED.pack(native.LOOP_PYTHON, 0, 0, 0, 0, 0) + bytes(native.FastServed())
+                else:
+                    state.threads = current_threads
+                    served = stint.serve(fds, payload, maps, plan, state)
+                    current_threads = state.threads
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            send_message(sock, REPLY_SERVED, served)
+            continue
         if kind == MSG_RUN:  # the hot path: no pickle, the graph and mappings as they were
             (want,) = RUN.unpack(payload)
             if want != current_threads:

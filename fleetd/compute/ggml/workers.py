@@ -10,12 +10,14 @@ that has gone is killed and costs that session its connection, nothing else.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -29,11 +31,14 @@ from fleetd.compute.ggml.channel import (
     MAX_REPLY,
     MSG_COMPUTE,
     MSG_RUN,
+    MSG_SERVE,
     REPLY_DONE,
     REPLY_FAILED,
     REPLY_READY,
     REPLY_REFUSED,
+    REPLY_SERVED,
     RUN,
+    SERVED,
     recv_exact,
     recv_message,
     send_message,
@@ -43,7 +48,7 @@ from fleetd.compute.ggml.forkserver import EXITED, PID, SPAWN
 if TYPE_CHECKING:
     from fleetd.compute.buffers import Buffer
 from fleetd.compute import native
-from fleetd.compute.host_memory import memfd_of
+from fleetd.compute.host_memory import memfd_of, shared_pages
 from fleetd.errors import ComputeError, RemoteProtocolError
 from fleetd.transport.stream import set_recv_timeout
 
@@ -188,6 +193,7 @@ class Worker:
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         self._client_fd = -1  # the client socket the poller also watches for a hang-up
+        self._stint_page = None  # stint_page()
 
     def wait_ready(self) -> None:
         """Wait for the worker's READY and keep what it says of its walls; WorkerDied if it does not come."""
@@ -273,7 +279,8 @@ class Worker:
     def finish(self, deadline: float, client: socket.socket | None) -> None:
         """Wait for the answer to the graph handed over last (by compute() or by a session's
         fast loop in C) and act on it, as compute() says."""
-        kind, text = self._wait_reply(deadline, client)
+        kind, payload = self._wait_reply(deadline, client, MAX_REPLY)
+        text = payload.decode(errors="replace")[:1000]
         self.last_used = time.monotonic()
         if kind == REPLY_DONE:
             return
@@ -284,15 +291,46 @@ class Worker:
         self.kill()
         raise WorkerDied(f"compute worker {self.pid}: unexpected reply {kind}")
 
-    def _wait_reply(self, deadline: float, client: socket.socket | None) -> tuple[int, str]:
+    def stint_page(self):
+        """The page (a shared numpy array) the worker's stints count in as they serve: a reader
+        of the session's counters sees them live (FastPath.begin_stint)."""
+        if self._stint_page is None:
+            self._stint_page = shared_pages(STINT_PAGE, "fleetd-stint")
+            if self._stint_page is None:
+                raise ComputeError("no memory for a stint's counters")
+        return self._stint_page
+
+    def stint_page_fd(self) -> int:
+        fd = memfd_of(self.stint_page())
+        assert fd is not None
+        return fd
+
+    def stint(
+        self, client: socket.socket, request: bytes, graph_timeout: float, longest: float
+    ) -> StintResult:
+        """Hand the worker the client's connection for a stint (MSG_SERVE, `request` its
+        payload) and wait for it back (see _wait_stint). Raises WorkerDied (it died, or its
+        answer does not parse: it is killed), ComputeError (past a deadline: killed),
+        ClientGone."""
+        self.last_used = time.monotonic()
+        try:
+            send_message(self.sock, MSG_SERVE, request, [client.fileno(), self.stint_page_fd()])
+        except OSError as exc:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid} died: {self._why(exc)}") from None
+        kind, payload = self._wait_stint(client, graph_timeout, longest)
+        self.last_used = time.monotonic()
+        try:
+            if kind != REPLY_SERVED:
+                raise ValueError(f"reply {kind}")
+            return StintResult.parse(payload)
+        except (ValueError, struct.error) as exc:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid}: a stint's answer does not parse ({exc})") from None
+
+    def _wait_reply(self, deadline: float, client: socket.socket | None, max_reply: int) -> tuple[int, bytes]:
         poller = self._poller
-        client_fd = client.fileno() if client is not None else -1
-        if client_fd != self._client_fd:
-            if self._client_fd >= 0:
-                poller.unregister(self._client_fd)
-            if client_fd >= 0:
-                poller.register(client_fd, select.POLLRDHUP)
-            self._client_fd = client_fd
+        self._watch_client(client)
         sock_fd = self.sock.fileno()
         while True:
             left = deadline - time.monotonic()
@@ -301,17 +339,109 @@ class Worker:
                 raise ComputeError(f"graph still computing at the deadline: worker {self.pid} killed")
             for fd, ev in poller.poll(min(left, 1.0) * 1000):
                 if fd == sock_fd:
-                    try:
-                        kind, payload, _ = recv_message(self.sock, MAX_REPLY)
-                        return kind, payload.decode(errors="replace")[:1000]
-                    except (OSError, EOFError, ValueError) as exc:
-                        self.kill()
-                        raise WorkerDied(
-                            f"compute worker {self.pid} died mid-graph: {self._why(exc)}"
-                        ) from None
+                    return self._read_reply(max_reply)
                 if ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
                     self.kill()
                     raise ClientGone("the client hung up while its graph computed: cancelled")
+
+    def _watch_client(self, client: socket.socket | None) -> None:
+        """Have the poller watch `client` (None: no client) for a hang-up besides the channel."""
+        client_fd = client.fileno() if client is not None else -1
+        if client_fd != self._client_fd:
+            if self._client_fd >= 0:
+                self._poller.unregister(self._client_fd)
+            if client_fd >= 0:
+                self._poller.register(client_fd, select.POLLRDHUP)
+            self._client_fd = client_fd
+
+    def _read_reply(self, max_reply: int) -> tuple[int, bytes]:
+        try:
+            kind, payload, _ = recv_message(self.sock, max_reply)
+            return kind, payload
+        except (OSError, EOFError, ValueError) as exc:
+            self.kill()
+            raise WorkerDied(f"compute worker {self.pid} died mid-graph: {self._why(exc)}") from None
+
+    def _wait_stint(self, client: socket.socket, graph_timeout: float, longest: float) -> tuple[int, bytes]:
+        """A stint's answer. The worker is killed when its client hung up and it does not
+        answer within STINT_HANGUP_GRACE (ClientGone: it was computing), when it made no
+        progress (its live counts, a graph's start) for graph_timeout while a graph computes or
+        the client's bytes wait unread (ComputeError), or after `longest` in all."""
+        view = native.FastContext.from_buffer(self.stint_page())
+
+        def progress() -> tuple[int, ...]:
+            s = view.served  # the count first: C sets a graph's start before, the count after
+            return (s.recompute_count, s.set_count, s.get_count, s.align_count, view.rc.started_ns)
+
+        self._watch_client(client)
+        sock_fd = self.sock.fileno()
+        start = since = time.monotonic()
+        seen, hung_up = progress(), 0.0
+        finished = seen[4]  # the start of the last graph counted done
+        tick = min(1.0, max(graph_timeout / 4, 0.05)) * 1000
+        while True:
+            for fd, ev in self._poller.poll(tick):
+                if fd == sock_fd:
+                    return self._read_reply(STINT_REPLY_MAX)
+                if ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                    hung_up = time.monotonic()  # the worker sees it too, and answers
+                    self._watch_client(None)
+            now = time.monotonic()
+            if hung_up and now - hung_up > STINT_HANGUP_GRACE:
+                self.kill()
+                raise ClientGone("the client hung up while its graph computed: cancelled")
+            now_seen = progress()
+            if now_seen[0] != seen[0]:
+                finished = now_seen[4]
+            if now_seen != seen:
+                seen, since = now_seen, now
+            if (now - since > graph_timeout and (seen[4] != finished or _readable(client))) or (
+                now - start > longest
+            ):
+                self.kill()
+                raise ComputeError(f"graph still computing at the deadline: worker {self.pid} killed")
+
+
+STINT_PAGE = 4096  # the worker's loop context lies at its start (worker.Stint), counts and all
+STINT_HANGUP_GRACE = 0.2  # seconds a stint's worker has to answer once its client hung up
+STINT_LEFT_MAX = 64 * 1024  # the worker's receive buffer (worker.STINT_CAPACITY)
+STINT_REPLY_MAX = 1 << 20
+_LOOP_ANSWERS = range(native.LOOP_PYTHON, native.LOOP_BODY + 1)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Bytes wait in `sock` (a client's requests that nobody reads)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(0))
+
+
+class StintResult:
+    """What a worker says of a stint (REPLY_SERVED), checked as far as the daemon can: it trusts
+    no worker, so a malformed answer kills it (the stint's parser raises ValueError)."""
+
+    def __init__(
+        self, answer: int, failed: int, error: int, served: bytes, written: bytes, left: bytes, text: str
+    ):
+        self.answer, self.failed, self.error = answer, failed, error
+        self.served, self.written, self.left, self.text = served, written, left, text
+
+    @classmethod
+    def parse(cls, payload: bytes) -> StintResult:
+        answer, failed, error, n_left, n_regions, n_text = SERVED.unpack_from(payload)
+        n_served = ctypes.sizeof(native.FastServed)
+        if answer not in _LOOP_ANSWERS or failed not in (0, REPLY_REFUSED, REPLY_FAILED):
+            raise ValueError(f"answer {answer}, failed {failed}")
+        if n_left > STINT_LEFT_MAX or len(payload) != SERVED.size + n_served + n_regions + n_left + n_text:
+            raise ValueError(f"{len(payload)} bytes")
+        at = SERVED.size
+        served = payload[at : at + n_served]
+        at += n_served
+        written = payload[at : at + n_regions]
+        at += n_regions
+        left = payload[at : at + n_left]
+        text = payload[at + n_left :].decode(errors="replace")[:1000]
+        return cls(answer, failed, error, served, written, left, text)
 
 
 class CpuPlacer:
@@ -462,6 +592,17 @@ class WorkerPool:
         """A GRAPH_RECOMPUTE the fast loop handed over whose answer was not a plain DONE: wait
         for it and decide as compute() does (worker held by hold_for_fast)."""
         self._settle(session_id, worker, lambda: worker.finish(deadline, client))
+
+    def stint(
+        self, session_id: int, worker: Worker, request: bytes, graph_timeout: float, longest: float, client
+    ) -> StintResult:
+        """The session's connection served by its worker for a stint (worker held by
+        hold_for_fast); the worker's answer, or what Worker.stint raises."""
+        result: list[StintResult] = []
+        self._settle(
+            session_id, worker, lambda: result.append(worker.stint(client, request, graph_timeout, longest))
+        )
+        return result[0]
 
     def release_fast(self, worker: Worker, used: bool) -> None:
         if used:

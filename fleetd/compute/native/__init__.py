@@ -213,6 +213,9 @@ class FastRecompute(ctypes.Structure):
         ("computing", ctypes.POINTER(ctypes.c_int32)),
         ("timeout_ns", ctypes.c_int64),
         ("started_ns", ctypes.c_int64),
+        ("inline_worker", ctypes.c_void_p),  # a WorkerState in the session's worker, else None
+        ("inline_status", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -306,6 +309,27 @@ class FastContext(ctypes.Structure):
         ("align", ctypes.c_uint64 * FAST_DEVICES),
         ("n_align", ctypes.c_int32),
     ]
+
+
+def type_tables():
+    """(blck, tsize): per ggml type, elements per block (0: no such type) and bytes per block,
+    as fastpath.c's bounds arithmetic reads them."""
+    global _TYPE_TABLES
+    if _TYPE_TABLES is None:
+        from fleetd.wire import GGML_TYPE_COUNT, TYPE_TRAITS
+
+        _TYPE_TABLES = (
+            (ctypes.c_uint32 * GGML_TYPE_COUNT)(
+                *(TYPE_TRAITS[t].blck_size if t in TYPE_TRAITS else 0 for t in range(GGML_TYPE_COUNT))
+            ),
+            (ctypes.c_uint32 * GGML_TYPE_COUNT)(
+                *(TYPE_TRAITS[t].type_size if t in TYPE_TRAITS else 0 for t in range(GGML_TYPE_COUNT))
+            ),
+        )
+    return _TYPE_TABLES
+
+
+_TYPE_TABLES = None
 
 
 def fast_requests():

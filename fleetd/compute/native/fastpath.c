@@ -146,7 +146,14 @@ struct fleetd_recompute {
     int32_t *computing;      /* sessions computing now (the pool's count, atomic) */
     int64_t timeout_ns;      /* the per-graph deadline */
     int64_t started_ns;      /* out: CLOCK_MONOTONIC when the last one was handed over */
+    /* In the session's worker itself (it serves the connection during a stint): the graph is
+     * computed right here, no channel; `worker_fd` unused. NULL in the daemon. */
+    void *inline_worker;     /* worker_loop.c's struct fleetd_worker */
+    int32_t inline_status;   /* out: fleetd_worker_run's answer for the last one (0: computed) */
+    int32_t reserved;
 };
+
+int fleetd_worker_run(void *worker, uint32_t threads);
 
 /* A SET_TENSOR too large for the loop's buffer is streamed into its tensor here, under the
  * session's rules for a started request (Session.recv_in_request), which Python sets once. */
@@ -332,6 +339,11 @@ static int set_recv_timeout(int fd, int ms, struct timeval *was) {
  * a failed send: Python's wait finds out which, kills what must be killed and says why). */
 static int recompute(struct fleetd_fast *f) {
     struct fleetd_recompute *g = &f->rc;
+    if (g->inline_worker != NULL) {
+        g->started_ns = now_ns();
+        g->inline_status = fleetd_worker_run(g->inline_worker, g->threads);
+        return g->inline_status == 0;
+    }
     uint8_t msg[CHANNEL_HEADER + 4] = {0};
     uint32_t kind = MSG_RUN;
     uint64_t length = 4;
@@ -501,7 +513,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     int64_t until = now_ns() + (int64_t)budget_ms * 1000000;
     int answer;
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
-    int restore = set_recv_timeout(f->fd, wait_ms, &was);
+    /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
+    int restore = wait_ms >= 0 && set_recv_timeout(f->fd, wait_ms, &was);
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -599,8 +612,16 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             }
         }
     more:
-        /* between requests only: a request C started reading stays C's to serve */
-        if (have == 0 && now_ns() >= until) { answer = LOOP_BUDGET; break; }
+        /* between requests only: a request C started reading stays C's to serve. A worker
+         * streams none: one still arriving a budget later goes back to its daemon, which
+         * serves a request that trickles in under the session's rules. */
+        if (have == 0 || f->rc.inline_worker != NULL) {
+            int64_t now = now_ns();
+            if (now >= until && (have == 0 || now >= until + (int64_t)budget_ms * 1000000)) {
+                answer = LOOP_BUDGET;
+                break;
+            }
+        }
         if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
         ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }

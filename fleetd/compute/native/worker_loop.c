@@ -45,7 +45,7 @@ struct fleetd_worker {
     int32_t n_checks;
     const struct fleetd_index_check *checks;
     int32_t failed;          /* out: the check that failed, or the ggml status */
-    uint64_t runs;           /* out: RUNs answered here */
+    uint64_t runs;           /* out: graphs computed here */
 };
 
 enum {
@@ -76,6 +76,33 @@ static int ids_in_range(const struct fleetd_index_check *c) {
     return 1;
 }
 
+/* One RUN of the built graph with `threads`: the padded copies refreshed, the row ids copied out
+ * and checked, the ggml call. 0 when it computed; WORKER_REFUSED or WORKER_FAILED (`failed` then
+ * says which check, or ggml's status). Also the session's loop in this worker (fastpath.c's
+ * inline recompute) computes through here. */
+int fleetd_worker_run(struct fleetd_worker *w, uint32_t threads) {
+    if (threads != w->threads) {
+        w->set_threads(w->backend, (int)threads);
+        w->threads = threads;
+    }
+    for (int i = 0; i < w->n_copies; ++i) memcpy(w->copies[i].dst, w->copies[i].src, w->copies[i].n);
+    for (int i = 0; i < w->n_checks; ++i) {
+        const struct fleetd_index_check *c = &w->checks[i];
+        memcpy(c->copy, c->src, c->nbytes);
+        if (!ids_in_range(c)) {
+            w->failed = i;
+            return WORKER_REFUSED;
+        }
+    }
+    int status = w->compute(w->backend, w->graph);
+    if (status != 0) {
+        w->failed = status;
+        return WORKER_FAILED;
+    }
+    w->runs += 1;
+    return 0;
+}
+
 static int recv_all(int fd, uint8_t *p, size_t n) {
     while (n) {
         ssize_t k = recv(fd, p, n, 0);
@@ -104,24 +131,8 @@ int fleetd_worker_loop(struct fleetd_worker *w) {
         if (r <= 0) return r == 0 ? WORKER_CLOSED : WORKER_ERROR;
         uint32_t threads;
         memcpy(&threads, msg + CHANNEL_HEADER, 4);
-        if (threads != w->threads) {
-            w->set_threads(w->backend, (int)threads);
-            w->threads = threads;
-        }
-        for (int i = 0; i < w->n_copies; ++i) memcpy(w->copies[i].dst, w->copies[i].src, w->copies[i].n);
-        for (int i = 0; i < w->n_checks; ++i) {
-            const struct fleetd_index_check *c = &w->checks[i];
-            memcpy(c->copy, c->src, c->nbytes);
-            if (!ids_in_range(c)) {
-                w->failed = i;
-                return WORKER_REFUSED;
-            }
-        }
-        int status = w->compute(w->backend, w->graph);
-        if (status != 0) {
-            w->failed = status;
-            return WORKER_FAILED;
-        }
+        int answer = fleetd_worker_run(w, threads);
+        if (answer != 0) return answer;
         uint8_t done[CHANNEL_HEADER] = {0};
         uint32_t reply = REPLY_DONE;
         memcpy(done, &reply, 4);
@@ -132,7 +143,6 @@ int fleetd_worker_loop(struct fleetd_worker *w) {
             if (n <= 0) return WORKER_ERROR;
             sent += (size_t)n;
         }
-        w->runs += 1;
     }
 }
 
