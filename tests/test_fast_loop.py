@@ -518,3 +518,20 @@ def test_the_c_row_id_check_agrees_with_the_python_one():
             disagreements.append((case, typ, ne, nb, bound))
     assert not disagreements, disagreements[:5]
     assert 300 < refused < 2700  # both answers were exercised
+
+
+def test_a_stored_graph_without_nodes_leaves_the_connection_with_the_daemon(server, mode):
+    """Nothing for a worker to compute: a stint serves nothing, says so, and the session keeps
+    its connection (and takes no more stints); every request is answered."""
+    client = RpcClient(endpoint(server)).open()
+    slab = Slab(client, 1 << 16)
+    x = slab.place(F32, (16,))
+    client.graph_compute(slab.g.serialize([]))  # no nodes: nothing the worker builds
+    s = session_of(server, client)
+    for _ in range(5):
+        client.set_tensor(x.rpc(), np.arange(16, dtype=np.float32).tobytes())
+        assert client.get_alignment() > 0
+        assert np.frombuffer(client.get_tensor(x.rpc()), np.float32)[3] == 3
+    if mode == "stints":
+        assert wait_until(lambda: not s._stints, 10)
+    client.close()

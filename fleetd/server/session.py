@@ -344,6 +344,8 @@ class Session:
             self.conn.receive_data(result.left)
             if result.answer == native.LOOP_PYTHON and result.left[0] >= Cmd.COPY_TENSOR_TO:
                 self._stints = False  # a session on the direct path: its peer commands are the daemon's
+        elif result.answer == native.LOOP_PYTHON:
+            self._stints = False  # the worker could serve nothing of it (a graph without nodes)
         if result.answer == native.LOOP_WORKER:
             if result.failed == REPLY_REFUSED:
                 raise RemoteProtocolError(result.text)

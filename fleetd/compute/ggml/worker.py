@@ -254,6 +254,17 @@ class Stint:
         self.frees = ctypes.c_uint64(0)
         self.computing = ctypes.c_int32(0)
 
+    @staticmethod
+    def nothing_served(payload: bytes) -> bytes:
+        """REPLY_SERVED's payload for a stint that served nothing (LOOP_PYTHON, no byte read):
+        the daemon then keeps the connection."""
+        n_regions = SERVE.unpack_from(payload)[3]
+        return (
+            SERVED.pack(native.LOOP_PYTHON, 0, 0, 0, n_regions, 0)
+            + bytes(native.FastServed())
+            + bytes(n_regions)
+        )
+
     def serve(
         self, fds: list[int], payload: bytes, maps: dict[int, Mapping], plan: WorkerPlan, state
     ) -> bytes:
@@ -278,7 +289,9 @@ class Stint:
         for _ in range(n_written):
             (i,) = _U32.unpack_from(payload, at)
             at += 4
-            written.append(local[i])  # KeyError: a graph writing a region not mapped here
+            if i not in local:  # the graph writes a region not mapped here: not a stint's
+                return self.nothing_served(payload)
+            written.append(local[i])
         ctx = self.ctx
         ctx.have = 0
         regions = (native.FastRegion * len(mine))()
@@ -383,7 +396,7 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
                     state_of = plan
                     state = plan.native_state(sock, backend)
                 if state is None or loop is None:  # nothing to compute in C: all the daemon's
-                    served = SERVED.pack(native.LOOP_PYTHON, 0, 0, 0, 0, 0) + bytes(native.FastServed())
+                    served = Stint.nothing_served(payload)
                 else:
                     state.threads = current_threads
                     served = stint.serve(fds, payload, maps, plan, state)
