@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One decode step's round trip with a near-empty graph: fleetd vs the stock server.
 
-    benchmarks/hop.py [--steps 2000] [--rounds 5] [--hidden-kib 16] [--gap-ms 3] [--json PATH]
+    benchmarks/hop.py [--steps 2000] [--rounds 5] [--hidden-kib 16] [--gap-ms 3] [--daemon-loop]
+                      [--json PATH]
 
 A step is what llama.cpp sends a node per token once its graph is stored: the inputs
 (SET_TENSOR of a token id, a position, and a hidden state), GRAPH_RECOMPUTE, and the GET_TENSOR
@@ -14,12 +15,17 @@ in microseconds, which the Python client's own share (the same for both) does no
 Beside the time, the CPU each server's processes spend per step (every live thread, exact, from
 schedstat): on a node whose cores are shared (the lab, a busy machine) that is what a step costs
 the others. fleetd's is split into the daemon (its session thread: the socket, the checks, the
-hand-off) and the compute worker (the graph, its side of the hand-off).
+hand-off) and the compute worker (the graph, its side of the hand-off). With --daemon-loop a
+third server runs: fleetd with its loop kept in the daemon (FLEETD_STINTS=0), where by default
+the session's worker takes the connection while its stored graph decodes (docs/DESIGN.md,
+"Stints").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -84,6 +90,25 @@ class Step:
         self.client.close()
 
 
+@contextlib.contextmanager
+def fleetd_server(extra: list[str], daemon_loop: bool):
+    """A fleetd node; with `daemon_loop`, its loop kept in the daemon (FLEETD_STINTS=0 in its
+    environment, this process's own left as it was) where the session's worker would take the
+    connection for stints."""
+    with contextlib.ExitStack() as stack:
+        was = os.environ.get("FLEETD_STINTS")
+        if daemon_loop:
+            os.environ["FLEETD_STINTS"] = "0"
+        try:
+            server = stack.enter_context(server_with_pid("fleetd", extra=extra))
+        finally:
+            if was is None:
+                os.environ.pop("FLEETD_STINTS", None)
+            else:
+                os.environ["FLEETD_STINTS"] = was
+        yield server
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2000, help="steps per server per round")
@@ -95,72 +120,91 @@ def main(argv=None) -> int:
         default=0.0,
         help="idle this long after each step (a lab node between its tokens: 3 ms); default none",
     )
+    p.add_argument(
+        "--daemon-loop",
+        action="store_true",
+        help="a third server: fleetd with its loop kept in the daemon (no stints), for A/B",
+    )
     p.add_argument("--fleetd-args", default="", help='more fleetd flags, e.g. "-d numpy"')
     p.add_argument("--json", help="where to write the JSON (default benchmarks/results/hop.json)")
     args = p.parse_args(argv)
     pin_client()
-    medians: dict[str, list[float]] = {"stock": [], "fleetd": []}
-    cpu_us: dict[str, list[float]] = {"stock": [], "fleetd": [], "fleetd daemon": [], "fleetd worker": []}
-    with (
-        server_with_pid("stock") as (stock_ep, stock_pid),
-        server_with_pid("fleetd", extra=args.fleetd_args.split()) as (fleetd_ep, fleetd_pid),
-    ):
-        roots = {"stock": stock_pid, "fleetd": fleetd_pid}
-        steps = {
-            "stock": Step(stock_ep, args.hidden_kib * 1024),
-            "fleetd": Step(fleetd_ep, args.hidden_kib * 1024),
-        }
+    arms = ["fleetd"] + (["fleetd, loop in daemon"] if args.daemon_loop else [])
+    names = ["stock", *arms]
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    cpu_us: dict[str, list[float]] = {n: [] for n in names}
+    for arm in arms:
+        cpu_us[f"{arm} daemon"], cpu_us[f"{arm} worker"] = [], []
+    extra = args.fleetd_args.split()
+    with contextlib.ExitStack() as stack:
+        servers = {"stock": stack.enter_context(server_with_pid("stock"))}
+        for arm in arms:
+            servers[arm] = stack.enter_context(fleetd_server(extra, arm != "fleetd"))
+        roots = {n: pid for n, (_, pid) in servers.items()}
+        steps = {n: Step(ep, args.hidden_kib * 1024) for n, (ep, _) in servers.items()}
         try:
             for s in steps.values():
                 s.run(200)  # warm: the worker, the caches, the branch predictors
             for r in range(args.rounds):
-                order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+                order = names if r % 2 == 0 else names[::-1]
                 for name in order:
                     before = tree_cpu_by_process(roots[name])
                     medians[name].append(statistics.median(steps[name].run(args.steps, args.gap_ms / 1e3)))
                     after = tree_cpu_by_process(roots[name])
                     per = {pid: (after[pid] - before.get(pid, 0)) / args.steps / 1e3 for pid in after}
                     cpu_us[name].append(sum(per.values()))
-                    if name == "fleetd":  # the daemon's own threads, the rest is its workers'
+                    if name != "stock":  # the daemon's own threads, the rest is its workers'
                         daemon = per.get(roots[name], 0.0)
-                        cpu_us["fleetd daemon"].append(daemon)
-                        cpu_us["fleetd worker"].append(sum(per.values()) - daemon)
+                        cpu_us[f"{name} daemon"].append(daemon)
+                        cpu_us[f"{name} worker"].append(sum(per.values()) - daemon)
         finally:
             for s in steps.values():
                 s.close()
-    ratios = [f / s for f, s in zip(medians["fleetd"], medians["stock"])]
-    diffs = [(f - s) * 1e6 for f, s in zip(medians["fleetd"], medians["stock"])]
-    cpu_ratios = [f / s for f, s in zip(cpu_us["fleetd"], cpu_us["stock"])]
     stock_us = statistics.median(medians["stock"]) * 1e6
-    fleetd_us = statistics.median(medians["fleetd"]) * 1e6
-    show(
-        f"One decode step's round trip, {args.hidden_kib} KiB hidden state"
-        + (f", {args.gap_ms:g} ms idle after each" if args.gap_ms else "")
-        + " (median step, µs)",
-        ["stock", "fleetd", "ratio (paired median)", "fleetd - stock µs", "spread of the ratio"],
-        [
+    results: dict[str, dict] = {}
+    wall_rows, cpu_rows = [], []
+    for arm in arms:
+        ratios = [f / s for f, s in zip(medians[arm], medians["stock"])]
+        diffs = [(f - s) * 1e6 for f, s in zip(medians[arm], medians["stock"])]
+        cpu_ratios = [f / s for f, s in zip(cpu_us[arm], cpu_us["stock"])]
+        results[arm] = {
+            "step_s": medians[arm],
+            "ratio": statistics.median(ratios),
+            "extra_us": statistics.median(diffs),
+            "cpu_ratio": statistics.median(cpu_ratios),
+        }
+        wall_rows.append(
             [
+                arm,
                 f"{stock_us:.1f}",
-                f"{fleetd_us:.1f}",
+                f"{statistics.median(medians[arm]) * 1e6:.1f}",
                 f"{statistics.median(ratios):.2f}",
                 f"{statistics.median(diffs):+.1f}",
                 f"{min(ratios):.2f}..{max(ratios):.2f}",
             ]
-        ],
-    )
-    show(
-        "Server CPU per step (µs, median of rounds; fleetd = daemon + compute worker)",
-        ["stock", "fleetd", "daemon", "worker", "fleetd / stock (paired)", "spread"],
-        [
+        )
+        cpu_rows.append(
             [
+                arm,
                 *(
                     f"{statistics.median(cpu_us[k]):.1f}"
-                    for k in ("stock", "fleetd", "fleetd daemon", "fleetd worker")
+                    for k in ("stock", arm, f"{arm} daemon", f"{arm} worker")
                 ),
                 f"{statistics.median(cpu_ratios):.2f}",
                 f"{min(cpu_ratios):.2f}..{max(cpu_ratios):.2f}",
             ]
-        ],
+        )
+    show(
+        f"One decode step's round trip, {args.hidden_kib} KiB hidden state"
+        + (f", {args.gap_ms:g} ms idle after each" if args.gap_ms else "")
+        + " (median step, µs)",
+        ["server", "stock", "it", "ratio (paired median)", "it - stock µs", "spread of the ratio"],
+        wall_rows,
+    )
+    show(
+        "Server CPU per step (µs, median of rounds; fleetd = daemon + compute worker)",
+        ["server", "stock", "it", "daemon", "worker", "it / stock (paired)", "spread"],
+        cpu_rows,
     )
     out = save(
         "hop",
@@ -171,10 +215,12 @@ def main(argv=None) -> int:
             "rounds": args.rounds,
             "stock_step_s": medians["stock"],
             "fleetd_step_s": medians["fleetd"],
-            "ratio": statistics.median(ratios),
-            "extra_us": statistics.median(diffs),
+            # the default fleetd's, as before; every arm's in "arms"
+            "ratio": results["fleetd"]["ratio"],
+            "extra_us": results["fleetd"]["extra_us"],
             "cpu_us_per_step": cpu_us,
-            "cpu_ratio": statistics.median(cpu_ratios),
+            "cpu_ratio": results["fleetd"]["cpu_ratio"],
+            "arms": results,
         },
         args.json,
     )
