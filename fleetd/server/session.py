@@ -103,6 +103,9 @@ SMALL_RESPONSE = 64 * 1024
 # worker is killed.
 STINT_SLACK_S = 2.0
 _TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO
+# Graphs a session keeps planned for a GRAPH_COMPUTE of the same bytes (its worker keeps as many
+# built: workers.HELD_PLANS)
+PLANNED_GRAPHS = 4
 
 
 _UNKNOWN = object()  # Session.local_addr not asked yet
@@ -138,6 +141,8 @@ class Session:
         self.conn = ServerConnection(max_request=self.limits.max_request_bytes)
         self.counters = CommandCounters()
         self.graphs: dict[int, StoredGraph] = {}  # by device index
+        # graphs planned lately, by (device, their wire bytes), the most recently used last
+        self.planned: dict[tuple[int, tuple[int, ...], bytes], StoredGraph] = {}
         self.layers: set[int] = set()  # model layers whose weights this session wrote (blk.N.*)
         self._connected = time.monotonic()
         self._greeted = False  # HELLO answered (greet): the idle timeout applies between requests
@@ -497,6 +502,7 @@ class Session:
         for dev in self.state.devices:
             dev.session_ended(self.id)
         self.graphs.clear()
+        self.planned.clear()
         self.fast.set_buffers([])
         for buf in self.state.registry.owned_by(self.id):
             self.state.registry.free(buf)
@@ -686,8 +692,10 @@ def on_free_buffer(s: Session, ev: FreeBuffer) -> int:
     buf = s.buffer(ev.remote_ptr, "FREE_BUFFER")
     if buf.owner != s.id:
         raise RemoteProtocolError(f"FREE_BUFFER: buffer {ev.remote_ptr:#x} belongs to another session")
-    # Stored graphs may point into the freed buffer: drop them, as the stock server does.
+    # Stored graphs may point into the freed buffer: drop them, as the stock server does, and
+    # the planned ones over it (they would keep its memory).
     s.graphs.clear()
+    s.planned = {k: g for k, g in s.planned.items() if all(b is not buf for b in g.buffers)}
     s.state.registry.free(buf)
     s.fast.set_buffers(s.state.registry.owned_by(s.id))
     return 0
@@ -775,19 +783,33 @@ def on_copy_tensor(s: Session, ev: CopyTensor) -> int:
 
 def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     """GRAPH_COMPUTE: bounds checked, plan built and run, then kept for GRAPH_RECOMPUTE with the
-    buffers it reaches."""
+    buffers it reaches. A graph the session sent before, byte for byte, over buffers none of
+    which was freed since, runs the plan it had (as a GRAPH_RECOMPUTE of it would): llama.cpp
+    sends a few graphs in turn (a prompt's micro-batch, a decode step), each whole again."""
     dev = s.device(ev.device, "GRAPH_COMPUTE")
-    limits = s.limits
-    check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
     s.graphs.pop(ev.device, None)
     registry = s.state.registry
-    frees = registry.frees
-    plan = dev.build_plan(ev, registry)
-    handles = np.unique(ev.tensors["buffer"]).tolist() if len(ev.tensors) else []
-    bufs = [b for b in map(registry.get, handles) if b is not None]
-    _run(s, plan, dev)
-    # frees -1 when a free raced the build: recheck at the next recompute
-    s.graphs[ev.device] = StoredGraph(plan, bufs, frees if registry.frees == frees else -1)
+    key = (ev.device, ev.nodes, ev.tensors.tobytes())
+    stored = s.planned.pop(key, None)
+    if stored is not None and stored.frees != registry.frees:
+        frees = registry.frees
+        stored = None if any(b.freed for b in stored.buffers) else stored
+        if stored is not None:
+            stored.frees = frees
+    if stored is None:
+        limits = s.limits
+        check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
+        frees = registry.frees
+        plan = dev.build_plan(ev, registry)
+        handles = np.unique(ev.tensors["buffer"]).tolist() if len(ev.tensors) else []
+        bufs = [b for b in map(registry.get, handles) if b is not None]
+        # frees -1 when a free raced the build: recheck at the next recompute
+        stored = StoredGraph(plan, bufs, frees if registry.frees == frees else -1)
+    s.planned[key] = stored  # the most recently used last
+    while len(s.planned) > PLANNED_GRAPHS:
+        s.planned.pop(next(iter(s.planned)))
+    _run(s, stored.plan, dev)
+    s.graphs[ev.device] = stored
     return 0
 
 

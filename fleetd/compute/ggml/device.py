@@ -14,6 +14,7 @@ fleetd/compute/device.py imports it, and buffers/views import that module.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -56,11 +57,15 @@ class IndexCheck:
     what: str
 
 
+_PLAN_KEYS = itertools.count(1)
+
+
 class GgmlPlan:
     """A validated wire graph, described for the worker (spec), with the buffers it reaches."""
 
     def __init__(self, device: GgmlCpuDevice, spec: GraphSpec, buffers: dict, written: list) -> None:
         self.device, self.spec = device, spec
+        self.key = next(_PLAN_KEYS)  # the worker's name for it: never reused
         self.buffers = buffers  # handle -> Buffer, for the worker's mappings
         self.written = written  # Buffers the graph writes (their generation is bumped)
 

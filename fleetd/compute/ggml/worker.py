@@ -433,6 +433,9 @@ def serve(sock: socket.socket, lib: ggml.GgmlLibrary, backend: int, threads: int
             continue
         if kind != MSG_COMPUTE:
             raise ValueError(f"unknown message {kind}")
+        for stale in msg.get("forget", ()):
+            if stale in plans:
+                plans.pop(stale).free()
         key = msg["key"]
         if msg.get("spec") is not None:
             if key in plans:

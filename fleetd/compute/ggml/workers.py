@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,6 +55,10 @@ from fleetd.transport.stream import set_recv_timeout
 
 log = logging.getLogger("fleetd.workers")
 
+# Graphs a worker keeps built: llama.cpp alternates a few (a prompt's micro-batch, a decode
+# step, a batch's tail), and a graph sent again (same bytes: the session's plan cache) then
+# costs its key, not a rebuild.
+HELD_PLANS = 4
 READY_TIMEOUT = 30.0  # a fork server or a worker that is not up by then is broken
 REPLY_TIMEOUT = 10  # seconds: a reply is a few bytes once it starts
 
@@ -181,7 +186,9 @@ class Worker:
         self.threads = threads
         self.lock = threading.Lock()  # held while a session uses it; the reaper only try-locks
         self.mapped: dict[int, Buffer] = {}  # handle -> Buffer
-        self.built: object | None = None  # the plan whose spec it holds
+        self.built: object | None = None  # the plan it computes now (a RUN's)
+        # plans it holds built, by key, least recently used first (the worker keeps the same)
+        self.held: OrderedDict[int, object] = OrderedDict()
         self.last_used = time.monotonic()
         self.dead = False
         self.status: int | None = None
@@ -231,6 +238,7 @@ class Worker:
         self.dead = True
         self.mapped.clear()  # no reference of a dead worker keeps a buffer's memory alive
         self.built = None
+        self.held.clear()
         try:
             os.kill(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -257,14 +265,24 @@ class Worker:
                 maps.append((handle, buf.base, buf.size))
                 fds.append(fd)
                 self.mapped[handle] = buf
+        if unmap:  # the worker drops the graphs over them, as this
+            gone = set(unmap)
+            for key in [k for k, p in self.held.items() if gone.intersection(p.spec.handles)]:
+                del self.held[key]
+            if self.built is not None and self.built.key not in self.held:
+                self.built = None
         if maps or unmap or self.built is not plan:
-            spec = plan.spec if self.built is not plan else None
-            kind, payload = (
-                MSG_COMPUTE,
-                pickle.dumps(
-                    {"key": 0, "spec": spec, "maps": maps, "unmap": unmap, "threads": threads}, protocol=5
-                ),
-            )
+            # A graph it holds built goes by its key alone; a new one evicts the least recently
+            # used beyond HELD_PLANS (never the one it computes now).
+            spec = None if plan.key in self.held else plan.spec
+            forget = []
+            if spec is not None:
+                while len(self.held) >= HELD_PLANS:
+                    forget.append(self.held.popitem(last=False)[0])
+            self.held[plan.key] = plan
+            self.held.move_to_end(plan.key)
+            message = {"key": plan.key, "spec": spec, "maps": maps, "unmap": unmap, "threads": threads}
+            kind, payload = MSG_COMPUTE, pickle.dumps(dict(message, forget=forget), protocol=5)
         else:  # the same graph over the same buffers: a decode step
             kind, payload = MSG_RUN, RUN.pack(threads)
         self.last_used = time.monotonic()
