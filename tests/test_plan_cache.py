@@ -72,7 +72,7 @@ def test_a_graph_sent_again_runs_its_plan_and_its_worker_keeps_it_built(server, 
             shapes.compute(step % 2, seed=step)
         assert len(plans_built) == 2, plans_built  # each planned once
         worker, s = worker_of(server, c)
-        assert len(worker.held) == 2 and len(s.planned) == 2
+        assert len(worker.held) == 2 and len(s.planned) == 2 and s.plans_reused == 4
 
 
 def test_past_the_cap_the_least_recently_used_graph_is_planned_anew(server, plans_built):

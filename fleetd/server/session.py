@@ -143,6 +143,7 @@ class Session:
         self.graphs: dict[int, StoredGraph] = {}  # by device index
         # graphs planned lately, by (device, their wire bytes), the most recently used last
         self.planned: dict[tuple[int, tuple[int, ...], bytes], StoredGraph] = {}
+        self.plans_reused = 0  # GRAPH_COMPUTEs that ran a plan from `planned`
         self.layers: set[int] = set()  # model layers whose weights this session wrote (blk.N.*)
         self._connected = time.monotonic()
         self._greeted = False  # HELLO answered (greet): the idle timeout applies between requests
@@ -512,7 +513,12 @@ class Session:
         self.state.session_ended(self)
         log.info("session %d %s: closed", self.id, self.peer)
         if log.isEnabledFor(logging.DEBUG):  # where a session's requests were served
-            log.debug("session %d: %s", self.id, self.fast.summary())
+            log.debug(
+                "session %d: %s; %d graphs run from their plan",
+                self.id,
+                self.fast.summary(),
+                self.plans_reused,
+            )
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -796,7 +802,9 @@ def on_graph_compute(s: Session, ev: GraphCompute) -> int:
         stored = None if any(b.freed for b in stored.buffers) else stored
         if stored is not None:
             stored.frees = frees
-    if stored is None:
+    if stored is not None:
+        s.plans_reused += 1
+    else:
         limits = s.limits
         check_graph(ev, limits.max_graph_tensors, limits.view_expansion, limits.view_slack)
         frees = registry.frees
