@@ -61,8 +61,11 @@ def test_concurrent_sessions_do_not_leak(ggml_server):
                 w, x = s.leaf(F32, (256, 256)), s.leaf(F32, (256, 8))
                 y = s.node(GgmlOp.MUL_MAT, F32, (256, 8), [w, x])
                 z = s.node(GgmlOp.SOFT_MAX, F32, (256, 8), [y], [f32_bits(1.0), 0])
-                for _ in range(n):
-                    s.compute(z)  # a new plan (ggml context, graph) every time
+                for i in range(n):
+                    # a new plan (ggml context, graph) every time: another scale, other bytes
+                    # (a graph sent again would run the plan the session kept)
+                    z.op_params[0] = f32_bits(1.0 + i / 1024)
+                    s.compute(z)
                 c.get_tensor(z.rpc())
                 c.free_buffer(s.handle)
         except Exception as exc:  # noqa: BLE001 - reported by the assert below

@@ -339,6 +339,9 @@ class Session:
             fast.begin_stint(worker.stint_page())
             timeout = self.limits.graph_timeout
             result = pool.stint(self.id, worker, fast.stint_request(), timeout, longest + STINT_SLACK_S, sock)
+        except BaseException:
+            fast.stint_lost()
+            raise
         finally:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, was)
         try:

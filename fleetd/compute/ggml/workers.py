@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fleetd
 from fleetd.compute.ggml.channel import (
@@ -186,9 +186,9 @@ class Worker:
         self.threads = threads
         self.lock = threading.Lock()  # held while a session uses it; the reaper only try-locks
         self.mapped: dict[int, Buffer] = {}  # handle -> Buffer
-        self.built: object | None = None  # the plan it computes now (a RUN's)
+        self.built: Any = None  # the plan it computes now (a RUN's)
         # plans it holds built, by key, least recently used first (the worker keeps the same)
-        self.held: OrderedDict[int, object] = OrderedDict()
+        self.held: OrderedDict[int, Any] = OrderedDict()  # device.GgmlPlan (a circle to import)
         self.last_used = time.monotonic()
         self.dead = False
         self.status: int | None = None
@@ -239,6 +239,7 @@ class Worker:
         self.mapped.clear()  # no reference of a dead worker keeps a buffer's memory alive
         self.built = None
         self.held.clear()
+        self._stint_page = None  # its fd closes with the last view of it
         try:
             os.kill(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
