@@ -293,13 +293,12 @@ class FastPath:
     def stint_lost(self) -> None:
         """A stint that ended without an answer (its worker died or was killed): what its page
         counted is folded in, and the page let go."""
-        live = self._live
-        if live is None:
-            return
-        self.stint_done_counts(bytes(live))
+        if self._live is not None:
+            self._fold_stint()
 
-    def stint_done_counts(self, served_bytes: bytes) -> None:
-        served = native.FastServed.from_buffer_copy(served_bytes)
+    def _fold_stint(self) -> None:
+        """The stint's counts (its page) into the loop's own, the page let go."""
+        served = native.FastServed.from_buffer_copy(self._live)
         with self.lock:  # a reader sees the stint's counts live or folded in, never both
             base, folded = self._live_folded, self._folded
             for name in _SERVED_FIELDS:
@@ -309,12 +308,13 @@ class FastPath:
             self._live_folded = native.FastServed()
 
     def stint_done(self, result) -> None:
-        """Take in what a stint served (a workers.StintResult): its counts and written regions,
-        folded as after the loop. Raises as loop() does for a reply the worker could not send;
-        ValueError for an answer that does not fit this session (the caller kills the worker)."""
+        """Take in what a stint served (a workers.StintResult, and the counts in its page): its
+        counts and written regions, folded as after the loop. Raises as loop() does for a reply
+        the worker could not send; ValueError for an answer that does not fit this session (the
+        caller kills the worker)."""
+        self._fold_stint()
         if len(result.written) != len(self._regions):
             raise ValueError(f"{len(result.written)} written flags for {len(self._regions)} regions")
-        self.stint_done_counts(result.served)
         for r, flag in zip(self._regions, result.written):
             if flag:
                 r.written = 1

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,7 +101,6 @@ SMALL_RESPONSE = 64 * 1024
 # A stint's answer comes within its budget, one graph and an idle wait; this much later the
 # worker is killed.
 STINT_SLACK_S = 2.0
-_TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO
 # Graphs a session keeps planned for a GRAPH_COMPUTE of the same bytes (its worker keeps as many
 # built: workers.HELD_PLANS)
 PLANNED_GRAPHS = 4
@@ -124,6 +122,16 @@ class StoredGraph:
     # The registry's free count when `buffers` were last checked (-1: check at the next
     # recompute): a free since then (by any session) is looked for before a GRAPH_RECOMPUTE.
     frees: int
+
+    def still_live(self, registry) -> bool:
+        """False when a buffer it reaches was freed since it was last checked; else True, with
+        the registry's free count noted as checked."""
+        if self.frees != registry.frees:  # something was freed since the last check
+            frees = registry.frees
+            if any(b.freed for b in self.buffers):
+                return False
+            self.frees = frees
+        return True
 
 
 class Session:
@@ -328,11 +336,8 @@ class Session:
         goes into the receive buffer, and a graph that failed raises as finish_fast would."""
         fast = self.fast
         sock = self.sock
-        was = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size)
         wait_ms = fast_path.LOOP_WAIT_MS
-        sock.setsockopt(
-            socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(wait_ms // 1000, wait_ms % 1000 * 1000)
-        )
+        set_recv_timeout(sock, wait_ms / 1000)  # the worker's recv()s wait this long for a byte
         try:
             # the budget (twice for a request still arriving), an idle wait, one graph
             longest = (2 * fast_path.STINT_BUDGET_MS + wait_ms) / 1000 + self.limits.graph_timeout
@@ -343,7 +348,7 @@ class Session:
             fast.stint_lost()
             raise
         finally:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, was)
+            set_recv_timeout(sock, self._recv_timeout)
         try:
             fast.stint_done(result)
         except ValueError as exc:
@@ -800,12 +805,7 @@ def on_graph_compute(s: Session, ev: GraphCompute) -> int:
     registry = s.state.registry
     key = (ev.device, ev.nodes, ev.tensors.tobytes())
     stored = s.planned.pop(key, None)
-    if stored is not None and stored.frees != registry.frees:
-        frees = registry.frees
-        stored = None if any(b.freed for b in stored.buffers) else stored
-        if stored is not None:
-            stored.frees = frees
-    if stored is not None:
+    if stored is not None and stored.still_live(registry):
         s.plans_reused += 1
     else:
         limits = s.limits
@@ -834,15 +834,11 @@ def on_graph_recompute(s: Session, ev: GraphRecompute) -> int:
             f"GRAPH_RECOMPUTE: no stored graph for device {ev.device} "
             "(none computed, or a buffer it reaches was freed)"
         )
-    registry = s.state.registry
-    if graph.frees != registry.frees:  # something was freed since the last check
-        frees = registry.frees
-        if any(b.freed for b in graph.buffers):
-            s.graphs.pop(ev.device, None)
-            raise RemoteProtocolError(
-                "GRAPH_RECOMPUTE: the stored graph reaches a buffer freed since it was computed"
-            )
-        graph.frees = frees
+    if not graph.still_live(s.state.registry):
+        s.graphs.pop(ev.device, None)
+        raise RemoteProtocolError(
+            "GRAPH_RECOMPUTE: the stored graph reaches a buffer freed since it was computed"
+        )
     _run(s, graph.plan, dev)
     return 0
 

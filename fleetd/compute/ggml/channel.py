@@ -23,10 +23,11 @@ MSG_COMPUTE = 1  # {"key", "spec" or None, "maps": [(handle, base, size)], "unma
 MSG_FORGET = 2  # {"keys": [...], "unmap": [...]}
 MSG_RUN = 3  # RUN: compute the graph the worker holds, nothing else changed (the decode hot path)
 RUN = struct.Struct("<I")  # threads
-# SERVE: a stint of the session's connection (its socket as the one fd) served in the worker,
-# the built graph's GRAPH_RECOMPUTE computed in place: then the regions the worker may serve
-# the graph's device, its threads, budget_ms, then n_regions x SERVE_REGION (the daemon's order),
-# n_written x u32 (the regions the graph writes) and n_align x u64 (GET_ALIGNMENT per device)
+# SERVE: a stint of the session's connection served in the worker, the built graph's
+# GRAPH_RECOMPUTE computed in place. fds: the client's socket, the page the worker's loop context
+# (its counts) lies in. Payload: the graph's device, its threads, budget_ms, then n_regions x
+# SERVE_REGION (the daemon's order), n_written x u32 (the regions the graph writes) and
+# n_align x u64 (GET_ALIGNMENT per device)
 SERVE = struct.Struct("<IIIIII")  # device, threads, budget_ms, n_regions, n_written, n_align
 MSG_SERVE = 4
 SERVE_REGION = struct.Struct("<QQQ")  # handle, base, size
@@ -35,9 +36,9 @@ REPLY_DONE = 100
 REPLY_REFUSED = 101  # the graph's data breaks a rule the kernel relies on (row ids): closes the session
 REPLY_FAILED = 102  # ggml returned an error status
 REPLY_READY = 103  # sent once, after the sandbox is up: what it is ("uid=... seccomp=on")
-REPLY_SERVED = 104  # a stint's end: SERVED, the served counts, written flags, bytes left, a text
+REPLY_SERVED = 104  # a stint's end: SERVED, written flags, bytes left, a text (counts: the page)
 # loop answer, REPLY_* of a graph that failed (else 0), the loop's -errno, bytes left, n_regions,
-# text length; then the served counts, a written flag per region, the bytes left, the text
+# text length; then a written flag per region, the bytes left, the text
 SERVED = struct.Struct("<iiiIII")
 
 

@@ -259,18 +259,15 @@ class Stint:
         """REPLY_SERVED's payload for a stint that served nothing (LOOP_PYTHON, no byte read):
         the daemon then keeps the connection."""
         n_regions = SERVE.unpack_from(payload)[3]
-        return (
-            SERVED.pack(native.LOOP_PYTHON, 0, 0, 0, n_regions, 0)
-            + bytes(native.FastServed())
-            + bytes(n_regions)
-        )
+        return SERVED.pack(native.LOOP_PYTHON, 0, 0, 0, n_regions, 0) + bytes(n_regions)
 
     def serve(
         self, fds: list[int], payload: bytes, maps: dict[int, Mapping], plan: WorkerPlan, state
     ) -> bytes:
         """One stint on the client's socket (fds[0]; fds[1] is the daemon's page for the loop's
         context; the caller closes both) with `plan` built (`state`, its native_state); the
-        REPLY_SERVED payload. The daemon zeroed the page's counts before it sent this."""
+        REPLY_SERVED payload. The daemon zeroed the page before it sent this, and reads what
+        the loop served from there."""
         client_fd, page_fd = fds
         if self.ctx is None:
             self.page = mmap.mmap(page_fd, ctypes.sizeof(native.FastContext), mmap.MAP_SHARED)
@@ -325,7 +322,6 @@ class Stint:
         return b"".join(
             (
                 SERVED.pack(answer, failed, ctx.error, left, n_regions, len(text)),
-                bytes(ctx.served),
                 bytes(flags),
                 self.buffer.raw[:left],
                 text,

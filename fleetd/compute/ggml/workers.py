@@ -10,7 +10,6 @@ that has gone is killed and costs that session its connection, nothing else.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
@@ -25,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fleetd
 from fleetd.compute.ggml.channel import (
@@ -59,6 +58,7 @@ log = logging.getLogger("fleetd.workers")
 # step, a batch's tail), and a graph sent again (same bytes: the session's plan cache) then
 # costs its key, not a rebuild.
 HELD_PLANS = 4
+_T = TypeVar("_T")
 READY_TIMEOUT = 30.0  # a fork server or a worker that is not up by then is broken
 REPLY_TIMEOUT = 10  # seconds: a reply is a few bytes once it starts
 
@@ -282,8 +282,15 @@ class Worker:
                     forget.append(self.held.popitem(last=False)[0])
             self.held[plan.key] = plan
             self.held.move_to_end(plan.key)
-            message = {"key": plan.key, "spec": spec, "maps": maps, "unmap": unmap, "threads": threads}
-            kind, payload = MSG_COMPUTE, pickle.dumps(dict(message, forget=forget), protocol=5)
+            message = {
+                "key": plan.key,
+                "spec": spec,
+                "maps": maps,
+                "unmap": unmap,
+                "threads": threads,
+                "forget": forget,
+            }
+            kind, payload = MSG_COMPUTE, pickle.dumps(message, protocol=5)
         else:  # the same graph over the same buffers: a decode step
             kind, payload = MSG_RUN, RUN.pack(threads)
         self.last_used = time.monotonic()
@@ -439,28 +446,23 @@ class StintResult:
     """What a worker says of a stint (REPLY_SERVED), checked as far as the daemon can: it trusts
     no worker, so a malformed answer kills it (the stint's parser raises ValueError)."""
 
-    def __init__(
-        self, answer: int, failed: int, error: int, served: bytes, written: bytes, left: bytes, text: str
-    ):
+    def __init__(self, answer: int, failed: int, error: int, written: bytes, left: bytes, text: str):
         self.answer, self.failed, self.error = answer, failed, error
-        self.served, self.written, self.left, self.text = served, written, left, text
+        self.written, self.left, self.text = written, left, text
 
     @classmethod
     def parse(cls, payload: bytes) -> StintResult:
         answer, failed, error, n_left, n_regions, n_text = SERVED.unpack_from(payload)
-        n_served = ctypes.sizeof(native.FastServed)
         if answer not in _LOOP_ANSWERS or failed not in (0, REPLY_REFUSED, REPLY_FAILED):
             raise ValueError(f"answer {answer}, failed {failed}")
-        if n_left > STINT_LEFT_MAX or len(payload) != SERVED.size + n_served + n_regions + n_left + n_text:
+        if n_left > STINT_LEFT_MAX or len(payload) != SERVED.size + n_regions + n_left + n_text:
             raise ValueError(f"{len(payload)} bytes")
         at = SERVED.size
-        served = payload[at : at + n_served]
-        at += n_served
         written = payload[at : at + n_regions]
         at += n_regions
         left = payload[at : at + n_left]
         text = payload[at + n_left :].decode(errors="replace")[:1000]
-        return cls(answer, failed, error, served, written, left, text)
+        return cls(answer, failed, error, written, left, text)
 
 
 class CpuPlacer:
@@ -572,10 +574,10 @@ class WorkerPool:
         finally:
             worker.lock.release()
 
-    def _settle(self, session_id: int, worker: Worker, run: Callable[[], None]) -> None:
-        """run(); a worker it left dead is counted and forgotten, and the error re-raised."""
+    def _settle(self, session_id: int, worker: Worker, run: Callable[[], _T]) -> _T:
+        """run()'s result; a worker it left dead is counted and forgotten, and the error re-raised."""
         try:
-            run()
+            return run()
         except (ComputeError, ClientGone):
             if worker.dead:
                 with self._cond:
@@ -617,11 +619,7 @@ class WorkerPool:
     ) -> StintResult:
         """The session's connection served by its worker for a stint (worker held by
         hold_for_fast); the worker's answer, or what Worker.stint raises."""
-        result: list[StintResult] = []
-        self._settle(
-            session_id, worker, lambda: result.append(worker.stint(client, request, graph_timeout, longest))
-        )
-        return result[0]
+        return self._settle(session_id, worker, lambda: worker.stint(client, request, graph_timeout, longest))
 
     def release_fast(self, worker: Worker, used: bool) -> None:
         if used:
