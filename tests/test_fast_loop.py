@@ -479,6 +479,33 @@ def test_two_sessions_decoding_at_once_get_their_own_results(server):
     assert wait_until(lambda: server.state.devices[0].workers.computing.value == 0, 10)
 
 
+@pytest.mark.parametrize("mode", ["stints"], indirect=True)
+def test_a_stint_ends_when_another_session_starts_computing_not_at_its_budget(server, monkeypatch):
+    # A budget no test waits for: only the other session's ask can end the stint here.
+    monkeypatch.setattr(fast_path, "STINT_BUDGET_MS", 600_000)
+    ep = endpoint(server)
+    a = Decoder(ep, 20)
+    a.step(first=True)
+    for _ in range(3):
+        a.step()
+    s = session_of(server, a.client)
+    assert s.fast.stints == 1 and s.fast.handovers == 0
+    pool = server.state.devices[0].workers
+    b = Decoder(ep, 21)
+    b.step(first=True)  # computes beside the stint, with its share of the threads, and asks
+    assert s.fast.loop_answers[native.LOOP_BUDGET] == 0  # the stint waits in its recv
+    a.step()  # served in the stint; then, between requests, it sees the ask and ends
+    assert wait_until(lambda: s.fast.loop_answers[native.LOOP_BUDGET] == 1, 30)
+    for _ in range(3):  # two sessions with workers: no new stint, the daemon's loop serves
+        a.step()
+        b.step()
+    assert s.fast.stints == 1 and s.counters_now().count[Cmd.GRAPH_RECOMPUTE] == 7
+    assert not pool._stinting
+    b.client.close()
+    a.client.close()
+    assert wait_until(lambda: pool.computing.value == 0, 10)
+
+
 def test_the_c_row_id_check_agrees_with_the_python_one():
     """worker_loop.c's check against WorkerPlan.run's (numpy over the strided view), on seeded
     random index tensors: widths, shapes with size-1 and empty dims, padded and permuted

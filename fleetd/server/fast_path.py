@@ -53,9 +53,11 @@ ALIGNMENT_REPLY_BYTES = 8 + 8  # its answer: size, the alignment
 # (the counters are live meanwhile: this bounds how long the worker stays locked to it).
 LOOP_WAIT_MS = 20
 LOOP_BUDGET_MS = 100
-# A stint's: its counts are live (the worker's page), so only its start costs (~0.5 ms of Python
-# on both sides), and how soon a session that starts computing meanwhile is seen bounds it.
-STINT_BUDGET_MS = 500
+# A stint's: its counts are live (the worker's page) and a session that starts computing asks
+# it to end (WorkerPool.begin_stint), so this only bounds how long the daemon goes without
+# seeing the connection; each new stint costs ~0.5-1 ms of Python on both sides (at 500 ms, a
+# lab node's daemon spent 12-26 us a token restarting them).
+STINT_BUDGET_MS = 5000
 _SIZE = struct.Struct("<Q")
 _LOOP_NAMES = {
     native.LOOP_PYTHON: "python",

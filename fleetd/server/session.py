@@ -289,16 +289,15 @@ class Session:
         if held is not None and self._stints and not copies.routed:
             pool, worker, _ = held
             # The only session with a worker, and computing alone: the worker takes the
-            # connection (counted as computing all along, so a session that starts meanwhile
-            # takes its share of the threads; at the next stint's start it is seen).
-            if pool.computing.add(1) == 1 and pool.live() == 1:
+            # connection until another session starts computing (counted as computing all
+            # along, so that one takes its share of the threads, and asks the stint to end).
+            if pool.begin_stint(worker):
                 try:
                     return self._stint(pool, worker)
                 finally:
-                    pool.computing.add(-1)
+                    pool.end_stint(worker)
                     pool.release_fast(worker, used=True)
                     fast.disarm()
-            pool.computing.add(-1)
         copies.arm_routes(fast)
         answer = 0
         try:
@@ -330,10 +329,12 @@ class Session:
 
     def _stint(self, pool, worker) -> int:
         """Hand the connection to the session's worker (held, armed, this session the only one
-        computing) for a stint of STINT_BUDGET_MS at most: it serves the loop's requests itself and
-        computes the stored graph in place, so a decode step wakes one process, not the daemon
-        and then its worker. Returns the loop's answer; what the worker read of the next request
-        goes into the receive buffer, and a graph that failed raises as finish_fast would."""
+        computing) for a stint of STINT_BUDGET_MS at most, ended sooner by another session that
+        starts computing (WorkerPool.begin_stint) or an idle client: it serves the loop's
+        requests itself and computes the stored graph in place, so a decode step wakes one
+        process, not the daemon and then its worker. Returns the loop's answer; what the worker
+        read of the next request goes into the receive buffer, and a graph that failed raises
+        as finish_fast would."""
         fast = self.fast
         sock = self.sock
         wait_ms = fast_path.LOOP_WAIT_MS

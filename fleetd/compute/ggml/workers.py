@@ -201,6 +201,7 @@ class Worker:
         self._poller.register(sock, select.POLLIN)
         self._client_fd = -1  # the client socket the poller also watches for a hang-up
         self._stint_page = None  # stint_page()
+        self.yield_asked = False  # another session computes: its stint is to end (ask_yield)
 
     def wait_ready(self) -> None:
         """Wait for the worker's READY and keep what it says of its walls; WorkerDied if it does not come."""
@@ -331,6 +332,13 @@ class Worker:
         assert fd is not None
         return fd
 
+    def ask_yield(self) -> None:
+        """End the stint it serves (or is about to) at its next request or idle wait: a word in
+        its page the loop reads between requests. The daemon only writes it."""
+        self.yield_asked = True
+        if self._stint_page is not None:
+            native.FastContext.from_buffer(self._stint_page).rc.yield_asked = 1
+
     def stint(
         self, client: socket.socket, request: bytes, graph_timeout: float, longest: float
     ) -> StintResult:
@@ -339,6 +347,8 @@ class Worker:
         answer does not parse: it is killed), ComputeError (past a deadline: killed),
         ClientGone."""
         self.last_used = time.monotonic()
+        if self.yield_asked:  # asked after the page was zeroed for this stint, or before
+            native.FastContext.from_buffer(self.stint_page()).rc.yield_asked = 1
         try:
             send_message(self.sock, MSG_SERVE, request, [client.fileno(), self.stint_page_fd()])
         except OSError as exc:
@@ -536,6 +546,7 @@ class WorkerPool:
         self._cond = threading.Condition()
         # sessions computing now; C's fast loops count theirs in the same cell
         self.computing = native.SharedCount()
+        self._stinting: set[Worker] = set()  # workers serving a stint (begin_stint)
         self.deaths = 0  # workers that died or were killed mid-graph
         self.spawned = 0
         self.sandbox = ""  # what the last worker reported of its walls (uid, seccomp)
@@ -566,6 +577,8 @@ class WorkerPool:
         worker = self._acquire(session_id, deadline)
         try:
             share = max(1, self.threads // self.computing.add(1))
+            if self._stinting:
+                self._ask_stints_to_yield()
             try:
                 self.placer.place(worker, share)
                 self._settle(session_id, worker, lambda: worker.compute(plan, share, deadline, client))
@@ -620,6 +633,30 @@ class WorkerPool:
         """The session's connection served by its worker for a stint (worker held by
         hold_for_fast); the worker's answer, or what Worker.stint raises."""
         return self._settle(session_id, worker, lambda: worker.stint(client, request, graph_timeout, longest))
+
+    def begin_stint(self, worker: Worker) -> bool:
+        """Whether the session's worker (held by hold_for_fast) may take its connection for a
+        stint: its session the only one with a worker and computing alone. Then it counts as
+        computing until end_stint(), and a session that starts computing meanwhile asks it to
+        end (Worker.ask_yield): so it runs as long as it is alone, not for a fixed budget."""
+        with self._cond:  # a check and a registration that compute()'s ask cannot fall between
+            if self.computing.add(1) == 1 and len(self._by_session) == 1:
+                worker.yield_asked = False
+                self._stinting.add(worker)
+                return True
+            self.computing.add(-1)
+            return False
+
+    def end_stint(self, worker: Worker) -> None:
+        with self._cond:
+            self._stinting.discard(worker)
+            worker.yield_asked = False
+        self.computing.add(-1)
+
+    def _ask_stints_to_yield(self) -> None:
+        with self._cond:
+            for worker in self._stinting:
+                worker.ask_yield()
 
     def release_fast(self, worker: Worker, used: bool) -> None:
         if used:

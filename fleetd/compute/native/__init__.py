@@ -215,7 +215,7 @@ class FastRecompute(ctypes.Structure):
         ("started_ns", ctypes.c_int64),
         ("inline_worker", ctypes.c_void_p),  # a WorkerState in the session's worker, else None
         ("inline_status", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("yield_asked", ctypes.c_int32),  # set by the daemon in a stint's page (WorkerPool)
     ]
 
 

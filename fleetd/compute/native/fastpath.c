@@ -150,7 +150,8 @@ struct fleetd_recompute {
      * computed right here, no channel; `worker_fd` unused. NULL in the daemon. */
     void *inline_worker;     /* worker_loop.c's struct fleetd_worker */
     int32_t inline_status;   /* out: fleetd_worker_run's answer for the last one (0: computed) */
-    int32_t reserved;
+    int32_t yield_asked;     /* a stint's: set by its daemon in the shared page when another
+                              * session starts computing; the loop then ends between requests */
 };
 
 int fleetd_worker_run(void *worker, uint32_t threads);
@@ -617,7 +618,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
          * serves a request that trickles in under the session's rules. */
         if (have == 0 || f->rc.inline_worker != NULL) {
             int64_t now = now_ns();
-            if (now >= until && (have == 0 || now >= until + (int64_t)budget_ms * 1000000)) {
+            int64_t end = __atomic_load_n(&f->rc.yield_asked, __ATOMIC_ACQUIRE) ? 0 : until;
+            if (now >= end && (have == 0 || now >= until + (int64_t)budget_ms * 1000000)) {
                 answer = LOOP_BUDGET;
                 break;
             }
