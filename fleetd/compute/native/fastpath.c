@@ -309,8 +309,8 @@ enum {
     LOOP_BODY = 7,     /* a streamed SET_TENSOR was cut (f->body.why): the connection ends */
 };
 
-size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
-                        int64_t *waited_ns, uint64_t *got, int *why);
+static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
+                        int64_t *waited_ns, uint64_t *got, int *why, int *lowat);
 
 /* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
 #define MSG_RUN 3
@@ -333,6 +333,19 @@ static int set_recv_timeout(int fd, int ms, struct timeval *was) {
     return getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) == 0 &&
            (was->tv_sec != want.tv_sec || was->tv_usec != want.tv_usec) &&
            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0;
+}
+
+/* SO_RCVLOWAT for the next blocking recv(): the bytes still missing of what is being read
+ * (a request's header, the rest of a request that fits the buffer, a body), so that a request
+ * arriving as several segments wakes the thread once. The stock client sends each command as
+ * three writes (command byte, size, payload) and a hidden state crosses a paced link as several
+ * segments: each woke the thread (13-15 wake-ups a decode step on a middle lab node, the stock
+ * server's too). A recv() then returns once that much is here, at its timeout with what came,
+ * or at the peer's close. `*lowat` holds what is set (1: the kernel's default). */
+#define LOWAT_MAX (16 * 1024)
+static void want_bytes(int fd, int *lowat, size_t n) {
+    int v = n > LOWAT_MAX ? LOWAT_MAX : n < 1 ? 1 : (int)n;
+    if (v != *lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) *lowat = v;
 }
 
 /* Hand the armed graph to the worker and wait for its answer: 1 when it is DONE (consumed),
@@ -388,7 +401,8 @@ static int recompute(struct fleetd_fast *f) {
  * read from the socket straight into the tensor (one copy, no receive buffer in between).
  * 1 served; 0 Python's (nothing consumed); -1 cut (f->body says why; the tensor holds what
  * came, as on Python's streamed path, and the connection ends). */
-static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload) {
+static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload,
+                      int *lowat) {
     uint64_t size = payload - SET_FIXED;
     struct fleetd_region *r;
     uint8_t *dst = set_destination(f, buf + HEADER, payload, &r);
@@ -399,8 +413,8 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
     struct fleetd_body *b = &f->body;
     b->waited_ns = 0;
     b->got = have;
-    size_t n = fleetd_recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
-                                &b->waited_ns, &b->got, &b->why);
+    size_t n = recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
+                         &b->waited_ns, &b->got, &b->why, lowat);
     if (here + n < size) {
         b->cmd = CMD_SET_TENSOR;
         return -1;
@@ -442,7 +456,7 @@ static int peer_gate(struct fleetd_fast *f, struct out *o, const uint8_t *req) {
  * here copied and the rest read from the socket. 1 served (answered 1); 0 Python's (nothing
  * changed); -1 its body was cut (f->body says why; the copy is refused) or the answer not sent. */
 static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, size_t have,
-                     uint64_t payload) {
+                     uint64_t payload, int *lowat) {
     struct fleetd_peer *p = &f->peer;
     const uint8_t *h = buf + HEADER;
     uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PS_PUSH_FIXED;
@@ -463,8 +477,8 @@ static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, s
             fleetd_streams_refuse(p->streams, stream, seq, data, size);
             return -1;
         }
-        size_t n = fleetd_recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
-                                    &b->waited_ns, &b->got, &b->why);
+        size_t n = recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
+                             &b->waited_ns, &b->got, &b->why, lowat);
         if (here + n < size) {
             fleetd_streams_refuse(p->streams, stream, seq, data, size);
             b->cmd = CMD_PEER_PUSH;
@@ -516,6 +530,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
     int restore = wait_ms >= 0 && set_recv_timeout(f->fd, wait_ms, &was);
+    int lowat = 1;  /* Python (and a later loop) finds the default again */
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -558,7 +573,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 (payload > cap - HEADER || (HEADER + payload > have && payload >= STREAM_MIN))) {
                 if (have < HEADER + SET_FIXED) goto more;
                 if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
-                int r = stream_set(f, buf, have, payload);
+                int r = stream_set(f, buf, have, payload, &lowat);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
                 if (r < 0) { answer = LOOP_BODY; break; }
@@ -585,7 +600,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             if (buf[0] == CMD_PEER_PUSH && payload >= PS_PUSH_FIXED && f->peer.streams != NULL &&
                 f->body.timeout_ms > 0) {
                 if (have < HEADER + PS_PUSH_FIXED) goto more;
-                int r = peer_push(f, &o, buf, have, payload);
+                int r = peer_push(f, &o, buf, have, payload, &lowat);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }
                 size_t used = HEADER + payload <= have ? (size_t)(HEADER + payload) : have;
@@ -625,6 +640,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             }
         }
         if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
+        size_t need = have < HEADER ? HEADER - have : HEADER + u64_at(buf + 1) - have;
+        want_bytes(f->fd, &lowat, need < cap - have ? need : cap - have);
         ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }
         if (n == 0) { answer = LOOP_EOF; break; }
@@ -636,6 +653,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     }
     if (flush(f, &o) != 0) answer = LOOP_ERROR;  /* every answer out before Python's next */
     if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
+    want_bytes(f->fd, &lowat, 1);
     f->have = have;
     return answer;
 }
@@ -675,6 +693,15 @@ size_t fleetd_fast_layout(int which) {
  * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
 size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why) {
+    int lowat = 1;
+    size_t done = recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &lowat);
+    want_bytes(fd, &lowat, 1);  /* Python's own recv()s expect the default */
+    return done;
+}
+
+/* fleetd_recv_body for the loop, which keeps its low-water mark across calls (`*lowat`). */
+static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
+                        int64_t *waited_ns, uint64_t *got, int *why, int *lowat) {
     struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
     int restore = set_recv_timeout(fd, timeout_ms, &was);
     size_t done = 0;
@@ -685,6 +712,7 @@ size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
             *why = 1;
             break;
         }
+        want_bytes(fd, lowat, n - done);
         int64_t t0 = now_ns();
         ssize_t k = recv(fd, dst + done, n - done, 0);
         *waited_ns += now_ns() - t0;  /* the copy's time too: microseconds a megabyte */
