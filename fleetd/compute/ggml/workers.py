@@ -336,8 +336,9 @@ class Worker:
         """End the stint it serves (or is about to) at its next request or idle wait: a word in
         its page the loop reads between requests. The daemon only writes it."""
         self.yield_asked = True
-        if self._stint_page is not None:
-            native.FastContext.from_buffer(self._stint_page).rc.yield_asked = 1
+        page = self._stint_page  # kill() may let go of it meanwhile
+        if page is not None:
+            native.FastContext.from_buffer(page).rc.yield_asked = 1
 
     def stint(
         self, client: socket.socket, request: bytes, graph_timeout: float, longest: float
@@ -577,8 +578,9 @@ class WorkerPool:
         worker = self._acquire(session_id, deadline)
         try:
             share = max(1, self.threads // self.computing.add(1))
-            if self._stinting:
-                self._ask_stints_to_yield()
+            # under the pool's lock, after the count: a stint is either refused by that count
+            # (begin_stint) or registered already, and asked
+            self._ask_stints_to_yield()
             try:
                 self.placer.place(worker, share)
                 self._settle(session_id, worker, lambda: worker.compute(plan, share, deadline, client))
