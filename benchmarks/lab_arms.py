@@ -111,6 +111,15 @@ def start_stock(
     return procs
 
 
+def arm_endpoints(lab_nodes, arms: Sequence[str]) -> dict[str, str]:
+    """--rpc for each arm: the stock servers (start_stock's port) for "stock", the lab's fleetd
+    for every other arm (they differ in the client's GGML_RPC_P2P only)."""
+    port = {"stock": STOCK_PORT}
+    return {
+        arm: ",".join(f"{n.address}:{port.get(arm, DEFAULT_RPC_PORT)}" for n in lab_nodes) for arm in arms
+    }
+
+
 def parse_arms(ap: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
     """--arms as a list, or a usage error naming what is unknown."""
     arms = [x.strip() for x in text.split(",") if x.strip()]
@@ -409,10 +418,7 @@ def main() -> int:
             node_cpus=node_cpus,
         )
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
-        rpc = {
-            "stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes),
-            **{arm: ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes) for arm in ARMS[1:]},
-        }
+        rpc = arm_endpoints(lab_nodes, ARMS)
         rounds = []
         for r in range(a.rounds):
             order = arms if r % 2 == 0 else arms[::-1]

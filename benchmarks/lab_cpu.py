@@ -26,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, steal_ns, stop_processes  # noqa: E402
 from lab_arms import (  # noqa: E402
-    STOCK_PORT,
     add_lab_options,
+    arm_endpoints,
     one_core_each,
     parse_arms,
     parse_links,
@@ -39,7 +39,6 @@ from fleetd.fleet.lab import Lab  # noqa: E402
 from fleetd.fleet.model_ab import parse_bench_json, run_p2p_tool  # noqa: E402
 from fleetd.fleet.procs import children_of, process_tree  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
-from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
 
 ARMS = ("stock", "hub", "async")
 P2P_ENV = {"stock": "0", "hub": "0", "async": "1"}
@@ -190,9 +189,7 @@ def main() -> int:
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
-        fleetd_rpc = ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes)
-        rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
-        rpc["async"] = fleetd_rpc
+        rpc = arm_endpoints(lab_nodes, ARMS)
         fleetd_cpu = FleetdCpu(lab.state["pids"])
         stock_cpu = NodeCpu("stock", [p.pid for p in stock])
         accounts += [fleetd_cpu, stock_cpu]

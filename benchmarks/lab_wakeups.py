@@ -29,14 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, stop_processes  # noqa: E402
-from lab_arms import STOCK_PORT, add_lab_options, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
+from lab_arms import add_lab_options, arm_endpoints, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
 
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.lab import Lab  # noqa: E402
 from fleetd.fleet.model_ab import find_p2p_tool  # noqa: E402
 from fleetd.fleet.procs import process_tree  # noqa: E402
 from fleetd.models import generate_named  # noqa: E402
-from fleetd.ports import DEFAULT_RPC_PORT  # noqa: E402
 
 ARMS = ("stock", "hub", "async")
 P2P_ENV = {"stock": "0", "hub": "0", "async": "1"}
@@ -127,9 +126,7 @@ def main() -> int:
     try:
         lab_nodes = lab.up(a.nodes, coord, peer, node_cpus=node_cpus)
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
-        fleetd_rpc = ",".join(f"{n.address}:{DEFAULT_RPC_PORT}" for n in lab_nodes)
-        rpc = {"stock": ",".join(f"{n.address}:{STOCK_PORT}" for n in lab_nodes), "hub": fleetd_rpc}
-        rpc["async"] = fleetd_rpc
+        rpc = arm_endpoints(lab_nodes, ARMS)
         roots = {"stock": [p.pid for p in stock], "hub": lab.state["pids"], "async": lab.state["pids"]}
         cells = []
         for r in range(a.rounds):

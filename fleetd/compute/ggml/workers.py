@@ -643,14 +643,13 @@ class WorkerPool:
         end (Worker.ask_yield): so it runs as long as it is alone, not for a fixed budget."""
         with self._cond:  # a check and a registration that compute()'s ask cannot fall between
             if self.computing.add(1) == 1 and len(self._by_session) == 1:
-                worker.yield_asked = False
-                self._stinting.add(worker)
+                self._stinting.add(worker)  # its yield_asked is False: end_stint cleared it
                 return True
             self.computing.add(-1)
             return False
 
     def end_stint(self, worker: Worker) -> None:
-        with self._cond:
+        with self._cond:  # outside _stinting no ask reaches it, so it starts the next one clear
             self._stinting.discard(worker)
             worker.yield_asked = False
         self.computing.add(-1)
