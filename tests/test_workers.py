@@ -6,6 +6,7 @@ that session its connection; the daemon, the other sessions and every buffer's b
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -215,6 +216,47 @@ def test_a_dying_worker_costs_only_its_session(server, monkeypatch, caplog):
     assert rss1 - rss0 < 8 * 1024, f"daemon RSS grew {rss1 - rss0} KiB over two worker deaths"
     a.client.close()
     b.client.close()
+
+
+@pytest.mark.parametrize("stints", ["1", "0"])
+def test_a_daemon_stopped_mid_graph_closes_the_session_before_its_worker(stints, monkeypatch, caplog):
+    # the workers go only once the sessions closed: none is pulled from under a graph it waits on
+    # (in a stint the session gives its worker a grace to see the hang-up: the window it had)
+    monkeypatch.setenv("FLEETD_STINTS", stints)
+    srv = start()
+    client = RpcClient(endpoint(srv)).open()
+    slab = Slab(client, 8 << 20)
+    client.graph_compute(long_graph(slab, 1000))
+    client.get_alignment()  # answered once the graph computed: GRAPH_COMPUTE has no reply
+    pool = srv.state.devices[0].workers
+    (pid,) = pool.worker_pids().values()
+    ticks = _cpu_ticks(pid)
+    sender = threading.Thread(target=_recompute, args=(client,), daemon=True)
+    sender.start()
+    deadline = time.monotonic() + 30
+    while _cpu_ticks(pid) < ticks + 3 and time.monotonic() < deadline:  # the recompute runs
+        time.sleep(0.01)
+    with caplog.at_level(logging.INFO, logger="fleetd"):
+        srv.stop()
+    assert srv.state.sessions.count() == 0 and pool.live() == 0
+    assert gone(pid)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [m for m in lines if "died" in m or "still closing" in m], lines
+    assert any(m.endswith(": closed") for m in lines), lines  # its session closed first
+    sender.join(30)
+    client.close()
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _recompute(client: RpcClient) -> None:
+    try:
+        client.graph_recompute(0)
+    except (OSError, FleetdError):  # the daemon stopped under it: what the test wants
+        pass
 
 
 def _keep(bystander: Bystander, errors: list) -> None:

@@ -28,6 +28,7 @@ LISTEN_BACKLOG = 128
 # Accept failures (EMFILE, no thread, no memory) back off from the first to the last delay.
 BACKOFF_FIRST, BACKOFF_MAX = 0.01, 1.0
 REFUSED_LOG_EVERY = 10.0  # seconds between log lines about refused connections
+STOP_GRACE_S = 10.0  # seconds stop() waits for the sessions to close before the workers go
 KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 60, 10, 6  # seconds, seconds, probes
 
 
@@ -178,6 +179,12 @@ class Server:
         if self._spare_fd is not None and not (self._accept_thread and self._accept_thread.is_alive()):
             os.close(self._spare_fd)
             self._spare_fd = None
+        # Sessions see their socket shut and close (a graph in a worker is cancelled by the
+        # hang-up); only then do the workers go, so none is pulled from under its session.
+        if not self.state.sessions.wait_empty(STOP_GRACE_S):
+            log.warning(
+                "stopping with %d sessions still closing after %gs", self.state.sessions.count(), STOP_GRACE_S
+            )
         self.state.close()
 
     def _accept_loop(self) -> None:

@@ -49,7 +49,7 @@ class SessionTable:
     """The live sessions by id; ids are never reused within one daemon."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._by_id: dict[int, LiveSession] = {}
         self._per_address: dict[str, int] = {}
         self._next_id = 1
@@ -73,6 +73,13 @@ class SessionTable:
                     self._per_address[session.address] = left
                 else:
                     del self._per_address[session.address]
+            if not self._by_id:
+                self._lock.notify_all()
+
+    def wait_empty(self, timeout: float) -> bool:
+        """Wait until every session has closed (True) or `timeout` passed (False)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._by_id, timeout)
 
     def count_from(self, address: str) -> int:
         """Live sessions whose client connected from `address`."""
