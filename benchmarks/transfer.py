@@ -106,24 +106,29 @@ def run(max_bytes: int, rounds: int, latency_calls: int) -> dict:
         server_with_pid("fleetd") as fleetd,
         server_with_pid("fleetd", extra=["--no-counters"]) as nocount,
     ):
-        targets = {
-            "stock": Target(*stock, max_bytes),
-            "fleetd": Target(*fleetd, max_bytes),
-            "fleetd-nocount": Target(*nocount, max_bytes),
-        }
-        try:
-            for size in sizes(max_bytes):
-                data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-                out = np.empty(size, np.uint8)
-                for kind in ("set", "get"):
-                    for name in targets:
-                        results[kind].setdefault(name, {})[size] = []
-                        results["cpu_" + kind].setdefault(name, {})[size] = []
-                    for r in range(rounds):
-                        for name, tgt in alternate(targets, r):
+        servers = {"stock": stock, "fleetd": fleetd, "fleetd-nocount": nocount}
+        for size in sizes(max_bytes):
+            data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+            out = np.empty(size, np.uint8)
+            for kind in ("set", "get"):
+                for name in servers:
+                    results[kind].setdefault(name, {})[size] = []
+                    results["cpu_" + kind].setdefault(name, {})[size] = []
+                for r in range(rounds):
+                    for name, server in alternate(servers, r):
+                        # a connection of its own each time: loopback TCP settles a connection
+                        # into a fast or a slow regime for bulk sends (256 KiB SETs at ~2.4 or
+                        # ~6 GB/s, the stock server's as fleetd's), which one connection kept
+                        # for a whole run would decide for every round of it
+                        tgt = Target(*server, size)
+                        try:
                             fn = tgt.set_throughput if kind == "set" else tgt.get_throughput
                             results[kind][name][size].append(fn(size, data if kind == "set" else out))
                             results["cpu_" + kind][name][size].append(tgt.cpu_per_op)
+                        finally:
+                            tgt.close()
+        targets = {name: Target(*server, 4 * KIB) for name, server in servers.items()}
+        try:
             for r in range(rounds):
                 for name, tgt in alternate(targets, r):
                     results["latency"].setdefault(name, []).append(tgt.latency(latency_calls))

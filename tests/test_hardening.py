@@ -402,6 +402,20 @@ def test_a_tensor_body_read_in_c_keeps_the_request_rules(daemon, log_records, ho
     served(srv)
 
 
+def test_a_pause_in_a_tensor_body_shorter_than_the_request_timeout_is_waited_out(daemon, log_records):
+    # fastpath.c reads a body on the loop's short receive timeout (its tick, no socket option
+    # set per body): silent ticks add up, and only a silence of request_timeout cuts the body
+    srv = daemon(request_timeout=1.0)
+    c, request = _tensor_body_request(srv, 1 << 20)
+    head = request[: len(request) - (1 << 20) + 70_000]
+    for part in (head, request[len(head) : len(head) + 100_000], request[len(head) + 100_000 :]):
+        c.send(part)
+        time.sleep(0.3)  # many of the loop's 20 ms ticks, well inside the second
+    assert struct.unpack("<I", c.call(DEVICE_COUNT, b"", 4))[0] == 1  # the SET was whole
+    assert not any("no byte" in m or "slow sender" in m for m in log_records.lines())
+    c.close()
+
+
 def test_a_pause_between_requests_is_not_charged_to_the_next(daemon, log_records):
     """test-backend-ops was cut after 1,434 cases: a SET_TENSOR whose data needed reads of its
     own left the request clock running; the client then computed its reference for longer than

@@ -309,8 +309,16 @@ enum {
     LOOP_BODY = 7,     /* a streamed SET_TENSOR was cut (f->body.why): the connection ends */
 };
 
+/* What a run of blocking recv()s on one socket has set: SO_RCVLOWAT (1, the kernel's default,
+ * unless want_bytes raised it) and, inside the loop, SO_RCVTIMEO already at tick_ms (0: not
+ * known, a body sets and restores its own). */
+struct rx {
+    int lowat;
+    int tick_ms;
+};
+
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
-                        int64_t *waited_ns, uint64_t *got, int *why, int *lowat);
+                        int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx);
 
 /* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
 #define MSG_RUN 3
@@ -402,7 +410,7 @@ static int recompute(struct fleetd_fast *f) {
  * 1 served; 0 Python's (nothing consumed); -1 cut (f->body says why; the tensor holds what
  * came, as on Python's streamed path, and the connection ends). */
 static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload,
-                      int *lowat) {
+                      struct rx *rx) {
     uint64_t size = payload - SET_FIXED;
     struct fleetd_region *r;
     uint8_t *dst = set_destination(f, buf + HEADER, payload, &r);
@@ -414,7 +422,7 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
     b->waited_ns = 0;
     b->got = have;
     size_t n = recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
-                         &b->waited_ns, &b->got, &b->why, lowat);
+                         &b->waited_ns, &b->got, &b->why, rx);
     if (here + n < size) {
         b->cmd = CMD_SET_TENSOR;
         return -1;
@@ -456,7 +464,7 @@ static int peer_gate(struct fleetd_fast *f, struct out *o, const uint8_t *req) {
  * here copied and the rest read from the socket. 1 served (answered 1); 0 Python's (nothing
  * changed); -1 its body was cut (f->body says why; the copy is refused) or the answer not sent. */
 static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, size_t have,
-                     uint64_t payload, int *lowat) {
+                     uint64_t payload, struct rx *rx) {
     struct fleetd_peer *p = &f->peer;
     const uint8_t *h = buf + HEADER;
     uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PS_PUSH_FIXED;
@@ -478,7 +486,7 @@ static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, s
             return -1;
         }
         size_t n = recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
-                             &b->waited_ns, &b->got, &b->why, lowat);
+                             &b->waited_ns, &b->got, &b->why, rx);
         if (here + n < size) {
             fleetd_streams_refuse(p->streams, stream, seq, data, size);
             b->cmd = CMD_PEER_PUSH;
@@ -530,7 +538,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
     int restore = wait_ms >= 0 && set_recv_timeout(f->fd, wait_ms, &was);
-    int lowat = 1;  /* Python (and a later loop) finds the default again */
+    /* lowat 1: Python (and a later loop) finds the default again */
+    struct rx rx = {1, wait_ms > 0 ? wait_ms : 0};
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -573,7 +582,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 (payload > cap - HEADER || (HEADER + payload > have && payload >= STREAM_MIN))) {
                 if (have < HEADER + SET_FIXED) goto more;
                 if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
-                int r = stream_set(f, buf, have, payload, &lowat);
+                int r = stream_set(f, buf, have, payload, &rx);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
                 if (r < 0) { answer = LOOP_BODY; break; }
@@ -600,7 +609,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             if (buf[0] == CMD_PEER_PUSH && payload >= PS_PUSH_FIXED && f->peer.streams != NULL &&
                 f->body.timeout_ms > 0) {
                 if (have < HEADER + PS_PUSH_FIXED) goto more;
-                int r = peer_push(f, &o, buf, have, payload, &lowat);
+                int r = peer_push(f, &o, buf, have, payload, &rx);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }
                 size_t used = HEADER + payload <= have ? (size_t)(HEADER + payload) : have;
@@ -641,7 +650,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
         }
         if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
         size_t need = have < HEADER ? HEADER - have : HEADER + u64_at(buf + 1) - have;
-        want_bytes(f->fd, &lowat, need < cap - have ? need : cap - have);
+        want_bytes(f->fd, &rx.lowat, need < cap - have ? need : cap - have);
         ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }
         if (n == 0) { answer = LOOP_EOF; break; }
@@ -653,7 +662,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     }
     if (flush(f, &o) != 0) answer = LOOP_ERROR;  /* every answer out before Python's next */
     if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
-    want_bytes(f->fd, &lowat, 1);
+    want_bytes(f->fd, &rx.lowat, 1);
     f->have = have;
     return answer;
 }
@@ -693,17 +702,21 @@ size_t fleetd_fast_layout(int which) {
  * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
 size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why) {
-    int lowat = 1;
-    size_t done = recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &lowat);
-    want_bytes(fd, &lowat, 1);  /* Python's own recv()s expect the default */
+    struct rx rx = {1, 0};
+    size_t done = recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &rx);
+    want_bytes(fd, &rx.lowat, 1);  /* Python's own recv()s expect the default */
     return done;
 }
 
-/* fleetd_recv_body for the loop, which keeps its low-water mark across calls (`*lowat`). */
+/* fleetd_recv_body for the loop, which keeps its low-water mark across calls and whose
+ * SO_RCVTIMEO is its tick already (rx): a body then costs no socket option (a 256 KiB SET took
+ * 7 syscalls, the stock server's 4), a silent tick is counted until timeout_ms. The mark comes
+ * down for the body's tail: the kernel wakes a reader when the mark is met, whatever it asked. */
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
-                        int64_t *waited_ns, uint64_t *got, int *why, int *lowat) {
+                        int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx) {
     struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
-    int restore = set_recv_timeout(fd, timeout_ms, &was);
+    int restore = rx->tick_ms <= 0 && set_recv_timeout(fd, timeout_ms, &was);
+    int64_t silent_ns = 0;  /* since the last byte: no byte for timeout_ms ends it */
     size_t done = 0;
     *why = 0;
     while (done < n) {
@@ -712,17 +725,22 @@ static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
             *why = 1;
             break;
         }
-        want_bytes(fd, lowat, n - done);
+        want_bytes(fd, &rx->lowat, n - done);
         int64_t t0 = now_ns();
         ssize_t k = recv(fd, dst + done, n - done, 0);
-        *waited_ns += now_ns() - t0;  /* the copy's time too: microseconds a megabyte */
+        int64_t spent = now_ns() - t0;
+        *waited_ns += spent;  /* the copy's time too: microseconds a megabyte */
         if (k > 0) {
             done += (size_t)k;
             *got += (uint64_t)k;
+            silent_ns = 0;
             continue;
         }
         if (k == 0) { *why = 3; break; }
         if (errno == EINTR) continue;
+        if ((errno == EAGAIN || errno == EWOULDBLOCK) && rx->tick_ms > 0 &&
+            (silent_ns += spent) < (int64_t)timeout_ms * 1000000)
+            continue;  /* a tick of the loop's, not yet the request's timeout */
         *why = errno == EAGAIN || errno == EWOULDBLOCK ? 2 : -errno;  /* no byte for timeout_ms */
         break;
     }
