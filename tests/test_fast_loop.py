@@ -506,51 +506,6 @@ def test_a_stint_ends_when_another_session_starts_computing_not_at_its_budget(se
     assert wait_until(lambda: pool.computing.value == 0, 10)
 
 
-def voluntary_switches(pid: int, tid: int) -> int:
-    """How often the thread blocked (each wake-up after a blocking recv() is one)."""
-    for line in open(f"/proc/{pid}/task/{tid}/status"):
-        if line.startswith("voluntary_ctxt_switches:"):
-            return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
-
-
-def test_a_request_in_pieces_wakes_its_reader_once_a_request_part(server, mode):
-    # The stock client writes a command as its byte, its size and its payload: three segments,
-    # and a paced link cuts a payload into more. The loop asks the kernel for the bytes it
-    # still needs (SO_RCVLOWAT), so the reader wakes once for the header and once for the
-    # payload, not once a segment.
-    d = Decoder(endpoint(server), 30)
-    d.step(first=True)
-    d.step()  # a stint on (mode "stints"): its worker serves what follows
-    s = session_of(server, d.client)
-    if mode == "stints":
-        assert s.fast.stints == 1
-        pid = server.state.devices[0].workers.worker_pids()[s.id]
-        tid = pid  # the stint's loop runs on the worker's main thread (ggml may add its own)
-    else:
-        pid = os.getpid()
-        # its thread (an earlier test's server may have left one of the same name behind)
-        (tid,) = [t.native_id for t in threading.enumerate() if getattr(t, "_target", None) == s.run]
-    x = np.arange(2 * Decoder.WIDTH, dtype=np.float32)
-    request = frame_set(d.x.rpc(), 0, x.tobytes())
-    sock = d.client.sock
-    n = 40
-    before = voluntary_switches(pid, tid)
-    half = 9 + (len(request) - 9) // 2  # and its payload in two writes: four segments
-    for _ in range(n):
-        for part in (request[:1], request[1:9], request[9:half], request[half:]):
-            sock.sendall(part)
-            time.sleep(0.002)  # each part arrives alone, after the reader slept again
-    assert d.client.get_alignment(0) > 0  # all served, in order
-    woke = voluntary_switches(pid, tid) - before
-    # about two a request (the header, the payload), plus the loop's returns to Python and
-    # the GET_ALIGNMENT; one a segment would be 4 * n
-    assert woke <= 3 * n, woke
-    got = np.frombuffer(d.client.get_tensor(d.x.rpc()), np.float32)
-    np.testing.assert_array_equal(got, x)
-    d.client.close()
-
-
 def test_the_c_row_id_check_agrees_with_the_python_one():
     """worker_loop.c's check against WorkerPlan.run's (numpy over the strided view), on seeded
     random index tensors: widths, shapes with size-1 and empty dims, padded and permuted

@@ -15,7 +15,6 @@ import ctypes.util
 import errno
 import os
 import pwd
-import socket
 
 # What ggml's CPU compute (threads, futexes, memory) and the worker's loop (recvmsg/sendmsg on
 # its socket, mmap of the buffers it is handed) need, and what CPython does while running.
@@ -213,13 +212,6 @@ def install_seccomp(lib=None) -> None:
         # threads yes, processes no; clone3 hides its flags in memory: ENOSYS makes glibc use clone
         add(SCMP_ACT_ALLOW, "clone", ScmpArgCmp(0, SCMP_CMP_MASKED_EQ, CLONE_THREAD, CLONE_THREAD))
         add(SCMP_ACT_ERRNO(errno.ENOSYS), "clone3")
-        # a stint's loop asks for the bytes a request still needs (SO_RCVLOWAT), nothing else
-        add(
-            SCMP_ACT_ALLOW,
-            "setsockopt",
-            ScmpArgCmp(1, SCMP_CMP_EQ, socket.SOL_SOCKET, 0),
-            ScmpArgCmp(2, SCMP_CMP_EQ, socket.SO_RCVLOWAT, 0),
-        )
         # abort() signals its own process only (a GGML_ASSERT must still end the worker)
         pid = os.getpid()
         add(SCMP_ACT_ALLOW, "tgkill", ScmpArgCmp(0, SCMP_CMP_EQ, pid, 0))

@@ -31,7 +31,7 @@ from fleetd.server.graph_bounds import check_graph
 from fleetd.server.peer import PeerLinks, serve_copy
 from fleetd.server.peer_async import AsyncCopies
 from fleetd.server.stats import CommandCounters
-from fleetd.transport.stream import closed_by_peer, set_recv_lowat, set_recv_timeout, set_send_timeout
+from fleetd.transport.stream import closed_by_peer, set_recv_timeout, set_send_timeout
 from fleetd.wire import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -350,7 +350,6 @@ class Session:
             raise
         finally:
             set_recv_timeout(sock, self._recv_timeout)
-            set_recv_lowat(sock, 1)  # a worker killed mid-loop leaves its low-water mark
         try:
             fast.stint_done(result)
         except ValueError as exc:

@@ -34,12 +34,6 @@ def set_recv_timeout(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
 
 
-def set_recv_lowat(sock: socket.socket, nbytes: int) -> None:
-    """SO_RCVLOWAT: a blocking recv waits for this many bytes (its timeout or the peer's close
-    ends it sooner with what came). The C loops set it per request and put back 1."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-
-
 def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
     """The same for a send that makes no progress (the other end stopped reading)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(seconds))

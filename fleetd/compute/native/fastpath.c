@@ -309,11 +309,9 @@ enum {
     LOOP_BODY = 7,     /* a streamed SET_TENSOR was cut (f->body.why): the connection ends */
 };
 
-/* What a run of blocking recv()s on one socket has set: SO_RCVLOWAT (1, the kernel's default,
- * unless want_bytes raised it) and, inside the loop, SO_RCVTIMEO already at tick_ms (0: not
- * known, a body sets and restores its own). */
+/* What a run of blocking recv()s on one socket may rely on: inside the loop, SO_RCVTIMEO is
+ * already at tick_ms (0: not known, a body sets and restores its own). */
 struct rx {
-    int lowat;
     int tick_ms;
 };
 
@@ -341,19 +339,6 @@ static int set_recv_timeout(int fd, int ms, struct timeval *was) {
     return getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) == 0 &&
            (was->tv_sec != want.tv_sec || was->tv_usec != want.tv_usec) &&
            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0;
-}
-
-/* SO_RCVLOWAT for the next blocking recv(): the bytes still missing of what is being read
- * (a request's header, the rest of a request that fits the buffer, a body), so that a request
- * arriving as several segments wakes the thread once. The stock client sends each command as
- * three writes (command byte, size, payload) and a hidden state crosses a paced link as several
- * segments: each woke the thread (13-15 wake-ups a decode step on a middle lab node, the stock
- * server's too). A recv() then returns once that much is here, at its timeout with what came,
- * or at the peer's close. `*lowat` holds what is set (1: the kernel's default). */
-#define LOWAT_MAX (16 * 1024)
-static void want_bytes(int fd, int *lowat, size_t n) {
-    int v = n > LOWAT_MAX ? LOWAT_MAX : n < 1 ? 1 : (int)n;
-    if (v != *lowat && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) *lowat = v;
 }
 
 /* Hand the armed graph to the worker and wait for its answer: 1 when it is DONE (consumed),
@@ -538,8 +523,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
     int restore = wait_ms >= 0 && set_recv_timeout(f->fd, wait_ms, &was);
-    /* lowat 1: Python (and a later loop) finds the default again */
-    struct rx rx = {1, wait_ms > 0 ? wait_ms : 0};
+    struct rx rx = {wait_ms > 0 ? wait_ms : 0};
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -649,8 +633,6 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             }
         }
         if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
-        size_t need = have < HEADER ? HEADER - have : HEADER + u64_at(buf + 1) - have;
-        want_bytes(f->fd, &rx.lowat, need < cap - have ? need : cap - have);
         ssize_t n = recv(f->fd, buf + have, cap - have, 0);
         if (n > 0) { have += (size_t)n; continue; }
         if (n == 0) { answer = LOOP_EOF; break; }
@@ -662,7 +644,6 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     }
     if (flush(f, &o) != 0) answer = LOOP_ERROR;  /* every answer out before Python's next */
     if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
-    want_bytes(f->fd, &rx.lowat, 1);
     f->have = have;
     return answer;
 }
@@ -702,16 +683,13 @@ size_t fleetd_fast_layout(int which) {
  * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
 size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why) {
-    struct rx rx = {1, 0};
-    size_t done = recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &rx);
-    want_bytes(fd, &rx.lowat, 1);  /* Python's own recv()s expect the default */
-    return done;
+    struct rx rx = {0};
+    return recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &rx);
 }
 
-/* fleetd_recv_body for the loop, which keeps its low-water mark across calls and whose
- * SO_RCVTIMEO is its tick already (rx): a body then costs no socket option (a 256 KiB SET took
- * 7 syscalls, the stock server's 4), a silent tick is counted until timeout_ms. The mark comes
- * down for the body's tail: the kernel wakes a reader when the mark is met, whatever it asked. */
+/* fleetd_recv_body for the loop, whose SO_RCVTIMEO is its tick already (rx): a body then costs
+ * no socket option (a 256 KiB SET was 3 of them and its recv()s; now 2.7 recv()s, the stock
+ * server's 3.7), a silent tick is counted until timeout_ms. */
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx) {
     struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
@@ -725,7 +703,6 @@ static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
             *why = 1;
             break;
         }
-        want_bytes(fd, &rx->lowat, n - done);
         int64_t t0 = now_ns();
         ssize_t k = recv(fd, dst + done, n - done, 0);
         int64_t spent = now_ns() - t0;
