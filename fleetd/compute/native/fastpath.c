@@ -330,15 +330,16 @@ static int64_t now_ns(void) {
 }
 
 /* SO_RCVTIMEO to `ms` for a run of blocking recv()s (one syscall a wake-up, where a
- * non-blocking recv, a poll and a recv made three); 1 when it changed, `was` then holds what
- * to put back (Python keeps its own and expects it kept). */
+ * non-blocking recv, a poll and a recv made three): 1 when it changed, `was` then holds what
+ * to put back (Python keeps its own and expects it kept); 0 when it was `ms` already; -1 when
+ * it could not be read or set (the socket's own timeout stands). */
 static int set_recv_timeout(int fd, int ms, struct timeval *was) {
     if (ms < 1) ms = 1;  /* 0 would be no timeout at all: a recv that never gives up */
     struct timeval want = {ms / 1000, (ms % 1000) * 1000};
     socklen_t len = sizeof *was;
-    return getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) == 0 &&
-           (was->tv_sec != want.tv_sec || was->tv_usec != want.tv_usec) &&
-           setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0;
+    if (getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, was, &len) != 0) return -1;
+    if (was->tv_sec == want.tv_sec && was->tv_usec == want.tv_usec) return 0;
+    return setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &want, sizeof want) == 0 ? 1 : -1;
 }
 
 /* Hand the armed graph to the worker and wait for its answer: 1 when it is DONE (consumed),
@@ -522,8 +523,8 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     int answer;
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
-    int restore = wait_ms >= 0 && set_recv_timeout(f->fd, wait_ms, &was);
-    struct rx rx = {wait_ms > 0 ? wait_ms : 0};
+    int restore = wait_ms >= 0 ? set_recv_timeout(f->fd, wait_ms, &was) : -1;
+    struct rx rx = {restore >= 0 ? wait_ms : 0};  /* a tick a body may rely on */
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -643,7 +644,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
         break;
     }
     if (flush(f, &o) != 0) answer = LOOP_ERROR;  /* every answer out before Python's next */
-    if (restore) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
+    if (restore > 0) setsockopt(f->fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
     f->have = have;
     return answer;
 }
@@ -693,7 +694,7 @@ size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx) {
     struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
-    int restore = rx->tick_ms <= 0 && set_recv_timeout(fd, timeout_ms, &was);
+    int restore = rx->tick_ms > 0 ? 0 : set_recv_timeout(fd, timeout_ms, &was);
     int64_t silent_ns = 0;  /* since the last byte: no byte for timeout_ms ends it */
     size_t done = 0;
     *why = 0;
@@ -721,6 +722,6 @@ static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
         *why = errno == EAGAIN || errno == EWOULDBLOCK ? 2 : -errno;  /* no byte for timeout_ms */
         break;
     }
-    if (restore) setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
+    if (restore > 0) setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &was, sizeof was);
     return done;
 }
