@@ -120,6 +120,24 @@ def arm_endpoints(lab_nodes, arms: Sequence[str]) -> dict[str, str]:
     }
 
 
+def abba(arms: Sequence[str], r: int) -> list[str]:
+    """Round r's order: the arms as given on even rounds, reversed on odd ones (ABBA)."""
+    return list(arms) if r % 2 == 0 else list(arms[::-1])
+
+
+def abba_rounds(arms: Sequence[str], rounds: int, run: Callable[[str], dict]) -> list[list[dict]]:
+    """run(arm) for every arm in every round, in abba() order, a progress line each: the
+    cells of each round."""
+    out = []
+    for r in range(rounds):
+        cells = []
+        for arm in abba(arms, r):
+            print(f"round {r + 1}/{rounds}: {arm}", file=sys.stderr, flush=True)
+            cells.append(run(arm))
+        out.append(cells)
+    return out
+
+
 def parse_arms(ap: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
     """--arms as a list, or a usage error naming what is unknown."""
     arms = [x.strip() for x in text.split(",") if x.strip()]
@@ -419,14 +437,10 @@ def main() -> int:
         )
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
         rpc = arm_endpoints(lab_nodes, ARMS)
-        rounds = []
-        for r in range(a.rounds):
-            order = arms if r % 2 == 0 else arms[::-1]
-            cells = []
-            for arm in order:
-                print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
-                cells.append(cell(model, rpc[arm], arm, a))
-            rounds.append({"round": r + 1, "order": order, "cells": cells})
+        rounds = [
+            {"round": r + 1, "order": abba(arms, r), "cells": cells}
+            for r, cells in enumerate(abba_rounds(arms, a.rounds, lambda arm: cell(model, rpc[arm], arm, a)))
+        ]
         rss = {
             "stock": peak_rss_mib([p.pid for p in stock]),
             "fleetd": peak_rss_mib(lab.state.get("pids", [])),

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, steal_ns, stop_processes  # noqa: E402
 from lab_arms import (  # noqa: E402
+    abba_rounds,
     add_lab_options,
     arm_endpoints,
     one_core_each,
@@ -194,13 +195,7 @@ def main() -> int:
         stock_cpu = NodeCpu("stock", [p.pid for p in stock])
         accounts += [fleetd_cpu, stock_cpu]
         cpus = {"stock": stock_cpu, "hub": fleetd_cpu, "async": fleetd_cpu}
-        rounds = []
-        for r in range(a.rounds):
-            done = []
-            for arm in arms if r % 2 == 0 else arms[::-1]:
-                print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
-                done.append(cell(model, rpc[arm], arm, cpus[arm], a.n_gen))
-            rounds.append(done)
+        rounds = abba_rounds(arms, a.rounds, lambda arm: cell(model, rpc[arm], arm, cpus[arm], a.n_gen))
     except FleetError as exc:
         print(f"lab_cpu: {exc}", file=sys.stderr)
         return 1

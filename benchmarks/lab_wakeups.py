@@ -29,7 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save, show, stop_processes  # noqa: E402
-from lab_arms import add_lab_options, arm_endpoints, one_core_each, parse_arms, parse_links, start_stock  # noqa: E402
+from lab_arms import (  # noqa: E402
+    abba_rounds,
+    add_lab_options,
+    arm_endpoints,
+    one_core_each,
+    parse_arms,
+    parse_links,
+    start_stock,
+)
 
 from fleetd.errors import FleetError  # noqa: E402
 from fleetd.fleet.lab import Lab  # noqa: E402
@@ -128,11 +136,8 @@ def main() -> int:
         stock = start_stock(lab_nodes, 1, work, node_cpus=node_cpus)
         rpc = arm_endpoints(lab_nodes, ARMS)
         roots = {"stock": [p.pid for p in stock], "hub": lab.state["pids"], "async": lab.state["pids"]}
-        cells = []
-        for r in range(a.rounds):
-            for arm in arms if r % 2 == 0 else arms[::-1]:
-                print(f"round {r + 1}/{a.rounds}: {arm}", file=sys.stderr, flush=True)
-                cells.append(cell(model, rpc[arm], arm, roots[arm]))
+        by_round = abba_rounds(arms, a.rounds, lambda arm: cell(model, rpc[arm], arm, roots[arm]))
+        cells = [c for done in by_round for c in done]
     except FleetError as exc:
         print(f"lab_wakeups: {exc}", file=sys.stderr)
         return 1
