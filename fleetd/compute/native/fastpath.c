@@ -309,14 +309,10 @@ enum {
     LOOP_BODY = 7,     /* a streamed SET_TENSOR was cut (f->body.why): the connection ends */
 };
 
-/* What a run of blocking recv()s on one socket may rely on: inside the loop, SO_RCVTIMEO is
- * already at tick_ms (0: not known, a body sets and restores its own). */
-struct rx {
-    int tick_ms;
-};
-
+/* tick_ms: inside the loop the socket's SO_RCVTIMEO is already this (0: not known, a body sets
+ * and restores its own) */
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
-                        int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx);
+                        int64_t *waited_ns, uint64_t *got, int *why, int tick_ms);
 
 /* channel.py's framing: | kind u32 | n_fds u32 | length u64 | */
 #define MSG_RUN 3
@@ -396,7 +392,7 @@ static int recompute(struct fleetd_fast *f) {
  * 1 served; 0 Python's (nothing consumed); -1 cut (f->body says why; the tensor holds what
  * came, as on Python's streamed path, and the connection ends). */
 static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, uint64_t payload,
-                      struct rx *rx) {
+                      int tick_ms) {
     uint64_t size = payload - SET_FIXED;
     struct fleetd_region *r;
     uint8_t *dst = set_destination(f, buf + HEADER, payload, &r);
@@ -408,7 +404,7 @@ static int stream_set(struct fleetd_fast *f, const uint8_t *buf, size_t have, ui
     b->waited_ns = 0;
     b->got = have;
     size_t n = recv_body(f->fd, dst + here, size - here, b->timeout_ms, b->min_rate,
-                         &b->waited_ns, &b->got, &b->why, rx);
+                         &b->waited_ns, &b->got, &b->why, tick_ms);
     if (here + n < size) {
         b->cmd = CMD_SET_TENSOR;
         return -1;
@@ -450,7 +446,7 @@ static int peer_gate(struct fleetd_fast *f, struct out *o, const uint8_t *req) {
  * here copied and the rest read from the socket. 1 served (answered 1); 0 Python's (nothing
  * changed); -1 its body was cut (f->body says why; the copy is refused) or the answer not sent. */
 static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, size_t have,
-                     uint64_t payload, struct rx *rx) {
+                     uint64_t payload, int tick_ms) {
     struct fleetd_peer *p = &f->peer;
     const uint8_t *h = buf + HEADER;
     uint64_t stream = u64_at(h), seq = u64_at(h + 8), size = payload - PS_PUSH_FIXED;
@@ -472,7 +468,7 @@ static int peer_push(struct fleetd_fast *f, struct out *o, const uint8_t *buf, s
             return -1;
         }
         size_t n = recv_body(f->fd, data + here, size - here, b->timeout_ms, b->min_rate,
-                             &b->waited_ns, &b->got, &b->why, rx);
+                             &b->waited_ns, &b->got, &b->why, tick_ms);
         if (here + n < size) {
             fleetd_streams_refuse(p->streams, stream, seq, data, size);
             b->cmd = CMD_PEER_PUSH;
@@ -524,7 +520,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
     struct timeval was;  /* between requests a blocking recv() waits wait_ms for the next */
     /* wait_ms < 0: the socket's own SO_RCVTIMEO stands (a worker: its daemon set it) */
     int restore = wait_ms >= 0 ? set_recv_timeout(f->fd, wait_ms, &was) : -1;
-    struct rx rx = {restore >= 0 ? wait_ms : 0};  /* a tick a body may rely on */
+    int tick_ms = restore >= 0 ? wait_ms : 0;  /* a tick a body may rely on */
     struct out o;
     o.n = 0;
     f->error = 0;
@@ -567,7 +563,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
                 (payload > cap - HEADER || (HEADER + payload > have && payload >= STREAM_MIN))) {
                 if (have < HEADER + SET_FIXED) goto more;
                 if (flush(f, &o) != 0) { answer = LOOP_ERROR; break; }
-                int r = stream_set(f, buf, have, payload, &rx);
+                int r = stream_set(f, buf, have, payload, tick_ms);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 have = 0;
                 if (r < 0) { answer = LOOP_BODY; break; }
@@ -594,7 +590,7 @@ int fleetd_fast_loop(struct fleetd_fast *f, uint8_t *buf, size_t cap, int wait_m
             if (buf[0] == CMD_PEER_PUSH && payload >= PS_PUSH_FIXED && f->peer.streams != NULL &&
                 f->body.timeout_ms > 0) {
                 if (have < HEADER + PS_PUSH_FIXED) goto more;
-                int r = peer_push(f, &o, buf, have, payload, &rx);
+                int r = peer_push(f, &o, buf, have, payload, tick_ms);
                 if (r == 0) { answer = LOOP_PYTHON; break; }
                 if (r < 0) { answer = f->error ? LOOP_ERROR : LOOP_BODY; have = 0; break; }
                 size_t used = HEADER + payload <= have ? (size_t)(HEADER + payload) : have;
@@ -684,17 +680,16 @@ size_t fleetd_fast_layout(int which) {
  * slow, 2 no byte for timeout_ms, 3 the peer closed, or -errno. */
 size_t fleetd_recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
                         int64_t *waited_ns, uint64_t *got, int *why) {
-    struct rx rx = {0};
-    return recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, &rx);
+    return recv_body(fd, dst, n, timeout_ms, min_rate, waited_ns, got, why, 0);
 }
 
-/* fleetd_recv_body for the loop, whose SO_RCVTIMEO is its tick already (rx): a body then costs
- * no socket option (a 256 KiB SET was 3 of them and its recv()s; now 2.7 recv()s, the stock
- * server's 3.7), a silent tick is counted until timeout_ms. */
+/* fleetd_recv_body for the loop, whose SO_RCVTIMEO is its tick already (tick_ms): a body then
+ * costs no socket option (a 256 KiB SET was 3 of them and its recv()s; now 2.7 recv()s, the
+ * stock server's 3.7), a silent tick is counted until timeout_ms. */
 static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t min_rate,
-                        int64_t *waited_ns, uint64_t *got, int *why, struct rx *rx) {
+                        int64_t *waited_ns, uint64_t *got, int *why, int tick_ms) {
     struct timeval was;  /* blocking recv()s: a 1 MiB body is 16 wake-ups */
-    int restore = rx->tick_ms > 0 ? 0 : set_recv_timeout(fd, timeout_ms, &was);
+    int restore = tick_ms > 0 ? 0 : set_recv_timeout(fd, timeout_ms, &was);
     int64_t silent_ns = 0;  /* since the last byte: no byte for timeout_ms ends it */
     size_t done = 0;
     *why = 0;
@@ -716,7 +711,7 @@ static size_t recv_body(int fd, uint8_t *dst, size_t n, int timeout_ms, uint64_t
         }
         if (k == 0) { *why = 3; break; }
         if (errno == EINTR) continue;
-        if ((errno == EAGAIN || errno == EWOULDBLOCK) && rx->tick_ms > 0 &&
+        if ((errno == EAGAIN || errno == EWOULDBLOCK) && tick_ms > 0 &&
             (silent_ns += spent) < (int64_t)timeout_ms * 1000000)
             continue;  /* a tick of the loop's, not yet the request's timeout */
         *why = errno == EAGAIN || errno == EWOULDBLOCK ? 2 : -errno;  /* no byte for timeout_ms */
