@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import connection_closed, endpoint, frame, wait_until
 from test_fast_path import frame_set
-from test_workers import Bystander, Slab, gone, long_graph, start, worker_pid_of_new_session
+from test_workers import Bystander, Slab, cpu_ticks, gone, long_graph, start, worker_pid_of_new_session
 
 from fleetd.client.rpc import RpcClient
 from fleetd.compute import native
@@ -100,11 +100,6 @@ class Decoder:
             self.client.graph_recompute(0)
         got = np.frombuffer(self.client.get_tensor(self.out.rpc()), np.float32).reshape(2, self.WIDTH)
         np.testing.assert_array_equal(got, self.table_v[ids] + x)
-
-
-def cpu_ticks(pid: int) -> int:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def session_of(srv, client: RpcClient):

@@ -125,12 +125,17 @@ def worker_pid_of_new_session(srv: Server, known: set[int], timeout: float = 30.
     raise AssertionError("no worker started for the session")
 
 
-def computing(pid: int, timeout: float = 30.0) -> None:
-    """Wait until the worker has used CPU time on the graph."""
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of process `pid`, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def computing(pid: int, timeout: float = 30.0, after: int = 5) -> None:
+    """Wait until the worker has used more than `after` clock ticks of CPU (a graph runs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        if int(fields[11]) + int(fields[12]) > 5:  # utime + stime, in clock ticks
+        if cpu_ticks(pid) > after:
             return
         time.sleep(0.01)
     raise AssertionError(f"worker {pid} never computed")
@@ -230,12 +235,10 @@ def test_a_daemon_stopped_mid_graph_closes_the_session_before_its_worker(stints,
     client.get_alignment()  # answered once the graph computed: GRAPH_COMPUTE has no reply
     pool = srv.state.devices[0].workers
     (pid,) = pool.worker_pids().values()
-    ticks = _cpu_ticks(pid)
+    ticks = cpu_ticks(pid)
     sender = threading.Thread(target=_recompute, args=(client,), daemon=True)
     sender.start()
-    deadline = time.monotonic() + 30
-    while _cpu_ticks(pid) < ticks + 3 and time.monotonic() < deadline:  # the recompute runs
-        time.sleep(0.01)
+    computing(pid, after=ticks + 2)  # the recompute runs
     with caplog.at_level(logging.INFO, logger="fleetd"):
         srv.stop()
     assert srv.state.sessions.count() == 0 and pool.live() == 0
@@ -245,11 +248,6 @@ def test_a_daemon_stopped_mid_graph_closes_the_session_before_its_worker(stints,
     assert any(m.endswith(": closed") for m in lines), lines  # its session closed first
     sender.join(30)
     client.close()
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _recompute(client: RpcClient) -> None:
