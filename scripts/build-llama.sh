@@ -5,12 +5,17 @@
 #
 #   scripts/build-llama.sh            # tools and libraries; prints the bin directory
 #   scripts/build-llama.sh tools      # only the stock tools ($PREFIX/bin)
-#   scripts/build-llama.sh ggml       # only libggml-base.so + libggml-cpu.so ($PREFIX/lib)
-#                                     # and fleetd's own libfleetd-native.so beside them
+#   scripts/build-llama.sh ggml       # only the ggml library, libggml-fleetd.so ($PREFIX/lib),
+#                                     # and fleetd's own libfleetd-native.so beside it
 #
 # FLEETD_LLAMA_CACHE overrides the cache root (default ~/.cache/fleetd).
 # The default library build uses the stock tools' flags (Release, GGML_NATIVE=ON), so fleetd's
-# kernels are the stock server's, byte for byte. FLEETD_GGML_PORTABLE=1 builds them for deploy
+# kernels are the stock server's, and links them as the stock server has them: ggml-base and
+# ggml-cpu built as static archives (position-independent, no semantic interposition) and linked
+# whole into one shared library whose calls bind inside it (-Bsymbolic). As two ordinary shared
+# libraries (-fPIC, every call to an exported function through the PLT, every cross-library one
+# too) the same kernels ran a pipeline node's graph 13-44% longer than the static stock server
+# (docs/DESIGN.md "One ggml library"). FLEETD_GGML_PORTABLE=1 builds them for deploy
 # instead: GGML_BACKEND_DL with every CPU variant (libggml-cpu-<isa>.so, no -march=native; fleetd
 # loads the one the node's CPU scores best) into $PREFIX/lib-portable; FLEETD_GGML_VARIANTS="x64
 # haswell" limits the set (x64 + haswell: 9 min on two busy cores; there are 14 x86 variants).
@@ -36,12 +41,19 @@ if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
     GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=OFF)
 else
     GGML_LIB="$PREFIX/lib"
-    GGML_BUILD="$PREFIX/build-ggml"
-    GGML_FLAGS=(-DGGML_NATIVE=ON)
+    GGML_BUILD="$PREFIX/build-ggml-one"
+    GGML_FLAGS=(-DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DCMAKE_POSITION_INDEPENDENT_CODE=ON
+        "-DCMAKE_C_FLAGS=-fno-semantic-interposition -fno-plt"
+        "-DCMAKE_CXX_FLAGS=-fno-semantic-interposition -fno-plt")
 fi
+ONE_LIB="$GGML_LIB/libggml-fleetd.so"
 
 have_ggml() {
-    [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
+    if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
+        [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
+    else
+        [ -f "$ONE_LIB" ]
+    fi
 }
 
 # fleetd's own helpers (FNV-1a for the cache directory, the session's fast path for whole
@@ -127,8 +139,16 @@ done
 have_all
 fi
 
-# The shared ggml libraries for fleetd's `cpu` device: a separate build dir (the stock tools stay
-# static and untouched), only the two ggml targets (no tools: a CI run compiles ggml-cpu, ~minutes).
+# Both archives whole into one library whose own calls bind inside it (the native build).
+link_one_lib() {
+    "${CXX:-c++}" -shared -o "$ONE_LIB.tmp" -Wl,-soname,libggml-fleetd.so -Wl,-Bsymbolic \
+        -Wl,--whole-archive "$GGML_BUILD/ggml/src/libggml-cpu.a" "$GGML_BUILD/ggml/src/libggml-base.a" \
+        -Wl,--no-whole-archive -fopenmp -lm -pthread
+    mv "$ONE_LIB.tmp" "$ONE_LIB"
+}
+
+# The ggml library for fleetd's `cpu` device: a separate build dir (the stock tools stay static
+# and untouched), only the two ggml targets (no tools: a CI run compiles ggml-cpu, ~minutes).
 if [ $need_ggml = 1 ]; then
     GLOG="$GGML_BUILD.log"
     echo "building libggml-base/libggml-cpu in $GGML_BUILD, log in $GLOG" >&2
@@ -142,8 +162,8 @@ if [ $need_ggml = 1 ]; then
                 | grep -v -- '-feats$'
         fi
     }
-    if ! { cmake -S "$SRC" -B "$GGML_BUILD" -DCMAKE_BUILD_TYPE=Release "${GGML_FLAGS[@]}" \
-            -DBUILD_SHARED_LIBS=ON -DGGML_RPC=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    if ! { cmake -S "$SRC" -B "$GGML_BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+            "${GGML_FLAGS[@]}" -DGGML_RPC=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
             -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
          && cmake --build "$GGML_BUILD" -j "$JOBS" --target ggml-base $(cpu_targets); } >"$GLOG" 2>&1; then
         tail -n 40 "$GLOG" >&2
@@ -151,9 +171,18 @@ if [ $need_ggml = 1 ]; then
         exit 1
     fi
     mkdir -p "$GGML_LIB"
-    # cp -P keeps the soname symlinks (libggml-base.so -> libggml-base.so.0 -> ...)
-    find "$GGML_BUILD/bin" -maxdepth 1 \( -name 'libggml-base.so*' -o -name 'libggml-cpu*.so*' \) \
-        -exec cp -P {} "$GGML_LIB/" \;
+    if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
+        # cp -P keeps the soname symlinks (libggml-base.so -> libggml-base.so.0 -> ...)
+        find "$GGML_BUILD/bin" -maxdepth 1 \( -name 'libggml-base.so*' -o -name 'libggml-cpu*.so*' \) \
+            -exec cp -P {} "$GGML_LIB/" \;
+    else
+        if ! link_one_lib >>"$GLOG" 2>&1; then
+            tail -n 20 "$GLOG" >&2
+            echo "linking $ONE_LIB failed; full log: $GLOG" >&2
+            exit 1
+        fi
+        rm -f "$GGML_LIB"/libggml-base.so* "$GGML_LIB"/libggml-cpu.so*  # an older build's pair
+    fi
     have_ggml || { echo "ggml libraries missing after the build in $GGML_BUILD" >&2; exit 1; }
 fi
 if [ $need_native = 1 ]; then build_native; fi

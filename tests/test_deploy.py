@@ -538,5 +538,10 @@ def test_the_wheel_carries_every_so_of_the_portable_build_and_never_a_native_one
         (native / name).write_bytes(b"x")
     with pytest.raises(FleetError, match="native ggml build"):
         build(source=src, ggml_lib=native)
+    one = tmp_path / "native-one"  # scripts/build-llama.sh's native build today: one library
+    one.mkdir()
+    (one / "libggml-fleetd.so").write_bytes(b"x")
+    with pytest.raises(FleetError, match="native ggml build"):
+        build(source=src, ggml_lib=one)
     with pytest.raises(FleetError, match="no portable ggml build"):
         build(source=src, ggml_lib=tmp_path / "nothing-here")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleetd.compute.device import Device, make_device
+from fleetd.compute.ggml.lib import ONE_LIBRARY, load
 from fleetd.tools import portable_ggml_dir
 
 try:
@@ -41,6 +42,20 @@ def test_buffers_are_aligned_for_ggml():
     dev = load_device()
     for size in (1, 33, 4097, 1 << 20):
         assert dev.alloc(size).ctypes.data % 32 == 0
+
+
+def test_the_native_build_is_one_library_whose_calls_bind_inside_it():
+    # Two -fPIC libraries (every call to an exported function through the PLT, ggml-cpu's into
+    # ggml-base across libraries) ran a pipeline node's graph 13-44% longer than the static stock
+    # server; scripts/build-llama.sh links both archives into one, bound with -Bsymbolic.
+    path = load().cpu_path
+    assert path.name == ONE_LIBRARY, path
+    dynamic = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    assert "SYMBOLIC" in dynamic and "libggml" not in dynamic.split("SONAME")[0], dynamic
+    undefined = subprocess.run(
+        ["nm", "-D", "--undefined-only", str(path)], capture_output=True, text=True, check=True
+    )
+    assert not [line for line in undefined.stdout.splitlines() if " ggml_" in line or " gguf_" in line]
 
 
 PORTABLE = portable_ggml_dir()
@@ -120,7 +135,7 @@ def test_status_says_which_device_kind_computes(fleetd_server, monkeypatch, tmp_
 
     (ggml_dev,) = devices_of(fleetd_server(control_port=0, devices=["cpu"]))
     assert ggml_dev["kind"] == "ggml" and ggml_dev["fallback"] is None
-    assert Path(ggml_dev["library"]).name.startswith("libggml-cpu")
+    assert Path(ggml_dev["library"]).name == ONE_LIBRARY  # scripts/build-llama.sh's native build
     (numpy_dev,) = devices_of(fleetd_server(control_port=0, devices=["numpy"]))
     assert numpy_dev["kind"] == "numpy" and numpy_dev["fallback"] is None and numpy_dev["library"] is None
     # cpu where the library does not load: numpy, and the daemon says why

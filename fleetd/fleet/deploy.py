@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetd import __version__
+from fleetd.compute.ggml.lib import ONE_LIBRARY
 from fleetd.errors import FleetError
 from fleetd.fleet import agent
 from fleetd.fleet.control_docs import NodeStatus
@@ -129,13 +130,14 @@ def portable_libs(directory: Path) -> list[Path]:
     """The *.so files of a portable ggml build to ship; FleetError says why `directory` is none.
     Every *.so goes (libggml-base, each libggml-cpu-<variant>, helpers built next to them),
     symlinks as the files they name: a wheel holds no links."""
+    for native in ("libggml-cpu.so", ONE_LIBRARY):
+        if (directory / native).exists():
+            raise FleetError(
+                f"{directory} is a native ggml build ({native}, -march=native: it may "
+                "not run on another CPU), not a portable one"
+            )
     if not (directory / "libggml-base.so").exists():
         raise FleetError(f"no portable ggml build in {directory} (no libggml-base.so)")
-    if (directory / "libggml-cpu.so").exists():
-        raise FleetError(
-            f"{directory} is a native ggml build (libggml-cpu.so, -march=native: it may "
-            "not run on another CPU), not a portable one"
-        )
     if not list(directory.glob("libggml-cpu-*.so")):
         raise FleetError(f"{directory}: no libggml-cpu-<variant>.so")
     return sorted(directory.glob("*.so"))

@@ -248,6 +248,12 @@ class GgmlLibrary:
     def ggml_get_type_traits_cpu(self, type: int, /) -> _Pointer[GgmlTypeTraitsCpu]: ...
 
 
+# scripts/build-llama.sh's native build: both ggml libraries linked whole into one, whose calls
+# bind inside it, as the static stock server has them (two -fPIC libraries ran a pipeline node's
+# graph 13-44% longer; docs/DESIGN.md "One ggml library").
+ONE_LIBRARY = "libggml-fleetd.so"
+
+
 def library_dirs() -> list[Path]:
     """Where the libraries may be, in order: $FLEETD_GGML_LIB_DIR, the build cache of
     scripts/build-llama.sh, then next to this package (what `fleetctl deploy` ships). fleetd's
@@ -281,6 +287,10 @@ def load() -> GgmlLibrary:
     """Load the libraries from the first directory that has them; OSError says why not."""
     tried = []
     for directory in library_dirs():
+        one_path = directory / ONE_LIBRARY
+        if one_path.exists():  # the native build: ggml-base and ggml-cpu in one library
+            one = ctypes.CDLL(str(one_path), mode=ctypes.RTLD_GLOBAL)
+            return GgmlLibrary(one, one, one_path)
         base_path = directory / "libggml-base.so"
         if not base_path.exists():
             tried.append(f"{directory}: no libggml-base.so")
