@@ -37,8 +37,13 @@ have_all() {
 if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
     GGML_LIB="$PREFIX/lib-portable"
     GGML_BUILD="$PREFIX/build-ggml-portable"
-    # no OpenMP: libgomp.so.1 comes with a compiler, which deploy's nodes need not have
-    GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=OFF)
+    # no OpenMP: libgomp.so.1 comes with a compiler, which deploy's nodes need not have. The
+    # variants must stay libraries of their own over one libggml-base, but each binds its own
+    # calls inside it (as the native build's one library does; DESIGN.md "One ggml library").
+    GGML_FLAGS=(-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_OPENMP=OFF
+        "-DCMAKE_C_FLAGS=-fno-semantic-interposition -fno-plt"
+        "-DCMAKE_CXX_FLAGS=-fno-semantic-interposition -fno-plt"
+        -DCMAKE_SHARED_LINKER_FLAGS=-Wl,-Bsymbolic -DCMAKE_MODULE_LINKER_FLAGS=-Wl,-Bsymbolic)
 else
     GGML_LIB="$PREFIX/lib"
     GGML_BUILD="$PREFIX/build-ggml-one"
@@ -49,8 +54,9 @@ fi
 ONE_LIB="$GGML_LIB/libggml-fleetd.so"
 
 have_ggml() {
-    if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then
-        [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1
+    if [ "${FLEETD_GGML_PORTABLE:-0}" = 1 ]; then  # .bound: built with the flags above
+        [ -f "$GGML_LIB/libggml-base.so" ] && ls "$GGML_LIB"/libggml-cpu*.so >/dev/null 2>&1 \
+            && [ -f "$GGML_LIB/.bound" ]
     else
         [ -f "$ONE_LIB" ]
     fi
@@ -175,6 +181,7 @@ if [ $need_ggml = 1 ]; then
         # cp -P keeps the soname symlinks (libggml-base.so -> libggml-base.so.0 -> ...)
         find "$GGML_BUILD/bin" -maxdepth 1 \( -name 'libggml-base.so*' -o -name 'libggml-cpu*.so*' \) \
             -exec cp -P {} "$GGML_LIB/" \;
+        touch "$GGML_LIB/.bound"
     else
         if ! link_one_lib >>"$GLOG" 2>&1; then
             tail -n 20 "$GLOG" >&2

@@ -96,6 +96,18 @@ def test_portable_build_loads_the_variant_this_cpu_scores_best():
     not list(PORTABLE.glob("libggml-cpu-*.so")),
     reason="no portable build (FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml)",
 )
+def test_each_library_of_the_portable_build_binds_its_own_calls_inside_it():
+    # What deploy ships: the variants stay libraries of their own over one libggml-base, but
+    # none calls its own functions through the PLT (scripts/build-llama.sh, -Bsymbolic).
+    for lib in [PORTABLE / "libggml-base.so", *PORTABLE.glob("libggml-cpu-*.so")]:
+        dynamic = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True)
+        assert "SYMBOLIC" in dynamic.stdout, (lib, dynamic.stdout)
+
+
+@pytest.mark.skipif(
+    not list(PORTABLE.glob("libggml-cpu-*.so")),
+    reason="no portable build (FLEETD_GGML_PORTABLE=1 scripts/build-llama.sh ggml)",
+)
 def test_a_shipped_portable_dir_loads_its_own_base_and_the_best_variant_that_loads(tmp_path):
     # As fleetctl deploy ships it into fleetd/compute/ggml/_lib: the *.so files only (no soname
     # links: the variants' libggml-base.so.0 is not there), plus here a variant that does not

@@ -54,6 +54,8 @@ def fake_cache(root: Path, portable: bool) -> Path:
     lib.mkdir()
     for name in stand_ins(portable):
         (lib / name).touch()
+    if portable:
+        (lib / ".bound").touch()  # built with the flags that bind each library's calls inside it
     return lib
 
 
