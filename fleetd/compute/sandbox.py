@@ -92,6 +92,13 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
+# ggml-cpu asks for the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+# ggml_amx_init) whenever it looks at a MUL_MAT on a CPU with AMX, once its AMX buffer type is
+# registered (in the fork server, before the filter): refused, the worker wrote "AMX is not ready
+# to be used!" to stderr for every matmul of every graph (a write a matmul, the logs flooded).
+# Only this request: it lets the process use the tile registers, nothing else.
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
 
 
 def SCMP_ACT_ERRNO(e: int) -> int:  # noqa: N802 (libseccomp's macro name)
@@ -216,6 +223,8 @@ def install_seccomp(lib=None) -> None:
         pid = os.getpid()
         add(SCMP_ACT_ALLOW, "tgkill", ScmpArgCmp(0, SCMP_CMP_EQ, pid, 0))
         add(SCMP_ACT_ALLOW, "kill", ScmpArgCmp(0, SCMP_CMP_EQ, pid, 0))
+        tile = ScmpArgCmp(1, SCMP_CMP_EQ, XFEATURE_XTILEDATA, 0)
+        add(SCMP_ACT_ALLOW, "arch_prctl", ScmpArgCmp(0, SCMP_CMP_EQ, ARCH_REQ_XCOMP_PERM, 0), tile)
         rc = lib.seccomp_load(ctx)
         if rc < 0:
             raise SandboxError(-rc, f"seccomp_load: {os.strerror(-rc)}")
