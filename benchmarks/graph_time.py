@@ -105,30 +105,41 @@ def main(argv=None) -> int:
     pin_client()
     libs = {"fleetd": load().cpu_path}
     if a.compare_lib:
-        os.environ["FLEETD_GGML_LIB_DIR"] = a.compare_lib
-        try:
-            libs["compare"] = load_in_child(a.compare_lib)
-        finally:
-            del os.environ["FLEETD_GGML_LIB_DIR"]
+        libs["compare"] = load_in_child(a.compare_lib)
     stock_bin = find_tool("ggml-rpc-server")
     bench = find_tool("llama-bench")
     subprocess.run(["perf", "probe", "-q", "-d", f"{GROUP}:*"], capture_output=True)
-    probe(stock_bin, "stock")
-    for arm, lib in libs.items():
-        probe(lib.resolve(), arm)
+    try:
+        probe(stock_bin, "stock")
+        for arm, lib in libs.items():
+            probe(lib.resolve(), arm)
+    except subprocess.CalledProcessError as exc:
+        subprocess.run(["perf", "probe", "-q", "-d", f"{GROUP}:*"], capture_output=True)
+        print(
+            f"graph_time.py: perf probe failed: {exc.stderr.decode(errors='replace').strip()}",
+            file=sys.stderr,
+        )
+        return 2
+    own_lib_dir = os.environ.get("FLEETD_GGML_LIB_DIR")
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = generate_named(a.model, Path(tmp))
         fleets = {"stock": ",".join(stack.enter_context(stock_process())[0] for _ in range(a.nodes))}
         for arm in libs:
-            if arm == "compare":
-                os.environ["FLEETD_GGML_LIB_DIR"] = a.compare_lib
+            lib_dir = a.compare_lib if arm == "compare" else own_lib_dir
+            if lib_dir:  # the fleet's daemons inherit it
+                os.environ["FLEETD_GGML_LIB_DIR"] = lib_dir
+            else:
+                os.environ.pop("FLEETD_GGML_LIB_DIR", None)
             local = stack.enter_context(
                 LocalFleet(
                     a.nodes, server_args=["--threads", "1"], control=False, preexec_fn=_pin(SERVER_CPUS)
                 )
             )
-            os.environ.pop("FLEETD_GGML_LIB_DIR", None)
             fleets[arm] = ",".join(local.endpoints)
+        if own_lib_dir:  # as it was
+            os.environ["FLEETD_GGML_LIB_DIR"] = own_lib_dir
+        else:
+            os.environ.pop("FLEETD_GGML_LIB_DIR", None)
         data = Path(tmp) / "perf.data"
         rec = subprocess.Popen(
             ["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-e", f"{GROUP}:*", "-a", "-o", str(data)],
