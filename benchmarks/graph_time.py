@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SERVER_CPUS, _pin, pin_client, save, show, stock_process  # noqa: E402
+from lab_arms import abba_rounds  # noqa: E402
 
 from fleetd.compute.ggml.lib import load  # noqa: E402
 from fleetd.fleet.local import LocalFleet  # noqa: E402
@@ -78,7 +79,7 @@ def runs_by_node(calls, runs: list[tuple[str, float, float]]) -> list[tuple[floa
     for arm, t0, t1 in runs:
         meds = []
         for name, seq in calls.values():
-            inside = [d for at, d in seq if name == arm and t0 <= at <= t1]
+            inside = [d for at, d in seq if t0 <= at <= t1] if name == arm else []
             if inside:
                 meds.append(statistics.median(inside))
         out.append((t0, arm, sorted(meds, reverse=True)))
@@ -147,21 +148,22 @@ def main(argv=None) -> int:
             stderr=subprocess.DEVNULL,
         )
         time.sleep(1.0)
-        arms = list(fleets)
-        spans: list[tuple[str, float, float]] = []  # (arm, start, end) of each bench run
-        try:
-            for r in range(a.rounds):
-                for arm in arms + arms[::-1]:
-                    t0 = time.monotonic()
-                    subprocess.run(
-                        [str(bench), "-m", str(model), "--rpc", fleets[arm], "-ngl", "99", "-sm", "layer"]
-                        + ["-p", "0", "-n", str(a.n_gen), "-r", "1", "-t", "1"],
-                        check=True,
-                        capture_output=True,
-                        timeout=600,
-                    )
-                    spans.append((arm, t0, time.monotonic()))
-                print(f"round {r + 1}/{a.rounds}", flush=True)
+
+        def bench_run(arm: str) -> tuple[str, float, float]:
+            """One llama-bench decode over `arm`'s fleet: (arm, start, end)."""
+            t0 = time.monotonic()
+            subprocess.run(
+                [str(bench), "-m", str(model), "--rpc", fleets[arm], "-ngl", "99", "-sm", "layer"]
+                + ["-p", "0", "-n", str(a.n_gen), "-r", "1", "-t", "1"],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+            return arm, t0, time.monotonic()
+
+        try:  # a round is A B B A: two of abba()'s, in order and reversed
+            by_half = abba_rounds(list(fleets), 2 * a.rounds, bench_run)
+            spans = [span for half in by_half for span in half]
         finally:
             rec.send_signal(2)
             rec.wait(60)
